@@ -1,0 +1,49 @@
+"""All-gather CP attention: prefill gathers K/V (vLLM's PCP), decode gathers partials (DCP).
+
+The simplest exact forms. Prefill: every rank receives every rank's K/V shard for the
+layer, attends its own queries to all of it, and drops it before the next layer; bytes
+sent per rank per layer: (N-1) * 2 * S_local * NKV * d * e. Decode: the new token's
+query is replicated, each rank attends it to its own shard, and the (out, lse) partials
+meet in one Allgather of NH * (d + 1) floats per rank per layer.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..comm import Comm
+from .block import block_attention, merge_stacked
+
+
+def allgather_kv_attention(comm: Comm):
+    """Prefill attention that gathers the whole layer's K/V on every rank."""
+    gathered_positions = {}  # id(k_pos) -> all ranks' positions; k_pos is shared by layers
+
+    def attend(q, keys, values, q_pos, k_pos, scale):
+        key = id(k_pos)
+        if key not in gathered_positions:
+            gathered_positions.clear()
+            gathered_positions[key] = (k_pos, np.concatenate(comm.allgather_object(k_pos)))
+        all_pos = gathered_positions[key][1]
+        all_keys = comm.allgather_rows(keys, axis=1)
+        all_values = comm.allgather_rows(values, axis=1)
+        out, _ = block_attention(q, all_keys, all_values, q_pos, all_pos, scale)
+        return out
+
+    return attend
+
+
+def decode_attention(comm: Comm):
+    """Attention of one replicated query over the sharded cache, merged with one Allgather."""
+
+    def attend(q, keys, values, q_pos, k_pos, scale):
+        out, lse = block_attention(q, keys, values, q_pos, k_pos, scale)  # (NH,1,d), (NH,1)
+        if comm.size == 1:
+            return out
+        packed = mx.concatenate([out, lse[..., None]], axis=-1)  # (NH, 1, d+1)
+        partials = comm.allgather_stack(packed)  # (N, NH, 1, d+1)
+        merged, _ = merge_stacked(partials[..., :-1], partials[..., -1])
+        return merged
+
+    return attend

@@ -1,0 +1,79 @@
+"""The sharded KV cache: this rank's slice of every layer's keys and values.
+
+Each rank caches the K/V of the positions it owns, in the order they arrived. The
+global position of every cached entry is kept beside it (one array shared by all
+layers), because attention masks come from positions, never from buffer offsets.
+Every rank also tracks every rank's shard size, so ownership decisions (where the next
+prefill extras and decode tokens go) need no communication.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+class LayerKV:
+    """One layer's local keys and values, (NKV, S, d), grown in steps like mlx-lm's KVCache."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append (NKV, n, d) keys/values; return the whole local shard including them."""
+        n = keys.shape[1]
+        if n == 0:
+            return self.fetch() if self.keys is not None else (keys, values)
+        if self.keys is None or self.offset + n > self.keys.shape[1]:
+            grow = ((n + self.step - 1) // self.step) * self.step
+            shape = (keys.shape[0], grow, keys.shape[2])
+            new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys[:, : self.offset], new_k], axis=1)
+                self.values = mx.concatenate([self.values[:, : self.offset], new_v], axis=1)
+        self.keys[:, self.offset : self.offset + n] = keys
+        self.values[:, self.offset : self.offset + n] = values
+        self.offset += n
+        return self.keys[:, : self.offset], self.values[:, : self.offset]
+
+    def fetch(self):
+        if self.keys is None:
+            return None, None
+        return self.keys[:, : self.offset], self.values[:, : self.offset]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V entries held (not of spare capacity)."""
+        if self.keys is None:
+            return 0
+        per_token = self.keys.shape[0] * self.keys.shape[2] * self.keys.dtype.size
+        return 2 * self.offset * per_token
+
+
+class ShardedKVCache:
+    """All layers' local K/V plus the global positions they hold."""
+
+    def __init__(self, num_layers: int, cp_rank: int, cp_size: int):
+        self.layers = [LayerKV() for _ in range(num_layers)]
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
+        self.positions = np.zeros(0, np.int64)  # this rank's cached positions, in order
+        self.shard_sizes = [0] * cp_size  # tokens cached on every rank
+        self.num_tokens = 0  # tokens cached across all ranks (= next global position)
+
+    def add_positions(self, rank_positions: list[np.ndarray]):
+        """Record a forward pass's new positions on every rank (before its layers run)."""
+        self.positions = np.concatenate([self.positions, rank_positions[self.cp_rank]])
+        for rank, positions in enumerate(rank_positions):
+            self.shard_sizes[rank] += int(positions.size)
+            self.num_tokens += int(positions.size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

@@ -1,0 +1,128 @@
+"""The communicator every CP algorithm is handed: mpi4py underneath, MLX arrays on top.
+
+Nothing below the CLI touches ``MPI.COMM_WORLD``: the CLI wraps a communicator in a
+``Comm`` and passes it down, so CP and TP groups can later be split from it.
+
+Byte counting: ``bytes_sent`` is the payload this rank hands to *other* ranks, counted
+logically per destination (an Allgather of b bytes over N ranks counts (N-1)*b, a
+Sendrecv b, a Bcast from the root (N-1)*b). docs/ALGORITHMS.md gives the analytic
+volume of each algorithm in the same unit, and tests check the two agree.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import mlx.core as mx
+import numpy as np
+
+# MPI has no bfloat16: such arrays travel as their raw 16-bit patterns.
+_WIRE_VIEW = {mx.bfloat16: mx.uint16}
+_NUMPY_DTYPE = {
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.uint16: np.uint16,
+    mx.int32: np.int32,
+    mx.int64: np.int64,
+    mx.uint32: np.uint32,
+}
+
+
+def to_wire(array: mx.array) -> np.ndarray:
+    """An evaluated, contiguous numpy view of ``array`` that MPI can send (no copy)."""
+    array = array.view(_WIRE_VIEW.get(array.dtype, array.dtype))
+    mx.eval(array)
+    return np.asarray(array)
+
+
+def from_wire(buffer: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """The MLX array for a received buffer (one copy), undoing ``to_wire``'s view."""
+    array = mx.array(buffer)
+    return array.view(dtype) if dtype in _WIRE_VIEW else array
+
+
+class Comm:
+    """A thin, counting wrapper over an mpi4py intracommunicator."""
+
+    def __init__(self, mpi_comm):
+        self.mpi = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.bytes_sent = 0
+
+    # -- small Python objects (control plane) ------------------------------------
+    def bcast_object(self, obj, root: int = 0):
+        if self.size == 1:
+            return obj
+        if self.rank == root:
+            self.bytes_sent += (self.size - 1) * len(pickle.dumps(obj))
+        return self.mpi.bcast(obj, root=root)
+
+    def allgather_object(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        self.bytes_sent += (self.size - 1) * len(pickle.dumps(obj))
+        return self.mpi.allgather(obj)
+
+    def gather_object(self, obj, root: int = 0):
+        if self.size == 1:
+            return [obj]
+        if self.rank != root:
+            self.bytes_sent += len(pickle.dumps(obj))
+        return self.mpi.gather(obj, root=root)
+
+    def send_object(self, obj, dest: int):
+        self.bytes_sent += len(pickle.dumps(obj))
+        self.mpi.send(obj, dest=dest)
+
+    def recv_object(self, source: int):
+        return self.mpi.recv(source=source)
+
+    # -- MLX arrays (data plane) ---------------------------------------------------
+    def allgather_rows(self, array: mx.array, axis: int) -> mx.array:
+        """Concatenate every rank's ``array`` along ``axis`` (sizes may differ per rank).
+
+        All other dimensions must agree. Ranks contribute in rank order.
+        """
+        if self.size == 1:
+            return array
+        moved = mx.moveaxis(array, axis, 0)
+        send = to_wire(mx.contiguous(moved) if axis != 0 else moved)
+        row_shape = send.shape[1:]
+        counts = self.mpi.allgather(send.shape[0])
+        row_elems = int(np.prod(row_shape, dtype=np.int64))
+        recv = np.empty((sum(counts),) + row_shape, dtype=send.dtype)
+        sizes = [c * row_elems for c in counts]
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+        self.mpi.Allgatherv(send, [recv, (sizes, offsets)])
+        self.bytes_sent += (self.size - 1) * send.nbytes
+        return mx.moveaxis(from_wire(recv, array.dtype), 0, axis)
+
+    def allgather_stack(self, array: mx.array) -> mx.array:
+        """Stack every rank's same-shaped ``array`` into a new leading axis of size N."""
+        if self.size == 1:
+            return array[None]
+        send = to_wire(array)
+        recv = np.empty((self.size,) + send.shape, dtype=send.dtype)
+        self.mpi.Allgather(send, recv)
+        self.bytes_sent += (self.size - 1) * send.nbytes
+        return from_wire(recv, array.dtype)
+
+    def send_array(self, array: mx.array, dest: int):
+        send = to_wire(array)
+        self.mpi.send((send.shape, send.dtype.str), dest=dest)
+        self.mpi.Send(send, dest=dest)
+        self.bytes_sent += send.nbytes
+
+    def recv_array(self, source: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+        shape, dtype_str = self.mpi.recv(source=source)
+        recv = np.empty(shape, dtype=np.dtype(dtype_str))
+        self.mpi.Recv(recv, source=source)
+        return from_wire(recv, dtype)
+
+    def barrier(self):
+        if self.size > 1:
+            self.mpi.Barrier()
+
+    def abort(self, code: int = 1):
+        self.mpi.Abort(code)

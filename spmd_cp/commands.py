@@ -1,0 +1,230 @@
+"""The bodies of the CLI commands, run on every rank inside the SPMD runtime.
+
+Order inside each command: validate on rank 0 (cheap, before anything heavy), load the
+model on every rank (agreeing on errors), tokenize on rank 0 and broadcast the ids, run
+the engine, gather per-rank metrics to rank 0, print.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import spmd
+from .blas import describe_blas
+from .comm import Comm
+from .engine import Engine
+from .errors import UserError
+from .generation import SamplingOptions, generate
+from .loader import check_model_path, default_model_path, load_model
+from .model import CPModel
+
+log = spmd.log
+
+
+def run_command(name: str, options: dict) -> int:
+    from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
+
+    comm = Comm(MPI.COMM_WORLD)
+    spmd.setup_logging(comm, options.get("verbose", False))
+    body = {"generate": generate_command, "score": score_command}[name]
+    return spmd.run(comm, body, options)
+
+
+# -- shared steps -----------------------------------------------------------------
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt text from --prompt TEXT, --prompt - (stdin) or --prompt-file F (rank 0)."""
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give exactly one of --prompt TEXT, --prompt - or --prompt-file FILE")
+    if prompt_file is not None:
+        return read_text_file(prompt_file, "prompt file")
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
+
+
+def read_text_file(path: str, what: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {what} {path}: {error}") from None
+    if not text.strip():
+        raise UserError(f"{what} is empty: {path}")
+    return text
+
+
+def check_writable(path: str):
+    """Refuse an output path we could not write, before any heavy work."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"output directory does not exist: {parent}")
+    if not os.access(parent, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"output is not writable: {path}")
+
+
+def resolve_model(comm: Comm, options: dict):
+    """Check the model path on every rank (it may be missing on one host), then load it."""
+    path = options["model_path"] or spmd.on_root(comm, default_model_path)
+    spmd.everywhere(comm, check_model_path, path)
+    start = time.perf_counter()
+    loaded = spmd.everywhere(comm, load_model, path, options["keep_quantized"])
+    blas_info = describe_blas()
+    log.info("model %s loaded in %.1fs; %s", loaded.path, time.perf_counter() - start,
+             blas_info.get("summary", blas_info))
+    return loaded
+
+
+def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0) -> np.ndarray:
+    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt."""
+    ids = np.asarray(loaded.tokenizer.encode(text), np.int64)
+    if ids.size == 0:
+        raise UserError("the prompt is empty after tokenization")
+    limit = max_context or loaded.max_context
+    if limit is not None and ids.size + reserve > limit:
+        extra = f" + {reserve} tokens to generate" if reserve else ""
+        raise UserError(f"prompt has {ids.size} tokens{extra}, more than --max-context {limit}")
+    return ids
+
+
+def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
+    """Per-rank lists (rank order) of memory, KV and communication figures, on rank 0."""
+    mine = {"peak_mem_bytes": int(mx.get_peak_memory()), "kv_cache_bytes": int(cache.nbytes),
+            "comm_bytes": int(comm.bytes_sent), "model_bytes": int(model_bytes),
+            "kv_tokens": int(cache.shard_sizes[comm.rank])}
+    gathered = comm.gather_object(mine)
+    if comm.rank != 0:
+        return {}
+    return {name: [g[name] for g in gathered] for name in mine}
+
+
+def model_nbytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def make_engine(comm: Comm, loaded, options: dict) -> Engine:
+    return Engine(CPModel(loaded.model), comm, algo=options["cp_algo"],
+                  prefill_chunk=options["prefill_chunk"])
+
+
+def write_stdout(text: str):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# -- generate -----------------------------------------------------------------------
+def generate_command(comm: Comm, options: dict):
+    def validate():
+        if options["max_tokens"] < 0:
+            raise UserError(f"--max-tokens must be >= 0, got {options['max_tokens']}")
+        return read_prompt(options["prompt"], options["prompt_file"])
+
+    prompt_text = spmd.on_root(comm, validate)
+    loaded = resolve_model(comm, options)
+
+    def tokenize():
+        text = prompt_text
+        if not options["no_chat_template"] and getattr(loaded.tokenizer, "has_chat_template", False):
+            messages = ([{"role": "system", "content": options["system"]}] if options["system"] else [])
+            # A prompt file's trailing newline is not part of the question; small models
+            # answer noticeably worse with it inside the user turn.
+            messages.append({"role": "user", "content": prompt_text.strip()})
+            text = loaded.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=True)
+        return tokenize_checked(loaded, text, options["max_context"])
+
+    prompt_ids = spmd.on_root(comm, tokenize)
+    engine = make_engine(comm, loaded, options)
+    cache = engine.new_cache()
+    sampling = SamplingOptions(max_tokens=options["max_tokens"], temp=options["temp"],
+                               top_p=options["top_p"], top_k=options["top_k"],
+                               min_p=options["min_p"], seed=options["seed"],
+                               stop=list(options["stop"]))
+    log.info("prefill: %d prompt tokens on %d ranks", len(prompt_ids), comm.size)
+    mx.reset_peak_memory()
+    result = generate(engine, cache, prompt_ids, loaded.tokenizer, sampling, write=write_stdout)
+    metrics = rank_metrics(comm, cache, model_nbytes(loaded.model))
+    if comm.rank != 0:
+        return
+    decoded = max(len(result.tokens) - 1, 0)
+    summary = {
+        "text": result.text,
+        "tokens": len(result.tokens),
+        "prompt_tokens": int(len(prompt_ids)),
+        "ranks": comm.size,
+        "algo": ",".join(sorted(set(engine.algos_used))),
+        "finish_reason": result.finish_reason,
+        "ttft_s": round(result.prefill_s, 6),
+        "prefill_tok_s": round(len(prompt_ids) / max(result.prefill_s, 1e-9), 3),
+        "decode_tok_s": round(decoded / result.decode_s, 3) if decoded and result.decode_s > 0 else 0.0,
+        **metrics,
+    }
+    write_stdout("\n")
+    log.info("prompt: %d tokens, %.1f tok/s | generation: %d tokens, %.1f tok/s | peak memory %s",
+             summary["prompt_tokens"], summary["prefill_tok_s"], summary["tokens"],
+             summary["decode_tok_s"], format_bytes_list(metrics["peak_mem_bytes"]))
+    if options["as_json"]:
+        write_stdout(json.dumps(summary) + "\n")
+
+
+def format_bytes_list(values) -> str:
+    return "/".join(f"{v / 2**30:.2f}GB" for v in values)
+
+
+# -- score ----------------------------------------------------------------------------
+def score_command(comm: Comm, options: dict):
+    def validate():
+        check_writable(options["output"])
+        return read_text_file(options["text_file"], "text file")
+
+    text = spmd.on_root(comm, validate)
+    loaded = resolve_model(comm, options)
+
+    def tokenize():
+        ids = tokenize_checked(loaded, text, options["max_context"])
+        bos = getattr(loaded.tokenizer, "bos_token_id", None)
+        if getattr(loaded.tokenizer, "add_bos_token", False) and bos is not None and ids[0] != bos:
+            ids = np.concatenate([[bos], ids])
+        return ids
+
+    ids = spmd.on_root(comm, tokenize)
+    engine = make_engine(comm, loaded, options)
+    cache = engine.new_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    _, records = engine.prefill(cache, ids, score=True)
+    elapsed = time.perf_counter() - start
+    metrics = rank_metrics(comm, cache, model_nbytes(loaded.model))
+    if comm.rank != 0:
+        return
+    with open(options["output"], "w", encoding="utf-8") as out:
+        for pos, token, logprob, argmax in zip(records.pos, records.token, records.logprob,
+                                               records.argmax):
+            out.write(json.dumps({"pos": pos, "token": token, "logprob": logprob,
+                                  "argmax": argmax}) + "\n")
+    mean_nll = -float(np.mean(records.logprob)) if records.logprob else 0.0
+    summary = {
+        "ppl": math.exp(mean_nll),
+        "tokens": int(len(ids)),
+        "predicted": len(records.pos),
+        "ranks": comm.size,
+        "algo": ",".join(sorted(set(engine.algos_used))),
+        "prefill_s": round(elapsed, 6),
+        "prefill_tok_s": round(len(ids) / max(elapsed, 1e-9), 3),
+        **metrics,
+    }
+    log.info("scored %d tokens: ppl %.3f, %.1f tok/s", len(ids), summary["ppl"],
+             summary["prefill_tok_s"])
+    if options["as_json"]:
+        write_stdout(json.dumps(summary) + "\n")

@@ -1,0 +1,161 @@
+"""Prefill and decode over a sharded cache: the SPMD steps every rank runs in lockstep.
+
+Every rank holds all token ids (rank 0 broadcast them), computes the rows it owns, and
+joins the collectives inside attention. Only rank 0 receives logits: the rank that owns
+the last prompt position sends that one row of logits, so no hidden states of the
+prompt are ever gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .attention import decode_attention, prefill_attention
+from .cache import ShardedKVCache
+from .comm import Comm
+from .model import CPModel
+from .partition import head_tail_positions, least_loaded_rank, owner_of
+
+# Rows of vocabulary logits materialised at once when scoring (x vocab x 4 bytes).
+SCORE_ROWS = 256
+
+
+@dataclass
+class ScoreRecords:
+    """Per predicted position: the token, its log-probability and the argmax (rank 0)."""
+
+    pos: list = field(default_factory=list)
+    token: list = field(default_factory=list)
+    logprob: list = field(default_factory=list)
+    argmax: list = field(default_factory=list)
+
+    def extend(self, parts):
+        for part in parts:
+            for name in ("pos", "token", "logprob", "argmax"):
+                getattr(self, name).extend(part[name].tolist())
+
+    def sort(self):
+        order = np.argsort(self.pos, kind="stable")
+        for name in ("pos", "token", "logprob", "argmax"):
+            setattr(self, name, [getattr(self, name)[i] for i in order])
+
+
+class Engine:
+    """Runs prefill chunks and decode steps of one model over one communicator."""
+
+    def __init__(self, model: CPModel, comm: Comm, algo: str = "allgather-kv",
+                 prefill_chunk: int = 0, on_layer=None):
+        self.model = model
+        self.comm = comm
+        self.algo = algo
+        self.prefill_chunk = prefill_chunk
+        self.on_layer = on_layer
+        self.algos_used = []
+
+    def new_cache(self) -> ShardedKVCache:
+        return ShardedKVCache(self.model.num_layers, self.comm.rank, self.comm.size)
+
+    # -- prefill -----------------------------------------------------------------
+    def prefill(self, cache: ShardedKVCache, token_ids: np.ndarray, score: bool = False,
+                progress=None):
+        """Prefill ``token_ids`` (all ranks pass the same ids) after what ``cache`` holds.
+
+        Returns (logits of the last token on rank 0 else None, ScoreRecords on rank 0
+        when ``score`` else None). With ``score``, record i predicts the token at
+        global position ``pos`` from everything before it.
+        """
+        token_ids = np.asarray(token_ids, np.int64)
+        total = len(token_ids)
+        chunk = self.prefill_chunk if self.prefill_chunk > 0 else max(total, 1)
+        records = ScoreRecords() if score and self.comm.rank == 0 else None
+        last_logits = None
+        for begin in range(0, total, chunk):
+            ids = token_ids[begin:begin + chunk]
+            start = cache.num_tokens
+            rank_positions = head_tail_positions(len(ids), self.comm.size, start,
+                                                 cache.shard_sizes)
+            positions = rank_positions[self.comm.rank]
+            cache.add_positions(rank_positions)
+            attend, algo = prefill_attention(self.algo, self.comm, rank_positions, cache)
+            self.algos_used.append(algo)
+            hidden = self.model.forward(ids[positions - start], positions, cache, attend,
+                                        on_layer=self.on_layer)
+            mx.eval(hidden)
+            if score:
+                parts = self.comm.gather_object(
+                    self._score_rows(hidden, positions, token_ids, begin, start))
+                if records is not None:
+                    records.extend(parts)
+            if begin + chunk >= total:
+                last_logits = self._last_logits(hidden, positions, rank_positions,
+                                                start + len(ids) - 1)
+            if progress is not None:
+                progress(begin + len(ids), total)
+        if records is not None:
+            records.sort()
+        return last_logits, records
+
+    def _score_rows(self, hidden, positions, token_ids, begin, start):
+        """Log-probabilities of the next token for this rank's rows of one chunk."""
+        # Global position p predicts the token at p + 1; the prompt's offset in the
+        # cache (start - begin) maps global positions back to indices of token_ids.
+        offset = start - begin
+        keep = np.flatnonzero(positions + 1 - offset < len(token_ids))
+        result = {name: np.zeros(0, dtype) for name, dtype in
+                  (("pos", np.int64), ("token", np.int64), ("logprob", np.float64),
+                   ("argmax", np.int64))}
+        pieces = []
+        for r0 in range(0, len(keep), SCORE_ROWS):
+            rows = keep[r0:r0 + SCORE_ROWS]
+            targets = token_ids[positions[rows] + 1 - offset]
+            logits = self.model.logits(hidden[mx.array(rows)])
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
+            argmax = mx.argmax(logits, axis=-1)
+            mx.eval(picked, argmax)
+            pieces.append({"pos": positions[rows] + 1 - offset, "token": targets,
+                           "logprob": np.asarray(picked, np.float64),
+                           "argmax": np.asarray(argmax, np.int64)})
+        for name in result:
+            if pieces:
+                result[name] = np.concatenate([p[name] for p in pieces])
+        return result
+
+    def _last_logits(self, hidden, positions, rank_positions, last_position):
+        """The last position's logits, moved to rank 0 from whichever rank owns it."""
+        owner = owner_of(last_position, rank_positions)
+        logits = None
+        if self.comm.rank == owner:
+            row = int(np.flatnonzero(positions == last_position)[0])
+            logits = self.model.logits(hidden[row:row + 1])[0]
+            mx.eval(logits)
+        if owner == 0:
+            return logits if self.comm.rank == 0 else None
+        if self.comm.rank == owner:
+            self.comm.send_array(logits, dest=0)
+            return None
+        if self.comm.rank == 0:
+            return self.comm.recv_array(source=owner)
+        return None
+
+    # -- decode --------------------------------------------------------------------
+    def decode_step(self, cache: ShardedKVCache, token: int):
+        """Feed one generated token; return the next logits on rank 0 (None elsewhere)."""
+        # The least loaded rank stores the new token's K/V, so shards stay balanced.
+        owner = least_loaded_rank(cache.shard_sizes)
+        position = np.array([cache.num_tokens], np.int64)
+        rank_positions = [position if r == owner else position[:0]
+                          for r in range(self.comm.size)]
+        cache.add_positions(rank_positions)
+        hidden = self.model.forward(np.array([token]), position, cache,
+                                    decode_attention(self.comm),
+                                    store=self.comm.rank == owner, on_layer=self.on_layer)
+        if self.comm.rank != 0:
+            mx.eval(hidden)  # ranks > 0 need no logits: finish the layers' collectives
+            return None
+        logits = self.model.logits(hidden)[0]
+        mx.eval(logits)
+        return logits

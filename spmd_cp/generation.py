@@ -1,0 +1,117 @@
+"""The generation loop: prefill, then rank 0 samples and every rank feeds the token back.
+
+Rank 0 alone holds logits and samples; it broadcasts (token, finished) each step so all
+ranks stop together. Text is decoded and streamed on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_sampler
+
+from .engine import Engine
+
+
+@dataclass
+class SamplingOptions:
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """What rank 0 knows at the end of a generation (other ranks: timings only)."""
+
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prefill_s: float
+    decode_s: float
+
+
+class TextStream:
+    """Decodes the whole token list each step and emits only text that is final.
+
+    Text that may still become part of a stop string, or an incomplete UTF-8 sequence
+    (decoded as U+FFFD), is held back until the next token settles it.
+    """
+
+    def __init__(self, tokenizer, stop: list[str], write=None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.write = write
+        self.emitted = 0
+        self.text = ""
+
+    def push(self, tokens: list[int]) -> bool:
+        """Decode ``tokens``; return True when a stop string has appeared."""
+        self.text = self.tokenizer.decode(tokens)
+        hits = [self.text.find(s) for s in self.stop if s in self.text]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._emit(len(self.text))
+            return True
+        safe = len(self.text) - self.holdback
+        while safe > self.emitted and self.text[safe - 1] == "\ufffd":
+            safe -= 1
+        self._emit(safe)
+        return False
+
+    def finish(self):
+        self._emit(len(self.text))
+
+    def _emit(self, upto: int):
+        if self.write is not None and upto > self.emitted:
+            self.write(self.text[self.emitted:upto])
+        self.emitted = max(self.emitted, upto)
+
+
+def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingOptions,
+             write=None, prefill_progress=None) -> Generation:
+    """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens."""
+    comm = engine.comm
+    is_root = comm.rank == 0
+    sampler = make_sampler(options.temp, options.top_p, options.min_p, top_k=options.top_k)
+    if is_root and options.seed is not None:
+        mx.random.seed(options.seed)
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    stream = TextStream(tokenizer, options.stop, write) if is_root else None
+
+    start = time.perf_counter()
+    logits, _ = engine.prefill(cache, prompt_ids, progress=prefill_progress)
+    prefill_s = time.perf_counter() - start
+
+    tokens: list[int] = []
+    finish_reason = "length"
+    decode_start = time.perf_counter()
+    for step in range(options.max_tokens):
+        message = None
+        if is_root:
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            token = int(sampler(logprobs[None])[0])
+            stopped = token in eos
+            if not stopped:
+                tokens.append(token)
+                stopped = stream.push(tokens)
+            message = (token, stopped)
+        token, stopped = comm.bcast_object(message)
+        if stopped:
+            finish_reason = "stop"
+            break
+        if step + 1 == options.max_tokens:
+            break
+        logits = engine.decode_step(cache, token)
+    decode_s = time.perf_counter() - decode_start
+    if is_root:
+        stream.finish()
+    return Generation(tokens, stream.text if is_root else "", finish_reason, prefill_s, decode_s)

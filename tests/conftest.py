@@ -1,0 +1,109 @@
+"""Shared fixtures: real mpiexec launches with timeouts, tiny random models on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+# The console script users run (installed next to this interpreter).
+SPMD_CP = [os.path.join(os.path.dirname(sys.executable), "spmd-cp")]
+
+# Oversubscribed ranks on 2 cores: one BLAS thread each, or they fight over cores.
+RANK_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class Launch:
+    def __init__(self, proc: subprocess.CompletedProcess, elapsed: float):
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.elapsed = elapsed
+
+    def last_json(self) -> dict:
+        lines = [line for line in self.stdout.splitlines() if line.strip()]
+        assert lines, f"no stdout; stderr:\n{self.stderr}"
+        return json.loads(lines[-1])
+
+
+def run_ranks(n: int, argv: list[str], timeout: float = 180, env: dict | None = None,
+              stdin: str | None = None, check: bool = True) -> Launch:
+    """Run ``argv`` on ``n`` real MPI ranks; fail with the ranks' stderr on timeout."""
+    import time
+
+    assert MPIEXEC, "mpiexec not found (pip install mpich)"
+    full_env = {**os.environ, **RANK_ENV, **(env or {})}
+    cmd = [MPIEXEC, "-n", str(n), *argv]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                            env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s; stderr:\n{err[-5000:]}")
+    result = Launch(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
+                    time.perf_counter() - start)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {result.returncode}; stderr:\n{err[-5000:]}")
+    return result
+
+
+def run_cli(n: int, args: list[str], **kwargs) -> Launch:
+    return run_ranks(n, SPMD_CP + args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> str:
+    from spmd_cp.gguf import default_model_path
+
+    return default_model_path()
+
+
+def write_tiny_model(path: Path, model_type: str, seed: int = 0) -> Path:
+    """A random GQA model (8 query heads, 2 KV heads) saved in MLX format, with the
+    embedded model's tokenizer so the CLI can run it like any downloaded model."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from spmd_cp.gguf import build_tokenizer, default_model_path
+
+    config = {
+        "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 3,
+        "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 49152, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": model_type != "qwen3",
+    }
+    if model_type == "qwen2":
+        config["attention_bias"] = True  # mlx-lm's qwen2 always has q/k/v biases
+    module = __import__(f"mlx_lm.models.{model_type}", fromlist=["Model", "ModelArgs"])
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Larger-than-default weights so attention is far from uniform and errors show.
+    params = {k: v * 3 if v.ndim == 2 and "embed" not in k else v
+              for k, v in tree_flatten(model.parameters())}
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    import mlx.core as _mx
+
+    _, meta = _mx.load(default_model_path(), return_metadata=True)
+    build_tokenizer(meta)._tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: str(write_tiny_model(root / kind, kind, seed))
+            for seed, kind in enumerate(("llama", "qwen3"))}

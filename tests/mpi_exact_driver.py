@@ -1,0 +1,78 @@
+"""Runs many CP configurations in one MPI launch (loading the model once), for the tests.
+
+    mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON
+
+Each config: {"algo", "chunk", "length", "decode", "seed"}. For each, rank 0 records the
+logprob of every prompt token, the greedy continuation, and per-rank KV and comm bytes.
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from spmd_cp.comm import Comm
+from spmd_cp.engine import Engine
+from spmd_cp.loader import load_model
+from spmd_cp.model import CPModel
+
+
+def prompt_ids(length: int, seed: int, vocab: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(3, min(vocab, 20000), size=length)
+
+
+def run_config(comm, model, config):
+    engine = Engine(model, comm, algo=config["algo"], prefill_chunk=config["chunk"])
+    cache = engine.new_cache()
+    ids = prompt_ids(config["length"], config["seed"], 49152)
+    bytes_before = comm.bytes_sent
+    logits, records = engine.prefill(cache, ids, score=True)
+    prefill_bytes = comm.bytes_sent - bytes_before
+    kv_after_prefill = comm.allgather_object(cache.nbytes)
+    tokens = []
+    for _ in range(config["decode"]):
+        token = int(mx.argmax(logits)) if comm.rank == 0 else None
+        token = comm.bcast_object(token)
+        tokens.append(token)
+        logits = engine.decode_step(cache, token)
+    comm_bytes = comm.allgather_object(prefill_bytes)
+    return {
+        "config": config,
+        "ids": ids.tolist(),
+        "logprob": records.logprob if records else None,
+        "pos": records.pos if records else None,
+        "greedy": tokens,
+        "algos": sorted(set(engine.algos_used)),
+        "kv_bytes_prefill": kv_after_prefill,
+        "kv_bytes_final": comm.allgather_object(cache.nbytes),
+        "shard_sizes": cache.shard_sizes,
+        "prefill_comm_bytes": comm_bytes,
+    }
+
+
+def main():
+    from mpi4py import MPI
+
+    model_path, configs_json, out_path = sys.argv[1:4]
+    comm = Comm(MPI.COMM_WORLD)
+    model = CPModel(load_model(model_path).model)
+    results = [run_config(comm, model, c) for c in json.loads(configs_json)]
+    if comm.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"ranks": comm.size, "results": results}, f)
+
+
+if __name__ == "__main__":
+    from spmd_cp.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # as the CLI does: re-exec with an optimized BLAS before MPI_Init
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        from mpi4py import MPI
+
+        traceback.print_exc()
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,114 @@
+"""CP on N real MPI ranks equals mlx-lm's own, unmodified single-process model.
+
+The reference is independent of everything in spmd_cp.attention/engine/model: mlx-lm's
+``model(ids)`` for the log-probabilities and mlx-lm's ``generate_step`` (with its own
+KV cache) for the greedy continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from conftest import TESTS, run_ranks
+from mpi_exact_driver import prompt_ids
+
+DRIVER = [sys.executable, str(TESTS / "mpi_exact_driver.py")]
+ALGOS = ["allgather-kv"]
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
+def configs_for(n: int, algos: list[str], lengths: list[int], decode: int) -> list[dict]:
+    configs = []
+    for algo in algos:
+        for length in lengths:
+            configs.append({"algo": algo, "chunk": 0, "length": length, "decode": decode, "seed": length})
+        # Several chunks: later chunks attend to the sharded cache of earlier ones.
+        configs.append({"algo": algo, "chunk": 7, "length": 23, "decode": decode, "seed": 5})
+    return configs
+
+
+def lengths_for(n: int) -> list[int]:
+    # 1 token; fewer tokens than ranks; 2N+1; an odd length not a multiple of 2N.
+    return sorted({1, max(n - 1, 1), 2 * n + 1, 29})
+
+
+@lru_cache(maxsize=None)
+def mlx_lm_reference(model_path: str, length: int, seed: int, decode: int):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from spmd_cp.loader import load_model
+
+    model = _load(model_path)
+    ids = prompt_ids(length, seed, 49152)
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    scored = logprobs[np.arange(length - 1), ids[1:]]
+    greedy = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=decode,
+                                               sampler=lambda lp: mx.argmax(lp, axis=-1))]
+    return scored, greedy
+
+
+@lru_cache(maxsize=None)
+def _load(model_path: str):
+    from spmd_cp.loader import load_model
+
+    return load_model(model_path).model
+
+
+def run_driver(n: int, model_path: str, configs: list[dict], tmp_path) -> list[dict]:
+    out = tmp_path / f"results-{n}.json"
+    run_ranks(n, DRIVER + [model_path, json.dumps(configs), str(out)], timeout=400)
+    data = json.loads(out.read_text())
+    assert data["ranks"] == n
+    return data["results"]
+
+
+def check_against_reference(results: list[dict], model_path: str, n: int):
+    for result in results:
+        config = result["config"]
+        length = config["length"]
+        scored, greedy = mlx_lm_reference(model_path, length, config["seed"], config["decode"])
+        where = f"N={n} {config}"
+        assert result["pos"] == list(range(1, length)), where
+        np.testing.assert_allclose(result["logprob"], scored, **TOLERANCE, err_msg=where)
+        assert result["greedy"] == greedy, where
+        # Balanced shards: every token cached exactly once, sizes within 2 of each other
+        # (head-tail gives at most one extra token per rank per prefill call, and decode
+        # tokens go to the least loaded rank).
+        sizes = result["shard_sizes"]
+        assert sum(sizes) == length + config["decode"], where
+        assert max(sizes) - min(sizes) <= 2, where
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_tiny_gqa_models_match_mlx_lm(n, tiny_models, tmp_path):
+    for kind, path in tiny_models.items():
+        results = run_driver(n, path, configs_for(n, ALGOS, lengths_for(n), decode=5), tmp_path)
+        check_against_reference(results, path, n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_embedded_smollm2_matches_mlx_lm(n, embedded_model, tmp_path):
+    configs = [{"algo": algo, "chunk": 0, "length": length, "decode": 4, "seed": length}
+               for algo in ALGOS for length in sorted({1, max(n - 1, 1), 2 * n + 1, 41})]
+    configs += [{"algo": algo, "chunk": 16, "length": 41, "decode": 4, "seed": 41} for algo in ALGOS]
+    results = run_driver(n, embedded_model, configs, tmp_path)
+    check_against_reference(results, embedded_model, n)
+
+
+def test_kv_bytes_split_evenly(embedded_model, tmp_path):
+    """Each of 4 ranks caches about a quarter of the single-rank KV bytes."""
+    config = [{"algo": "allgather-kv", "chunk": 0, "length": 203, "decode": 0, "seed": 1}]
+    single = run_driver(1, embedded_model, config, tmp_path)[0]["kv_bytes_prefill"][0]
+    split = run_driver(4, embedded_model, config, tmp_path)[0]["kv_bytes_prefill"]
+    assert sum(split) == single
+    # SmolLM2: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46,080 bytes per token.
+    assert single == 203 * 46080
+    for per_rank in split:
+        assert abs(per_rank - single / 4) <= 46080, split

