@@ -42,6 +42,10 @@ class LayerKV:
         self.offset += n
         return self.keys[:, : self.offset], self.values[:, : self.offset]
 
+    def truncate(self, length: int):
+        """Keep the first ``length`` entries (the buffer is reused by later appends)."""
+        self.offset = min(self.offset, length)
+
     def fetch(self):
         if self.keys is None:
             return None, None
@@ -63,16 +67,39 @@ class ShardedKVCache:
         self.layers = [LayerKV() for _ in range(num_layers)]
         self.cp_rank = cp_rank
         self.cp_size = cp_size
-        self.positions = np.zeros(0, np.int64)  # this rank's cached positions, in order
-        self.shard_sizes = [0] * cp_size  # tokens cached on every rank
+        # Every rank's cached positions, in cache order. Partitioning is deterministic,
+        # so all ranks keep identical copies without communicating (8 bytes a token).
+        self.rank_positions = [np.zeros(0, np.int64) for _ in range(cp_size)]
         self.num_tokens = 0  # tokens cached across all ranks (= next global position)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """This rank's cached positions, in the order of its K/V entries."""
+        return self.rank_positions[self.cp_rank]
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        return [int(p.size) for p in self.rank_positions]
 
     def add_positions(self, rank_positions: list[np.ndarray]):
         """Record a forward pass's new positions on every rank (before its layers run)."""
-        self.positions = np.concatenate([self.positions, rank_positions[self.cp_rank]])
         for rank, positions in enumerate(rank_positions):
-            self.shard_sizes[rank] += int(positions.size)
+            self.rank_positions[rank] = np.concatenate([self.rank_positions[rank], positions])
             self.num_tokens += int(positions.size)
+
+    def truncate(self, num_tokens: int):
+        """Forget every position >= ``num_tokens`` on every rank (e.g. back to a shared
+        document after answering one question about it).
+
+        Positions arrive in increasing order on each rank, so what stays is a prefix of
+        each rank's entries.
+        """
+        for rank, positions in enumerate(self.rank_positions):
+            self.rank_positions[rank] = positions[positions < num_tokens]
+        keep = self.rank_positions[self.cp_rank].size
+        for layer in self.layers:
+            layer.truncate(keep)
+        self.num_tokens = min(self.num_tokens, num_tokens)
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ volume of each algorithm in the same unit, and tests check the two agree.
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -30,7 +31,7 @@ _NUMPY_DTYPE = {
 
 def to_wire(array: mx.array) -> np.ndarray:
     """An evaluated, contiguous numpy view of ``array`` that MPI can send (no copy)."""
-    array = array.view(_WIRE_VIEW.get(array.dtype, array.dtype))
+    array = mx.contiguous(array.view(_WIRE_VIEW.get(array.dtype, array.dtype)))
     mx.eval(array)
     return np.asarray(array)
 
@@ -41,6 +42,25 @@ def from_wire(buffer: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return array.view(dtype) if dtype in _WIRE_VIEW else array
 
 
+class Transfer:
+    """A Sendrecv running on the communication thread; ``wait()`` returns what arrived.
+
+    The send buffer is referenced until the transfer completes (MPI reads it meanwhile).
+    """
+
+    def __init__(self, future, send: np.ndarray, recv: np.ndarray, dtype: mx.Dtype):
+        self._future, self._send, self._recv, self._dtype = future, send, recv, dtype
+        self._done = False
+
+    def wait(self) -> mx.array:
+        if self._done:
+            raise RuntimeError("Transfer.wait() called twice")
+        self._future.result()
+        self._done = True
+        self._send = None
+        return from_wire(self._recv, self._dtype)
+
+
 class Comm:
     """A thin, counting wrapper over an mpi4py intracommunicator."""
 
@@ -49,6 +69,44 @@ class Comm:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.bytes_sent = 0
+        self._comm_thread = None
+
+    def sendrecv_start(self, array: mx.array, dest: int, source: int,
+                       recv_shape: tuple) -> Transfer:
+        """Start sending ``array`` to ``dest`` while receiving ``recv_shape`` from ``source``.
+
+        A Python thread runs the blocking Sendrecv while the caller keeps MLX busy: MLX
+        releases the GIL during evaluation, and over TCP this overlapped better than
+        Isend/Irecv + Wait or Testall polling (DESIGN.md section 4). Only this thread
+        talks MPI until ``wait()``; mpi4py initialises MPI_THREAD_MULTIPLE.
+        """
+        if self._comm_thread is None:
+            self._comm_thread = ThreadPoolExecutor(1, thread_name_prefix="spmd-cp-comm")
+        send = to_wire(array)
+        recv = np.empty(recv_shape, dtype=send.dtype)
+        future = self._comm_thread.submit(self.mpi.Sendrecv, send, dest, 0, recv, source, 0)
+        self.bytes_sent += send.nbytes
+        return Transfer(future, send, recv, array.dtype)
+
+    def alltoallv_arrays(self, arrays: list, recv_shapes: list) -> list:
+        """Send ``arrays[r]`` to rank r; return the arrays received from each rank.
+
+        The piece for this rank itself stays local (and is not counted as sent).
+        """
+        dtype = arrays[0].dtype
+        sends = [to_wire(a) for a in arrays]
+        send = np.concatenate([s.reshape(-1) for s in sends]) if sends else np.zeros(0)
+        send_counts = [s.size for s in sends]
+        recv_counts = [int(np.prod(shape, dtype=np.int64)) for shape in recv_shapes]
+        recv = np.empty(sum(recv_counts), dtype=send.dtype)
+        if self.size == 1:
+            recv[:] = send
+        else:
+            self.mpi.Alltoallv([send, (send_counts, _offsets(send_counts))],
+                               [recv, (recv_counts, _offsets(recv_counts))])
+        self.bytes_sent += sum(s.nbytes for r, s in enumerate(sends) if r != self.rank)
+        pieces = np.split(recv, np.cumsum(recv_counts)[:-1])
+        return [from_wire(p.reshape(shape), dtype) for p, shape in zip(pieces, recv_shapes)]
 
     # -- small Python objects (control plane) ------------------------------------
     def bcast_object(self, obj, root: int = 0):
@@ -86,15 +144,13 @@ class Comm:
         """
         if self.size == 1:
             return array
-        moved = mx.moveaxis(array, axis, 0)
-        send = to_wire(mx.contiguous(moved) if axis != 0 else moved)
+        send = to_wire(mx.moveaxis(array, axis, 0))
         row_shape = send.shape[1:]
         counts = self.mpi.allgather(send.shape[0])
         row_elems = int(np.prod(row_shape, dtype=np.int64))
         recv = np.empty((sum(counts),) + row_shape, dtype=send.dtype)
         sizes = [c * row_elems for c in counts]
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-        self.mpi.Allgatherv(send, [recv, (sizes, offsets)])
+        self.mpi.Allgatherv(send, [recv, (sizes, _offsets(sizes))])
         self.bytes_sent += (self.size - 1) * send.nbytes
         return mx.moveaxis(from_wire(recv, array.dtype), 0, axis)
 
@@ -126,3 +182,7 @@ class Comm:
 
     def abort(self, code: int = 1):
         self.mpi.Abort(code)
+
+
+def _offsets(counts) -> list[int]:
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()

@@ -8,6 +8,7 @@ prompt are ever gathered.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -15,9 +16,12 @@ import numpy as np
 
 from .attention import decode_attention, prefill_attention
 from .cache import ShardedKVCache
+from .calibrate import calibrate
 from .comm import Comm
 from .model import CPModel
 from .partition import head_tail_positions, least_loaded_rank, owner_of
+
+log = logging.getLogger("spmd_cp")
 
 # Rows of vocabulary logits materialised at once when scoring (x vocab x 4 bytes).
 SCORE_ROWS = 256
@@ -54,6 +58,15 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.on_layer = on_layer
         self.algos_used = []
+        self.measured = None
+
+    def _measured(self):
+        """Link and compute figures for the auto choice, measured once (lazily)."""
+        if self.algo != "auto" or self.comm.size == 1:
+            return None
+        if self.measured is None:
+            self.measured = calibrate(self.comm)
+        return self.measured
 
     def new_cache(self) -> ShardedKVCache:
         return ShardedKVCache(self.model.num_layers, self.comm.rank, self.comm.size)
@@ -79,7 +92,10 @@ class Engine:
                                                  cache.shard_sizes)
             positions = rank_positions[self.comm.rank]
             cache.add_positions(rank_positions)
-            attend, algo = prefill_attention(self.algo, self.comm, rank_positions, cache)
+            attend, algo, reason = prefill_attention(self.algo, self.comm, rank_positions,
+                                                     cache, self.model, self._measured())
+            if algo not in self.algos_used:
+                log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
             hidden = self.model.forward(ids[positions - start], positions, cache, attend,
                                         on_layer=self.on_layer)

@@ -59,6 +59,10 @@ class CPModel:
         self.num_heads = attn.n_heads
         self.num_kv_heads = attn.n_kv_heads
         self.num_layers = len(self.layers)
+        self.elem_bytes = 4  # K/V travel as float32 on the CPU path; 2 for half precision
+        weight = getattr(attn.k_proj, "weight", None)
+        if weight is not None and weight.dtype in (mx.float16, mx.bfloat16):
+            self.elem_bytes = 2
 
     def _qkv(self, attn, x: mx.array, runs):
         """Projections (with Qwen3's q/k norms) and RoPE: (H, n, d) each."""

@@ -2,8 +2,10 @@
 
     mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON
 
-Each config: {"algo", "chunk", "length", "decode", "seed"}. For each, rank 0 records the
-logprob of every prompt token, the greedy continuation, and per-rank KV and comm bytes.
+Each config: {"algo", "chunk", "length", "decode", "seed"[, "score": true]}. For each,
+rank 0 records the logprob of every prompt token (when scoring), the greedy
+continuation, and per-rank KV bytes, prefill communication bytes and peak memory beyond
+the weights.
 """
 
 import json
@@ -22,13 +24,16 @@ def prompt_ids(length: int, seed: int, vocab: int) -> np.ndarray:
     return np.random.RandomState(seed).randint(3, min(vocab, 20000), size=length)
 
 
-def run_config(comm, model, config):
+def run_config(comm, model, config, model_bytes):
+    mx.clear_cache()
+    mx.reset_peak_memory()
     engine = Engine(model, comm, algo=config["algo"], prefill_chunk=config["chunk"])
     cache = engine.new_cache()
     ids = prompt_ids(config["length"], config["seed"], 49152)
     bytes_before = comm.bytes_sent
-    logits, records = engine.prefill(cache, ids, score=True)
+    logits, records = engine.prefill(cache, ids, score=config.get("score", True))
     prefill_bytes = comm.bytes_sent - bytes_before
+    peak_beyond_weights = comm.allgather_object(mx.get_peak_memory() - model_bytes)
     kv_after_prefill = comm.allgather_object(cache.nbytes)
     tokens = []
     for _ in range(config["decode"]):
@@ -48,6 +53,7 @@ def run_config(comm, model, config):
         "kv_bytes_final": comm.allgather_object(cache.nbytes),
         "shard_sizes": cache.shard_sizes,
         "prefill_comm_bytes": comm_bytes,
+        "peak_beyond_weights": peak_beyond_weights,
     }
 
 
@@ -56,8 +62,12 @@ def main():
 
     model_path, configs_json, out_path = sys.argv[1:4]
     comm = Comm(MPI.COMM_WORLD)
-    model = CPModel(load_model(model_path).model)
-    results = [run_config(comm, model, c) for c in json.loads(configs_json)]
+    from mlx.utils import tree_flatten
+
+    loaded = load_model(model_path).model
+    model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
+    model = CPModel(loaded)
+    results = [run_config(comm, model, c, model_bytes) for c in json.loads(configs_json)]
     if comm.rank == 0:
         with open(out_path, "w") as f:
             json.dump({"ranks": comm.size, "results": results}, f)

@@ -18,7 +18,7 @@ from conftest import TESTS, run_ranks
 from mpi_exact_driver import prompt_ids
 
 DRIVER = [sys.executable, str(TESTS / "mpi_exact_driver.py")]
-ALGOS = ["allgather-kv"]
+ALGOS = ["allgather-kv", "pass-kv", "pass-q", "auto"]
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -95,16 +95,20 @@ def test_tiny_gqa_models_match_mlx_lm(n, tiny_models, tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_embedded_smollm2_matches_mlx_lm(n, embedded_model, tmp_path):
-    configs = [{"algo": algo, "chunk": 0, "length": length, "decode": 4, "seed": length}
-               for algo in ALGOS for length in sorted({1, max(n - 1, 1), 2 * n + 1, 41})]
-    configs += [{"algo": algo, "chunk": 16, "length": 41, "decode": 4, "seed": 41} for algo in ALGOS]
+    # Every algorithm on a full prompt and on several chunks (later chunks attend to a
+    # cached prefix: auto picks pass-q there); the short edge cases with the default.
+    configs = [{"algo": algo, "chunk": chunk, "length": 41, "decode": 3, "seed": 41}
+               for algo in ALGOS for chunk in (0, 12)]
+    configs += [{"algo": "auto", "chunk": 0, "length": length, "decode": 3, "seed": length}
+                for length in sorted({1, max(n - 1, 1), 2 * n + 1})]
     results = run_driver(n, embedded_model, configs, tmp_path)
     check_against_reference(results, embedded_model, n)
 
 
 def test_kv_bytes_split_evenly(embedded_model, tmp_path):
     """Each of 4 ranks caches about a quarter of the single-rank KV bytes."""
-    config = [{"algo": "allgather-kv", "chunk": 0, "length": 203, "decode": 0, "seed": 1}]
+    config = [{"algo": "auto", "chunk": 0, "length": 203, "decode": 0, "seed": 1,
+               "score": False}]
     single = run_driver(1, embedded_model, config, tmp_path)[0]["kv_bytes_prefill"][0]
     split = run_driver(4, embedded_model, config, tmp_path)[0]["kv_bytes_prefill"]
     assert sum(split) == single
@@ -112,3 +116,48 @@ def test_kv_bytes_split_evenly(embedded_model, tmp_path):
     assert single == 203 * 46080
     for per_rank in split:
         assert abs(per_rank - single / 4) <= 46080, split
+
+
+# -- communication volumes: counted bytes equal the analytic ones (docs/ALGORITHMS.md) ----
+def analytic_prefill_bytes(algo: str, length: int, n: int, dims: dict) -> list[int]:
+    """Bytes each rank sends in one un-chunked prefill of ``length`` tokens."""
+    from spmd_cp.partition import head_tail_positions, owner_of
+
+    layers, nh, nkv, d, e, vocab = (dims[k] for k in ("L", "NH", "NKV", "d", "e", "V"))
+    sizes = [p.size for p in head_tail_positions(length, n)]
+    per_rank = []
+    for rank in range(n):
+        forwarded = [sizes[(rank - step) % n] for step in range(n - 1)]  # ring steps
+        others = sum(sizes) - sizes[rank]
+        attention = {
+            "allgather-kv": (n - 1) * 2 * sizes[rank] * nkv * d * e,
+            "pass-kv": sum(forwarded) * 2 * nkv * d * e,
+            "pass-q": sum(forwarded) * nh * d * e + others * nh * (d + 1) * e,
+        }[algo]
+        per_rank.append(layers * attention)
+    owner = owner_of(length - 1, head_tail_positions(length, n))
+    if owner != 0:
+        per_rank[owner] += vocab * 4  # the last position's logits go to rank 0
+    return per_rank
+
+
+def test_counted_bytes_equal_analytic_volumes(tiny_models, tmp_path):
+    dims = {"L": 3, "NH": 8, "NKV": 2, "d": 16, "e": 4, "V": 49152}
+    configs = [{"algo": algo, "chunk": 0, "length": length, "decode": 0, "seed": 3,
+                "score": False}
+               for algo in ("allgather-kv", "pass-kv", "pass-q") for length in (2, 37)]
+    for n in (3,):
+        results = run_driver(n, tiny_models["llama"], configs, tmp_path)
+        for result in results:
+            config = result["config"]
+            expected = analytic_prefill_bytes(config["algo"], config["length"], n, dims)
+            assert result["prefill_comm_bytes"] == expected, config
+
+
+def test_prefill_memory_per_rank_shrinks_with_n(embedded_model, tmp_path):
+    """Peak memory beyond the weights at N=4 is at most 40% of one rank's (pass-kv)."""
+    config = [{"algo": "pass-kv", "chunk": 0, "length": 1536, "decode": 0, "seed": 2,
+               "score": False}]
+    single = run_driver(1, embedded_model, config, tmp_path)[0]["peak_beyond_weights"][0]
+    four = run_driver(4, embedded_model, config, tmp_path)[0]["peak_beyond_weights"]
+    assert max(four) <= 0.4 * single, (four, single)

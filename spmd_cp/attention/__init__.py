@@ -7,17 +7,36 @@ this rank's queries and this rank's cached shard in, this rank's attention outpu
 from __future__ import annotations
 
 from .block import block_attention, merge_partials, merge_stacked
+from .choose import LinkAndCompute, choose_prefill_algo
 from .gather import allgather_kv_attention, decode_attention
+from .ring import pass_kv_attention, pass_q_attention
 
 PREFILL_ALGOS = ("auto", "pass-kv", "pass-q", "allgather-kv")
 
 
-def prefill_attention(algo: str, comm, rank_positions, cache):
-    """The attention function for one prefill call and the name of the algorithm chosen."""
-    if algo in ("auto", "allgather-kv"):
-        return allgather_kv_attention(comm), "allgather-kv"
+def prefill_attention(algo: str, comm, new_positions, cache, model, measured=None):
+    """The attention function for one prefill call, the algorithm used, and why.
+
+    Args:
+        new_positions: every rank's positions of this call's new tokens.
+        cache: the sharded cache, already holding those positions.
+        model: a CPModel (head counts for the auto choice).
+        measured: LinkAndCompute for ``auto`` (None: decide on head counts alone).
+    """
+    reason = "requested"
+    if algo == "auto":
+        new_tokens = sum(p.size for p in new_positions)
+        algo, reason = choose_prefill_algo(new_tokens, cache.num_tokens - new_tokens, comm.size,
+                                           model.num_heads, model.num_kv_heads,
+                                           model.elem_bytes, measured)
+    if algo == "pass-kv":
+        return pass_kv_attention(comm, cache.rank_positions), algo, reason
+    if algo == "pass-q":
+        return pass_q_attention(comm, new_positions), algo, reason
+    if algo == "allgather-kv":
+        return allgather_kv_attention(comm, cache.rank_positions), algo, reason
     raise ValueError(f"unknown --cp-algo {algo!r} (choose from {', '.join(PREFILL_ALGOS)})")
 
 
 __all__ = ["block_attention", "merge_partials", "merge_stacked", "prefill_attention",
-           "decode_attention", "PREFILL_ALGOS"]
+           "decode_attention", "choose_prefill_algo", "LinkAndCompute", "PREFILL_ALGOS"]

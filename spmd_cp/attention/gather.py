@@ -16,16 +16,15 @@ from ..comm import Comm
 from .block import block_attention, merge_stacked
 
 
-def allgather_kv_attention(comm: Comm):
-    """Prefill attention that gathers the whole layer's K/V on every rank."""
-    gathered_positions = {}  # id(k_pos) -> all ranks' positions; k_pos is shared by layers
+def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray]):
+    """Prefill attention that gathers the whole layer's K/V on every rank.
+
+    ``rank_positions``: every rank's cached positions (the cache's), which fix the order
+    of the gathered keys.
+    """
+    all_pos = np.concatenate(rank_positions)
 
     def attend(q, keys, values, q_pos, k_pos, scale):
-        key = id(k_pos)
-        if key not in gathered_positions:
-            gathered_positions.clear()
-            gathered_positions[key] = (k_pos, np.concatenate(comm.allgather_object(k_pos)))
-        all_pos = gathered_positions[key][1]
         all_keys = comm.allgather_rows(keys, axis=1)
         all_values = comm.allgather_rows(values, axis=1)
         out, _ = block_attention(q, all_keys, all_values, q_pos, all_pos, scale)
