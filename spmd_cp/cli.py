@@ -58,6 +58,12 @@ def common_options(fn):
         click.option("--keep-quantized", is_flag=True,
                      help="Keep quantized weights (default on CPU: dequantize to float32, much faster)."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line."),
+        click.option("--memory-limit", default=None, metavar="SIZE",
+                     help="Refuse jobs whose forecast exceeds this per rank, e.g. 2GB "
+                          "(default: this host's memory / its ranks)."),
+        click.option("--comm-timeout", type=click.FloatRange(min=0), default=None,
+                     help="Abort the job when a rank waits this many seconds for a peer during "
+                          "prefill/decode (default 45; 0 disables)."),
         click.option("-v", "--verbose", is_flag=True, help="Log from every rank, not only rank 0."),
     ]
     for option in reversed(options):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -48,14 +49,16 @@ class Transfer:
     The send buffer is referenced until the transfer completes (MPI reads it meanwhile).
     """
 
-    def __init__(self, future, send: np.ndarray, recv: np.ndarray, dtype: mx.Dtype):
+    def __init__(self, future, send: np.ndarray, recv: np.ndarray, dtype: mx.Dtype, waiting):
         self._future, self._send, self._recv, self._dtype = future, send, recv, dtype
+        self._waiting = waiting  # the watchdog context for this wait
         self._done = False
 
     def wait(self) -> mx.array:
         if self._done:
             raise RuntimeError("Transfer.wait() called twice")
-        self._future.result()
+        with self._waiting:
+            self._future.result()
         self._done = True
         self._send = None
         return from_wire(self._recv, self._dtype)
@@ -64,12 +67,18 @@ class Transfer:
 class Comm:
     """A thin, counting wrapper over an mpi4py intracommunicator."""
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, watchdog=None):
         self.mpi = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.bytes_sent = 0
+        self.watchdog = watchdog  # bounds every blocking call below (see watchdog.py)
         self._comm_thread = None
+
+    def _waiting(self, what: str, peer: int | None = None):
+        if self.watchdog is None or self.size == 1:
+            return nullcontext()
+        return self.watchdog.waiting(what, peer)
 
     def sendrecv_start(self, array: mx.array, dest: int, source: int,
                        recv_shape: tuple) -> Transfer:
@@ -86,7 +95,7 @@ class Comm:
         recv = np.empty(recv_shape, dtype=send.dtype)
         future = self._comm_thread.submit(self.mpi.Sendrecv, send, dest, 0, recv, source, 0)
         self.bytes_sent += send.nbytes
-        return Transfer(future, send, recv, array.dtype)
+        return Transfer(future, send, recv, array.dtype, self._waiting("ring Sendrecv", source))
 
     def alltoallv_arrays(self, arrays: list, recv_shapes: list) -> list:
         """Send ``arrays[r]`` to rank r; return the arrays received from each rank.
@@ -102,8 +111,9 @@ class Comm:
         if self.size == 1:
             recv[:] = send
         else:
-            self.mpi.Alltoallv([send, (send_counts, _offsets(send_counts))],
-                               [recv, (recv_counts, _offsets(recv_counts))])
+            with self._waiting("Alltoallv"):
+                self.mpi.Alltoallv([send, (send_counts, _offsets(send_counts))],
+                                   [recv, (recv_counts, _offsets(recv_counts))])
         self.bytes_sent += sum(s.nbytes for r, s in enumerate(sends) if r != self.rank)
         pieces = np.split(recv, np.cumsum(recv_counts)[:-1])
         return [from_wire(p.reshape(shape), dtype) for p, shape in zip(pieces, recv_shapes)]
@@ -114,27 +124,32 @@ class Comm:
             return obj
         if self.rank == root:
             self.bytes_sent += (self.size - 1) * len(pickle.dumps(obj))
-        return self.mpi.bcast(obj, root=root)
+        with self._waiting("Bcast", None if self.rank == root else root):
+            return self.mpi.bcast(obj, root=root)
 
     def allgather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]
         self.bytes_sent += (self.size - 1) * len(pickle.dumps(obj))
-        return self.mpi.allgather(obj)
+        with self._waiting("Allgather"):
+            return self.mpi.allgather(obj)
 
     def gather_object(self, obj, root: int = 0):
         if self.size == 1:
             return [obj]
         if self.rank != root:
             self.bytes_sent += len(pickle.dumps(obj))
-        return self.mpi.gather(obj, root=root)
+        with self._waiting("Gather", None if self.rank == root else root):
+            return self.mpi.gather(obj, root=root)
 
     def send_object(self, obj, dest: int):
         self.bytes_sent += len(pickle.dumps(obj))
-        self.mpi.send(obj, dest=dest)
+        with self._waiting("Send", dest):
+            self.mpi.send(obj, dest=dest)
 
     def recv_object(self, source: int):
-        return self.mpi.recv(source=source)
+        with self._waiting("Recv", source):
+            return self.mpi.recv(source=source)
 
     # -- MLX arrays (data plane) ---------------------------------------------------
     def allgather_rows(self, array: mx.array, axis: int) -> mx.array:
@@ -146,11 +161,13 @@ class Comm:
             return array
         send = to_wire(mx.moveaxis(array, axis, 0))
         row_shape = send.shape[1:]
-        counts = self.mpi.allgather(send.shape[0])
+        with self._waiting("Allgather"):
+            counts = self.mpi.allgather(send.shape[0])
         row_elems = int(np.prod(row_shape, dtype=np.int64))
         recv = np.empty((sum(counts),) + row_shape, dtype=send.dtype)
         sizes = [c * row_elems for c in counts]
-        self.mpi.Allgatherv(send, [recv, (sizes, _offsets(sizes))])
+        with self._waiting("Allgatherv"):
+            self.mpi.Allgatherv(send, [recv, (sizes, _offsets(sizes))])
         self.bytes_sent += (self.size - 1) * send.nbytes
         return mx.moveaxis(from_wire(recv, array.dtype), 0, axis)
 
@@ -160,25 +177,29 @@ class Comm:
             return array[None]
         send = to_wire(array)
         recv = np.empty((self.size,) + send.shape, dtype=send.dtype)
-        self.mpi.Allgather(send, recv)
+        with self._waiting("Allgather"):
+            self.mpi.Allgather(send, recv)
         self.bytes_sent += (self.size - 1) * send.nbytes
         return from_wire(recv, array.dtype)
 
     def send_array(self, array: mx.array, dest: int):
         send = to_wire(array)
-        self.mpi.send((send.shape, send.dtype.str), dest=dest)
-        self.mpi.Send(send, dest=dest)
+        with self._waiting("Send", dest):
+            self.mpi.send((send.shape, send.dtype.str), dest=dest)
+            self.mpi.Send(send, dest=dest)
         self.bytes_sent += send.nbytes
 
     def recv_array(self, source: int, dtype: mx.Dtype = mx.float32) -> mx.array:
-        shape, dtype_str = self.mpi.recv(source=source)
-        recv = np.empty(shape, dtype=np.dtype(dtype_str))
-        self.mpi.Recv(recv, source=source)
+        with self._waiting("Recv", source):
+            shape, dtype_str = self.mpi.recv(source=source)
+            recv = np.empty(shape, dtype=np.dtype(dtype_str))
+            self.mpi.Recv(recv, source=source)
         return from_wire(recv, dtype)
 
     def barrier(self):
         if self.size > 1:
-            self.mpi.Barrier()
+            with self._waiting("Barrier"):
+                self.mpi.Barrier()
 
     def abort(self, code: int = 1):
         self.mpi.Abort(code)

@@ -22,6 +22,8 @@ from .blas import describe_blas
 from .comm import Comm
 from .engine import Engine
 from .errors import UserError
+from .faults import layer_hook
+from .forecast import check_fits, default_memory_limit, parse_bytes
 from .generation import SamplingOptions, generate
 from .loader import check_model_path, default_model_path, load_model
 from .model import CPModel
@@ -30,12 +32,8 @@ log = spmd.log
 
 
 def run_command(name: str, options: dict) -> int:
-    from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
-
-    comm = Comm(MPI.COMM_WORLD)
-    spmd.setup_logging(comm, options.get("verbose", False))
     body = {"generate": generate_command, "score": score_command}[name]
-    return spmd.run(comm, body, options)
+    return spmd.run_main(body, options)
 
 
 # -- shared steps -----------------------------------------------------------------
@@ -74,10 +72,13 @@ def check_writable(path: str):
 
 def resolve_model(comm: Comm, options: dict):
     """Check the model path on every rank (it may be missing on one host), then load it."""
+    spmd.require_same(comm, "package versions", spmd.software_versions())
     path = options["model_path"] or spmd.on_root(comm, default_model_path)
     spmd.everywhere(comm, check_model_path, path)
     start = time.perf_counter()
     loaded = spmd.everywhere(comm, load_model, path, options["keep_quantized"])
+    # From here on every rank is in lockstep: a long wait means a peer is gone.
+    spmd.hot_phase(comm, options.get("comm_timeout"))
     blas_info = describe_blas()
     log.info("model %s loaded in %.1fs; %s", loaded.path, time.perf_counter() - start,
              blas_info.get("summary", blas_info))
@@ -94,6 +95,19 @@ def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 
         extra = f" + {reserve} tokens to generate" if reserve else ""
         raise UserError(f"prompt has {ids.size} tokens{extra}, more than --max-context {limit}")
     return ids
+
+
+def check_memory(comm: Comm, loaded, options: dict, total_tokens: int, new_tokens: int,
+                 score: bool = False):
+    """Refuse before prefill when the forecast per rank exceeds --memory-limit."""
+    limit = (parse_bytes(options["memory_limit"]) if options.get("memory_limit")
+             else default_memory_limit())
+    chunk = options["prefill_chunk"] or new_tokens
+    algo = "pass-kv" if options["cp_algo"] == "auto" else options["cp_algo"]
+    need = check_fits(loaded.shape, model_nbytes(loaded.model), total_tokens, chunk, comm.size,
+                      limit, algo, score)
+    log.info("memory forecast per rank: %.2f GB (KV %.2f GB) of %.2f GB allowed",
+             need.total / 2**30, need.kv / 2**30, limit / 2**30)
 
 
 def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
@@ -115,7 +129,8 @@ def model_nbytes(model) -> int:
 
 def make_engine(comm: Comm, loaded, options: dict) -> Engine:
     return Engine(CPModel(loaded.model), comm, algo=options["cp_algo"],
-                  prefill_chunk=options["prefill_chunk"])
+                  prefill_chunk=options["prefill_chunk"],
+                  on_layer=layer_hook(comm.rank, comm.watchdog))
 
 
 def write_stdout(text: str):
@@ -142,7 +157,9 @@ def generate_command(comm: Comm, options: dict):
             messages.append({"role": "user", "content": prompt_text.strip()})
             text = loaded.tokenizer.apply_chat_template(messages, tokenize=False,
                                                         add_generation_prompt=True)
-        return tokenize_checked(loaded, text, options["max_context"])
+        ids = tokenize_checked(loaded, text, options["max_context"])
+        check_memory(comm, loaded, options, len(ids) + options["max_tokens"], len(ids))
+        return ids
 
     prompt_ids = spmd.on_root(comm, tokenize)
     engine = make_engine(comm, loaded, options)
@@ -196,6 +213,7 @@ def score_command(comm: Comm, options: dict):
         bos = getattr(loaded.tokenizer, "bos_token_id", None)
         if getattr(loaded.tokenizer, "add_bos_token", False) and bos is not None and ids[0] != bos:
             ids = np.concatenate([[bos], ids])
+        check_memory(comm, loaded, options, len(ids), len(ids), score=True)
         return ids
 
     ids = spmd.on_root(comm, tokenize)
@@ -208,11 +226,14 @@ def score_command(comm: Comm, options: dict):
     metrics = rank_metrics(comm, cache, model_nbytes(loaded.model))
     if comm.rank != 0:
         return
-    with open(options["output"], "w", encoding="utf-8") as out:
-        for pos, token, logprob, argmax in zip(records.pos, records.token, records.logprob,
-                                               records.argmax):
-            out.write(json.dumps({"pos": pos, "token": token, "logprob": logprob,
-                                  "argmax": argmax}) + "\n")
+    try:
+        with open(options["output"], "w", encoding="utf-8") as out:
+            for pos, token, logprob, argmax in zip(records.pos, records.token, records.logprob,
+                                                   records.argmax):
+                out.write(json.dumps({"pos": pos, "token": token, "logprob": logprob,
+                                      "argmax": argmax}) + "\n")
+    except OSError as error:
+        raise UserError(f"cannot write {options['output']}: {error.strerror or error}") from None
     mean_nll = -float(np.mean(records.logprob)) if records.logprob else 0.0
     summary = {
         "ppl": math.exp(mean_nll),

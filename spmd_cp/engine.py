@@ -52,6 +52,8 @@ class Engine:
 
     def __init__(self, model: CPModel, comm: Comm, algo: str = "allgather-kv",
                  prefill_chunk: int = 0, on_layer=None):
+        """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or
+        "decode"): the watchdog's context and test-only fault injection use it."""
         self.model = model
         self.comm = comm
         self.algo = algo
@@ -59,6 +61,11 @@ class Engine:
         self.on_layer = on_layer
         self.algos_used = []
         self.measured = None
+
+    def _layer_hook(self, phase: str):
+        if self.on_layer is None:
+            return None
+        return lambda index: self.on_layer(phase, index)
 
     def _measured(self):
         """Link and compute figures for the auto choice, measured once (lazily)."""
@@ -98,7 +105,7 @@ class Engine:
                 log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
             hidden = self.model.forward(ids[positions - start], positions, cache, attend,
-                                        on_layer=self.on_layer)
+                                        on_layer=self._layer_hook("prefill"))
             mx.eval(hidden)
             if score:
                 parts = self.comm.gather_object(
@@ -168,7 +175,8 @@ class Engine:
         cache.add_positions(rank_positions)
         hidden = self.model.forward(np.array([token]), position, cache,
                                     decode_attention(self.comm),
-                                    store=self.comm.rank == owner, on_layer=self.on_layer)
+                                    store=self.comm.rank == owner,
+                                    on_layer=self._layer_hook("decode"))
         if self.comm.rank != 0:
             mx.eval(hidden)  # ranks > 0 need no logits: finish the layers' collectives
             return None

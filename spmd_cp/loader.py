@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UserError
+from .forecast import ModelShape
 from .model import SUPPORTED_MODEL_TYPES
 
 
@@ -30,6 +31,16 @@ class LoadedModel:
     @property
     def max_context(self) -> int | None:
         return self.config.get("max_position_embeddings")
+
+    @property
+    def shape(self) -> ModelShape:
+        c = self.config
+        heads = c["num_attention_heads"]
+        return ModelShape(layers=c["num_hidden_layers"], hidden=c["hidden_size"],
+                          intermediate=c["intermediate_size"], num_heads=heads,
+                          num_kv_heads=c.get("num_key_value_heads") or heads,
+                          head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                          vocab=c["vocab_size"])
 
 
 def default_model_path() -> str:

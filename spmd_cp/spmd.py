@@ -17,8 +17,14 @@ import traceback
 
 from .comm import Comm
 from .errors import UserError
+from .watchdog import EXIT_INTERRUPTED, Watchdog
 
 EXIT_USER_ERROR = 2
+
+# Blocking-call limit while loading (ranks may load at very different speeds) and once
+# every rank is in the lockstep prefill/decode loop (--comm-timeout's default).
+STARTUP_TIMEOUT_S = 900.0
+DEFAULT_COMM_TIMEOUT_S = 45.0
 
 log = logging.getLogger("spmd_cp")
 
@@ -63,6 +69,49 @@ def everywhere(comm: Comm, fn, *args, **kwargs):
     return outcome[1]
 
 
+def require_same(comm: Comm, what: str, value):
+    """Fail on every rank, naming the ranks, unless all ranks hold the same ``value``."""
+    values = comm.allgather_object(value)
+    if all(v == values[0] for v in values):
+        return
+    groups = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(repr(v), []).append(rank)
+    described = "; ".join(f"ranks {','.join(map(str, ranks))}: {v}" if len(ranks) > 1
+                          else f"rank {ranks[0]}: {v}" for v, ranks in groups.items())
+    raise UserError(f"ranks disagree on {what} ({described})")
+
+
+def software_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for package in ("spmd-cp", "mlx", "mlx-lm", "mpi4py"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def run_main(main, options: dict) -> int:
+    """Set up MPI, the communicator and its watchdog, then ``run`` ``main(comm, options)``."""
+    from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
+
+    world = MPI.COMM_WORLD
+    watchdog = Watchdog(world.Get_rank(), world.Get_size(), world.Abort, STARTUP_TIMEOUT_S)
+    watchdog.start(world)
+    comm = Comm(world, watchdog)
+    setup_logging(comm, options.get("verbose", False))
+    return run(comm, main, options)
+
+
+def hot_phase(comm: Comm, timeout: float | None):
+    """Every rank is now in lockstep: bound each blocking call by ``timeout`` seconds."""
+    if comm.watchdog is not None:
+        comm.watchdog.timeout = DEFAULT_COMM_TIMEOUT_S if timeout is None else timeout
+
+
 def run(comm: Comm, main, *args, **kwargs) -> int:
     """Run ``main(comm, ...)`` with the guarantees above; returns the exit code."""
     try:
@@ -72,6 +121,12 @@ def run(comm: Comm, main, *args, **kwargs) -> int:
         if comm.rank == 0:
             print(f"spmd-cp: error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        sys.stderr.write(f"[rank {comm.rank}/{comm.size}] spmd-cp: interrupted; stopping all ranks\n")
+        sys.stderr.flush()
+        if comm.size > 1:
+            comm.abort(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     except BaseException as error:  # noqa: BLE001 - any failure must end every rank
         if isinstance(error, SystemExit) and not error.code:
             return 0

@@ -1,0 +1,121 @@
+"""Memory forecast per rank, checked before prefill so a job that cannot fit is refused
+in seconds instead of being killed by the OOM killer an hour in. Pure arithmetic.
+
+Per rank: the weights (every rank holds all of them), the KV shard (every cached token
+once, split N ways), and the activations of one prefill chunk: this rank's rows of the
+hidden state and MLP, one attention tile of scores (block.SCORE_TILE_ELEMENTS), and the
+K/V the algorithm holds besides the local shard (one travelling shard for the rings, the
+whole layer for allgather-kv).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from .attention.block import SCORE_TILE_ELEMENTS
+from .errors import UserError
+
+# Measured peaks exceed this model by about 15% (allocator rounding, MLX temporaries);
+# the forecast is a refusal threshold, so it errs on the large side.
+SAFETY = 1.25
+
+
+@dataclass
+class ModelShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    elem_bytes: int = 4
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+
+@dataclass
+class Forecast:
+    weights: int
+    kv: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.activations
+
+
+def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int,
+                        chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
+                        score: bool = False) -> Forecast:
+    """Peak bytes on the busiest rank for a context of ``total_tokens`` prefilled in
+    chunks of ``chunk_tokens`` on ``cp_size`` ranks."""
+    e = shape.elem_bytes
+    kv_tokens = math.ceil(total_tokens / cp_size) + 1
+    kv = kv_tokens * shape.kv_bytes_per_token
+    rows = math.ceil(chunk_tokens / cp_size) + 1
+    per_row = 4 * (4 * shape.hidden + 3 * shape.intermediate
+                   + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2)
+    tile = min(SCORE_TILE_ELEMENTS, shape.num_heads * rows * kv_tokens * cp_size)
+    attention = 3 * tile * 4
+    layer_kv = 2 * shape.num_kv_heads * shape.head_dim * e
+    if algo == "allgather-kv":
+        extra_kv = 2 * layer_kv * total_tokens
+    else:
+        extra_kv = 3 * layer_kv * kv_tokens  # local shard stacked + one shard in flight
+    logits = (256 if score else 1) * shape.vocab * 4 * 3
+    activations = int(SAFETY * (rows * per_row + attention + extra_kv + logits))
+    return Forecast(weights_bytes, kv, activations)
+
+
+def default_memory_limit() -> int:
+    """Physical memory of this host divided among the ranks running on it."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPICH_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return total // max(int(os.environ[name]), 1)
+    return total
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*", text.lower())
+    if not match:
+        raise UserError(f"cannot read a memory size from {text!r} (e.g. 2GB, 512MB)")
+    unit = (match.group(2) or "b").rstrip("b").rstrip("i")
+    return int(float(match.group(1)) * 1024 ** " kmgt".index(unit or " "))
+
+
+def check_fits(shape: ModelShape, weights_bytes: int, total_tokens: int, chunk_tokens: int,
+               cp_size: int, limit: int, algo: str, score: bool = False):
+    """Refuse, naming the smallest N or chunk that would fit, if the forecast exceeds
+    ``limit`` bytes per rank."""
+    need = forecast_rank_bytes(shape, weights_bytes, total_tokens, chunk_tokens, cp_size, algo,
+                               score)
+    if need.total <= limit:
+        return need
+    fits_n = next((n for n in range(cp_size + 1, 4097) if forecast_rank_bytes(
+        shape, weights_bytes, total_tokens, chunk_tokens, n, algo, score).total <= limit), None)
+    fits_chunk = None
+    chunk = chunk_tokens
+    while chunk > 64:
+        chunk //= 2
+        if forecast_rank_bytes(shape, weights_bytes, total_tokens, chunk, cp_size, algo,
+                               score).total <= limit:
+            fits_chunk = chunk
+            break
+    options = []
+    if fits_chunk:
+        options.append(f"--prefill-chunk {fits_chunk}")
+    if fits_n:
+        options.append(f"at least {fits_n} ranks")
+    gb = 2**30
+    raise UserError(
+        f"{total_tokens} tokens need about {need.total / gb:.2f} GB per rank on {cp_size} "
+        f"rank(s) (weights {need.weights / gb:.2f} + KV {need.kv / gb:.2f} + activations "
+        f"{need.activations / gb:.2f}), over the limit of {limit / gb:.2f} GB per rank; "
+        + ("it fits with " + " or ".join(options) if options else "no rank count fits"))
