@@ -71,6 +71,9 @@ class ShardedKVCache:
         # so all ranks keep identical copies without communicating (8 bytes a token).
         self.rank_positions = [np.zeros(0, np.int64) for _ in range(cp_size)]
         self.num_tokens = 0  # tokens cached across all ranks (= next global position)
+        self.token_ids = np.zeros(0, np.int64)  # the id at every global position
+        self.decode_steps = 0  # tokens added by decode: the placement rule counts them
+        self.decode_owner = 0
 
     @property
     def positions(self) -> np.ndarray:
@@ -81,8 +84,10 @@ class ShardedKVCache:
     def shard_sizes(self) -> list[int]:
         return [int(p.size) for p in self.rank_positions]
 
-    def add_positions(self, rank_positions: list[np.ndarray]):
-        """Record a forward pass's new positions on every rank (before its layers run)."""
+    def add_positions(self, rank_positions: list[np.ndarray], token_ids: np.ndarray):
+        """Record a forward pass's new positions on every rank (before its layers run)
+        and the token ids at those positions (consecutive, from ``num_tokens`` on)."""
+        self.token_ids = np.concatenate([self.token_ids, np.asarray(token_ids, np.int64)])
         for rank, positions in enumerate(rank_positions):
             self.rank_positions[rank] = np.concatenate([self.rank_positions[rank], positions])
             self.num_tokens += int(positions.size)
@@ -100,6 +105,7 @@ class ShardedKVCache:
         for layer in self.layers:
             layer.truncate(keep)
         self.num_tokens = min(self.num_tokens, num_tokens)
+        self.token_ids = self.token_ids[:self.num_tokens]
 
     @property
     def nbytes(self) -> int:

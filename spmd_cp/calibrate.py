@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import time
 from pathlib import Path
@@ -21,9 +20,9 @@ import numpy as np
 
 from .attention.block import block_attention
 from .attention.choose import LinkAndCompute
+from .checksum import cache_dir
 from .comm import Comm
 
-CACHE_DIR = Path(os.environ.get("SPMD_CP_CACHE", Path.home() / ".cache" / "spmd-cp"))
 
 
 def measure_attention_flops(num_heads=8, num_kv_heads=2, head_dim=64, tq=256, tk=1024,
@@ -63,15 +62,15 @@ def measure_ring(comm: Comm, nbytes=8 << 20, repeats=3) -> tuple[float, float]:
     return nbytes / max(bulk - latency, 1e-9), latency
 
 
-def _cache_file(comm: Comm) -> Path:
+def calibration_file(comm: Comm) -> Path:
     hosts = comm.allgather_object(socket.gethostname())
     key = hashlib.sha256(json.dumps([hosts, comm.size]).encode()).hexdigest()[:16]
-    return CACHE_DIR / f"calibration-{key}.json"
+    return cache_dir() / f"calibration-{key}.json"
 
 
 def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
     """The measurements for these ranks: from the on-disk cache, else measured now."""
-    path = _cache_file(comm)
+    path = calibration_file(comm)
     cached = None
     if comm.rank == 0 and not recalibrate and path.is_file():
         try:

@@ -16,6 +16,7 @@ import sys
 import click
 
 from . import blas
+from .doctor import doctor
 
 
 def main():
@@ -89,6 +90,16 @@ def cli():
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop when this string appears (repeatable).")
+@click.option("--save-cache", default=None, metavar="DIR",
+              help="After answering, save every rank's KV shard and the conversation here.")
+@click.option("--load-cache", default=None, metavar="DIR",
+              help="Continue a conversation saved with --save-cache (same model and rank "
+                   "count): only the new tokens are prefilled.")
+@click.option("--kv-interleave", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Generated tokens' K/V go to the least loaded rank in runs of this many.")
+@click.option("--decode-merge", type=click.Choice(["allgather", "allreduce"]),
+              default="allgather", show_default=True,
+              help="How decode merges the ranks' partial attention each layer.")
 def generate(**options):
     """Generate a continuation of a (long) prompt."""
     from .commands import run_command
@@ -107,6 +118,8 @@ def score(**options):
 
     sys.exit(run_command("score", options))
 
+
+cli.add_command(doctor)
 
 if __name__ == "__main__":
     main()

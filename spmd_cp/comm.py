@@ -182,6 +182,20 @@ class Comm:
         self.bytes_sent += (self.size - 1) * send.nbytes
         return from_wire(recv, array.dtype)
 
+    def allreduce(self, array: mx.array, op: str) -> mx.array:
+        """Elementwise ``op`` ("sum" or "max") over every rank's same-shaped ``array``.
+
+        Counted as (N-1) * nbytes, like an Allgather: each rank's data reaches N-1 others.
+        """
+        from mpi4py import MPI
+
+        send = to_wire(array)
+        recv = np.empty_like(send)
+        with self._waiting("Allreduce"):
+            self.mpi.Allreduce(send, recv, op={"sum": MPI.SUM, "max": MPI.MAX}[op])
+        self.bytes_sent += (self.size - 1) * send.nbytes
+        return from_wire(recv, array.dtype)
+
     def send_array(self, array: mx.array, dest: int):
         send = to_wire(array)
         with self._waiting("Send", dest):

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import spmd
 from .blas import describe_blas
+from .checksum import model_checksum
 from .comm import Comm
 from .engine import Engine
 from .errors import UserError
@@ -27,6 +28,7 @@ from .forecast import check_fits, default_memory_limit, parse_bytes
 from .generation import SamplingOptions, generate
 from .loader import check_model_path, default_model_path, load_model
 from .model import CPModel
+from .prompt_cache import common_prefix_length, load_cache, read_meta, save_cache
 
 log = spmd.log
 
@@ -61,9 +63,14 @@ def read_text_file(path: str, what: str) -> str:
     return text
 
 
-def check_writable(path: str):
-    """Refuse an output path we could not write, before any heavy work."""
+def check_writable(path: str, directory: bool = False):
+    """Refuse an output path we could not write, before any heavy work.
+
+    With ``directory``, the path's parent is a directory we may create.
+    """
     parent = Path(path).resolve().parent
+    if directory:
+        parent = next((p for p in [parent, *parent.parents] if p.exists()), parent)
     if not parent.is_dir():
         raise UserError(f"output directory does not exist: {parent}")
     if not os.access(parent, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
@@ -76,6 +83,7 @@ def resolve_model(comm: Comm, options: dict):
     path = options["model_path"] or spmd.on_root(comm, default_model_path)
     spmd.everywhere(comm, check_model_path, path)
     start = time.perf_counter()
+    spmd.require_same(comm, "model file checksum", spmd.everywhere(comm, model_checksum, path))
     loaded = spmd.everywhere(comm, load_model, path, options["keep_quantized"])
     # From here on every rank is in lockstep: a long wait means a peer is gone.
     spmd.hot_phase(comm, options.get("comm_timeout"))
@@ -130,7 +138,9 @@ def model_nbytes(model) -> int:
 def make_engine(comm: Comm, loaded, options: dict) -> Engine:
     return Engine(CPModel(loaded.model), comm, algo=options["cp_algo"],
                   prefill_chunk=options["prefill_chunk"],
-                  on_layer=layer_hook(comm.rank, comm.watchdog))
+                  on_layer=layer_hook(comm.rank, comm.watchdog),
+                  kv_interleave=options.get("kv_interleave", 1),
+                  decode_merge=options.get("decode_merge", "allgather"))
 
 
 def write_stdout(text: str):
@@ -139,51 +149,87 @@ def write_stdout(text: str):
 
 
 # -- generate -----------------------------------------------------------------------
+def new_conversation(system: str | None) -> dict:
+    """What a prompt cache remembers of the exchange so far."""
+    return {"messages": [{"role": "system", "content": system}] if system else [], "text": ""}
+
+
+def prompt_text_for(loaded, conversation: dict, prompt: str, chat: bool) -> str:
+    """The full text to tokenize: the conversation so far plus the new user prompt."""
+    if chat and getattr(loaded.tokenizer, "has_chat_template", False):
+        # A prompt file's trailing newline is not part of the question; small models
+        # answer noticeably worse with it inside the user turn.
+        messages = conversation["messages"] + [{"role": "user", "content": prompt.strip()}]
+        return loaded.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=True)
+    return conversation["text"] + prompt
+
+
+def extend_conversation(conversation: dict, prompt: str, answer: str) -> dict:
+    messages = conversation["messages"] + [{"role": "user", "content": prompt.strip()},
+                                           {"role": "assistant", "content": answer}]
+    return {"messages": messages, "text": conversation["text"] + prompt + answer}
+
+
 def generate_command(comm: Comm, options: dict):
     def validate():
         if options["max_tokens"] < 0:
             raise UserError(f"--max-tokens must be >= 0, got {options['max_tokens']}")
-        return read_prompt(options["prompt"], options["prompt_file"])
+        prompt = read_prompt(options["prompt"], options["prompt_file"])
+        meta = read_meta(options["load_cache"]) if options["load_cache"] else None
+        if options["save_cache"]:
+            check_writable(str(Path(options["save_cache"]) / "meta.json"), directory=True)
+        return prompt, meta
 
-    prompt_text = spmd.on_root(comm, validate)
+    prompt_text, meta = spmd.on_root(comm, validate)
     loaded = resolve_model(comm, options)
+    engine = make_engine(comm, loaded, options)
+    if meta is not None:
+        cache = load_cache(comm, options["load_cache"], meta, loaded.checksum,
+                           engine.model.num_layers)
+        conversation = meta["conversation"]
+        log.info("prompt cache %s: %d tokens", options["load_cache"], cache.num_tokens)
+    else:
+        cache = engine.new_cache()
+        conversation = new_conversation(options["system"])
 
     def tokenize():
-        text = prompt_text
-        if not options["no_chat_template"] and getattr(loaded.tokenizer, "has_chat_template", False):
-            messages = ([{"role": "system", "content": options["system"]}] if options["system"] else [])
-            # A prompt file's trailing newline is not part of the question; small models
-            # answer noticeably worse with it inside the user turn.
-            messages.append({"role": "user", "content": prompt_text.strip()})
-            text = loaded.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                        add_generation_prompt=True)
+        text = prompt_text_for(loaded, conversation, prompt_text, not options["no_chat_template"])
         ids = tokenize_checked(loaded, text, options["max_context"])
-        check_memory(comm, loaded, options, len(ids) + options["max_tokens"], len(ids))
-        return ids
+        check_memory(comm, loaded, options, len(ids) + options["max_tokens"],
+                     len(ids) - min(cache.num_tokens, len(ids) - 1))
+        return ids, common_prefix_length(cache.token_ids, ids)
 
-    prompt_ids = spmd.on_root(comm, tokenize)
-    engine = make_engine(comm, loaded, options)
-    cache = engine.new_cache()
+    prompt_ids, reused = spmd.on_root(comm, tokenize)
+    cache.truncate(reused)
     sampling = SamplingOptions(max_tokens=options["max_tokens"], temp=options["temp"],
                                top_p=options["top_p"], top_k=options["top_k"],
                                min_p=options["min_p"], seed=options["seed"],
                                stop=list(options["stop"]))
-    log.info("prefill: %d prompt tokens on %d ranks", len(prompt_ids), comm.size)
+    log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
+             len(prompt_ids), reused, comm.size)
     mx.reset_peak_memory()
-    result = generate(engine, cache, prompt_ids, loaded.tokenizer, sampling, write=write_stdout)
+    result = generate(engine, cache, prompt_ids[reused:], loaded.tokenizer, sampling,
+                      write=write_stdout)
+    if options["save_cache"]:
+        answer = comm.bcast_object(result.text if comm.rank == 0 else None)
+        save_cache(comm, cache, options["save_cache"], loaded.checksum,
+                   extend_conversation(conversation, prompt_text, answer))
     metrics = rank_metrics(comm, cache, model_nbytes(loaded.model))
     if comm.rank != 0:
         return
     decoded = max(len(result.tokens) - 1, 0)
+    new_tokens = len(prompt_ids) - reused
     summary = {
         "text": result.text,
         "tokens": len(result.tokens),
         "prompt_tokens": int(len(prompt_ids)),
+        "prompt_tokens_reused": int(reused),
         "ranks": comm.size,
         "algo": ",".join(sorted(set(engine.algos_used))),
         "finish_reason": result.finish_reason,
         "ttft_s": round(result.prefill_s, 6),
-        "prefill_tok_s": round(len(prompt_ids) / max(result.prefill_s, 1e-9), 3),
+        "prefill_tok_s": round(new_tokens / max(result.prefill_s, 1e-9), 3),
         "decode_tok_s": round(decoded / result.decode_s, 3) if decoded and result.decode_s > 0 else 0.0,
         **metrics,
     }

@@ -19,7 +19,7 @@ from .cache import ShardedKVCache
 from .calibrate import calibrate
 from .comm import Comm
 from .model import CPModel
-from .partition import head_tail_positions, least_loaded_rank, owner_of
+from .partition import decode_owner, head_tail_positions, owner_of
 
 log = logging.getLogger("spmd_cp")
 
@@ -51,7 +51,8 @@ class Engine:
     """Runs prefill chunks and decode steps of one model over one communicator."""
 
     def __init__(self, model: CPModel, comm: Comm, algo: str = "allgather-kv",
-                 prefill_chunk: int = 0, on_layer=None):
+                 prefill_chunk: int = 0, on_layer=None, kv_interleave: int = 1,
+                 decode_merge: str = "allgather"):
         """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or
         "decode"): the watchdog's context and test-only fault injection use it."""
         self.model = model
@@ -59,6 +60,8 @@ class Engine:
         self.algo = algo
         self.prefill_chunk = prefill_chunk
         self.on_layer = on_layer
+        self.kv_interleave = kv_interleave
+        self.decode_merge = decode_merge
         self.algos_used = []
         self.measured = None
 
@@ -98,7 +101,7 @@ class Engine:
             rank_positions = head_tail_positions(len(ids), self.comm.size, start,
                                                  cache.shard_sizes)
             positions = rank_positions[self.comm.rank]
-            cache.add_positions(rank_positions)
+            cache.add_positions(rank_positions, ids)
             attend, algo, reason = prefill_attention(self.algo, self.comm, rank_positions,
                                                      cache, self.model, self._measured())
             if algo not in self.algos_used:
@@ -167,14 +170,15 @@ class Engine:
     # -- decode --------------------------------------------------------------------
     def decode_step(self, cache: ShardedKVCache, token: int):
         """Feed one generated token; return the next logits on rank 0 (None elsewhere)."""
-        # The least loaded rank stores the new token's K/V, so shards stay balanced.
-        owner = least_loaded_rank(cache.shard_sizes)
+        owner = decode_owner(cache.shard_sizes, cache.decode_steps, self.kv_interleave,
+                             cache.decode_owner)
+        cache.decode_owner, cache.decode_steps = owner, cache.decode_steps + 1
         position = np.array([cache.num_tokens], np.int64)
         rank_positions = [position if r == owner else position[:0]
                           for r in range(self.comm.size)]
-        cache.add_positions(rank_positions)
+        cache.add_positions(rank_positions, [token])
         hidden = self.model.forward(np.array([token]), position, cache,
-                                    decode_attention(self.comm),
+                                    decode_attention(self.comm, self.decode_merge),
                                     store=self.comm.rank == owner,
                                     on_layer=self._layer_hook("decode"))
         if self.comm.rank != 0:

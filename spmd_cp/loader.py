@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .checksum import model_checksum
 from .errors import UserError
 from .forecast import ModelShape
 from .model import SUPPORTED_MODEL_TYPES
@@ -27,6 +28,7 @@ class LoadedModel:
     tokenizer: object  # mlx_lm.tokenizer_utils.TokenizerWrapper
     config: dict
     path: str
+    checksum: str = ""  # sha256 of the model files (checksum.py)
 
     @property
     def max_context(self) -> int | None:
@@ -95,7 +97,7 @@ def load_model(path: str, keep_quantized: bool = False) -> LoadedModel:
     if mx.default_device() == mx.cpu and not keep_quantized:
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
-    return LoadedModel(model, tokenizer, config, str(p))
+    return LoadedModel(model, tokenizer, config, str(p), model_checksum(str(p)))
 
 
 def _refuse_sliding_window(config: dict, path: str):

@@ -51,6 +51,18 @@ def owner_of(position: int, rank_positions: list[np.ndarray]) -> int:
     raise ValueError(f"position {position} is on no rank")
 
 
+def decode_owner(shard_sizes, decode_step: int, interleave: int, previous: int) -> int:
+    """The rank that stores generated token number ``decode_step``'s K/V.
+
+    Tokens go in runs of ``interleave`` (vLLM's cp_kv_cache_interleave_size) to the
+    least loaded rank at the start of each run, so shard sizes never drift more than
+    one run apart however long the answer grows.
+    """
+    if decode_step % interleave == 0:
+        return least_loaded_rank(shard_sizes)
+    return previous
+
+
 def least_loaded_rank(shard_sizes) -> int:
     """The rank that caches the fewest tokens (lowest rank on ties).
 

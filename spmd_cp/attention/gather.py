@@ -33,13 +33,28 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray]):
     return attend
 
 
-def decode_attention(comm: Comm):
-    """Attention of one replicated query over the sharded cache, merged with one Allgather."""
+DECODE_MERGES = ("allgather", "allreduce")
+
+
+def decode_attention(comm: Comm, merge: str = "allgather"):
+    """Attention of one replicated query over the sharded cache, merged across ranks.
+
+    ``allgather``: one Allgather of every rank's (out, lse), then the local exact merge.
+    ``allreduce`` (Tree Attention, arXiv 2408.04093): an Allreduce of the max lse, then an
+    Allreduce-sum of the rescaled outputs and their weights: two smaller collectives
+    whose size does not grow with N.
+    """
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         out, lse = block_attention(q, keys, values, q_pos, k_pos, scale)  # (NH,1,d), (NH,1)
         if comm.size == 1:
             return out
+        if merge == "allreduce":
+            lse_max = comm.allreduce(lse, "max")
+            weight = mx.exp(lse - mx.where(lse_max == float("-inf"), 0.0, lse_max))[..., None]
+            summed = comm.allreduce(mx.concatenate([weight * out, weight], axis=-1), "sum")
+            total = summed[..., -1:]
+            return summed[..., :-1] / mx.where(total > 0, total, 1.0)
         packed = mx.concatenate([out, lse[..., None]], axis=-1)  # (NH, 1, d+1)
         partials = comm.allgather_stack(packed)  # (N, NH, 1, d+1)
         merged, _ = merge_stacked(partials[..., :-1], partials[..., -1])

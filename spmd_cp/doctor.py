@@ -1,0 +1,471 @@
+"""`spmd-cp doctor`: do all ranks run the same thing, and what do the link and the cores give?
+
+    mpiexec -n 2 spmd-cp doctor
+    launch/spmd-cp-run --hostfile hosts -- doctor --json
+    mpiexec -n 4 spmd-cp doctor --model ~/models/Qwen3-0.6B --recalibrate
+
+Every rank reports its host, its software versions, the sha256 of its copy of the model and
+the BLAS its matmuls run on; rank 0 prints them and names every difference. Then the ranks
+measure, together, what ``--cp-algo auto`` decides with (ring bandwidth and latency, attention
+FLOP/s; spmd_cp.calibrate, cached on disk) and rank 0 prints the crossover that follows.
+
+Exit status: 0 when the ranks agree, 3 when they do not (a model file differs or is missing
+on some rank, or a version differs), 2 for bad arguments. docs/DOCTOR.md explains the output.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .checksum import model_checksum
+from .errors import UserError  # standard library only: importing this module (cli.py does,
+# before the BLAS re-exec) must not load MLX or MPI
+
+EXIT_MISMATCH = 3
+
+# (report key, label): fields that must be equal on every rank. A different model file
+# breaks exactness outright; a different spmd-cp / MLX / mlx-lm can compute differently
+# or disagree on the message sequence; a different MPI or mpi4py can fail to interoperate.
+COMPARED = (
+    ("model_checksum", "model checksum"),
+    ("spmd_cp", "spmd-cp version"),
+    ("mlx", "MLX version"),
+    ("mlx_lm", "mlx-lm version"),
+    ("mpi4py", "mpi4py version"),
+    ("mpi_library", "MPI library"),
+    ("python", "Python version"),
+)
+
+# A rank this much slower at attention than the fastest one holds up every ring step
+# (smaller gaps are within the noise of a shared machine).
+SLOW_RANK_FACTOR = 3.0
+
+
+# -- model head counts (for the auto crossover), without loading weights -------------------
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str, stop_when=None) -> dict:
+    """The key/value metadata of a GGUF (v2/v3) file, read from its header only.
+
+    Args:
+        stop_when: optional predicate on the dict read so far; reading stops once it holds
+            (the tokenizer's vocabulary arrays come last and are large).
+    """
+    def unpack(fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError("truncated GGUF header")
+        return struct.unpack(fmt, data)[0]
+
+    def string():
+        return f.read(unpack("<Q")).decode("utf-8", errors="replace")
+
+    def value(kind):
+        if kind in _GGUF_SCALARS:
+            return unpack(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            item_kind, count = unpack("<I"), unpack("<Q")
+            if item_kind in _GGUF_SCALARS:  # numbers: read them (head counts per layer)
+                fmt = _GGUF_SCALARS[item_kind]
+                return list(struct.unpack(f"<{count}{fmt[1]}",
+                                          f.read(count * struct.calcsize(fmt))))
+            return [value(item_kind) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        if unpack("<I") < 2:
+            raise ValueError("GGUF version 1 is not supported")
+        unpack("<Q")  # tensor count
+        meta = {}
+        for _ in range(unpack("<Q")):
+            key = string()
+            meta[key] = value(unpack("<I"))
+            if stop_when is not None and stop_when(meta):
+                break
+    return meta
+
+
+def head_counts(path: str) -> tuple[int, int]:
+    """(query heads NH, KV heads NKV) of a model, from config.json or the GGUF header."""
+    p = Path(path)
+    if p.is_dir():
+        config = json.loads((p / "config.json").read_text())
+        heads = config["num_attention_heads"]
+        return heads, config.get("num_key_value_heads") or heads
+
+    def found(meta):
+        arch = meta.get("general.architecture")
+        return arch is not None and all(f"{arch}.attention.head_count{s}" in meta
+                                        for s in ("", "_kv"))
+
+    meta = read_gguf_metadata(path, stop_when=found)
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    def widest(count):  # some architectures list counts per layer: the widest sets traffic
+        return max(count) if isinstance(count, list) else count
+
+    return widest(heads), widest(kv_heads) or widest(heads)
+
+
+# -- the auto crossover (pure) -------------------------------------------------------------
+def auto_crossover(num_heads: int, num_kv_heads: int, elem_bytes: int, cp_size: int,
+                   measured) -> dict:
+    """Where spmd_cp.attention.choose switches between pass-KV and pass-Q.
+
+    Returns ``share_threshold`` (2*NKV/NH: pass-KV whenever T/(T+P) reaches it) and
+    ``pass_q_below_tokens``: X such that, below the share threshold, pass-Q is chosen
+    exactly for T < X new tokens (1: never; None: for every T). X is found by asking
+    ``choose_prefill_algo`` itself (a bisection), so it cannot drift from the rule.
+    """
+    from .attention.choose import choose_prefill_algo
+
+    result = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "elem_bytes": elem_bytes,
+              "cp_size": cp_size, "share_threshold": 2 * num_kv_heads / num_heads,
+              "pass_q_below_tokens": None}
+    if cp_size == 1:
+        result["pass_q_below_tokens"] = 1
+        return result
+
+    def is_pass_kv(tokens: int) -> bool:
+        cached = 10**40  # T/(T+P) < 1e-21 for every T tried: below any share threshold
+        return choose_prefill_algo(tokens, cached, cp_size, num_heads, num_kv_heads,
+                                   elem_bytes, measured)[0] == "pass-kv"
+
+    low, high = 1, 1 << 60
+    if is_pass_kv(low):
+        result["pass_q_below_tokens"] = 1  # pass-Q for T < 1: never
+        return result
+    if not is_pass_kv(high):
+        return result  # pass-Q for any T below the share threshold
+    while high - low > 1:  # invariant: pass-Q at low, pass-KV at high
+        mid = (low + high) // 2
+        low, high = (low, mid) if is_pass_kv(mid) else (mid, high)
+    result["pass_q_below_tokens"] = high
+    return result
+
+
+# -- per-rank facts and the comparison (pure) ------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def local_report() -> dict:
+    """This rank's host, versions and BLAS (no model, no communication)."""
+    import mlx.core as mx
+    import mpi4py
+    from mpi4py import MPI
+
+    from .blas import describe_blas, usable_cpus
+
+    blas = describe_blas()
+    return {
+        "host": socket.gethostname(),
+        "processor": MPI.Get_processor_name(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": _version("mlx-lm"),
+        "mpi4py": mpi4py.__version__,
+        "spmd_cp": _version("spmd-cp"),
+        "mpi_library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        "device": str(mx.default_device()),
+        "cpus": usable_cpus(),
+        "blas": blas["name"],
+        "blas_kind": blas["kind"],
+        "blas_path": blas["path"],
+        "blas_threads": blas["threads"],
+        "blas_fast": bool(blas["fast"]),
+        "blas_line": blas["line"],
+    }
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _hosts_of(ranks: list[int], reports: list[dict]) -> str:
+    hosts = list(dict.fromkeys(reports[r]["host"] for r in ranks))
+    return ("host " if len(hosts) == 1 else "hosts ") + ", ".join(hosts)
+
+
+def _short(key: str, value) -> str:
+    return value[:16] + "..." if key == "model_checksum" and value else str(value)
+
+
+def find_mismatches(reports: list[dict]) -> list[str]:
+    """One sentence per field that differs between ranks (empty when all agree).
+
+    The value most ranks have (ties: the one rank 0 has) is the reference; the sentence
+    names the other ranks first, e.g. "model checksum differs: rank 2 (host b) has
+    1a2b..., ranks 0,1 have 9f8e...".
+    """
+    problems = []
+    for rank, report in enumerate(reports):
+        if report.get("model_error"):
+            problems.append(f"model unusable on rank {rank} ({_hosts_of([rank], reports)}): "
+                            f"{report['model_error']}")
+    for key, label in COMPARED:
+        groups: dict = {}
+        for rank, report in enumerate(reports):
+            if key == "model_checksum" and report.get("model_error"):
+                continue  # already reported above
+            groups.setdefault(report.get(key), []).append(rank)
+        if len(groups) < 2:
+            continue
+        ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+        (reference, reference_ranks), others = ordered[0], ordered[1:]
+        parts = [f"{_rank_list(ranks)} ({_hosts_of(ranks, reports)}) "
+                 f"{'has' if len(ranks) == 1 else 'have'} {_short(key, value)}"
+                 for value, ranks in sorted(others, key=lambda item: item[1][0])]
+        parts.append(f"{_rank_list(reference_ranks)} "
+                     f"{'has' if len(reference_ranks) == 1 else 'have'} "
+                     f"{_short(key, reference)}")
+        problems.append(f"{label} differs: " + ", ".join(parts))
+    return problems
+
+
+def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
+    """Differences that do not break exactness but cost speed."""
+    warnings = []
+    for rank, report in enumerate(reports):
+        if not report["blas_fast"] and report["blas_kind"] != "accelerate":
+            warnings.append(f"rank {rank} ({report['host']}): {report['blas_line']}")
+    kinds = {report["blas"] for report in reports}
+    if len(kinds) > 1:
+        warnings.append("BLAS differs between ranks (" + "; ".join(
+            f"{_rank_list([r])}: {report['blas']}" for r, report in enumerate(reports))
+            + "): the slowest rank sets the pace")
+    by_host: dict = {}
+    for rank, report in enumerate(reports):
+        by_host.setdefault(report["host"], []).append(rank)
+    for host, ranks in by_host.items():
+        threads = sum(reports[r]["blas_threads"] or 1 for r in ranks)
+        cpus = reports[ranks[0]]["cpus"]
+        if threads > cpus:
+            warnings.append(f"host {host}: {len(ranks)} ranks use {threads} BLAS threads in all "
+                            f"on {cpus} CPUs (oversubscribed: set OPENBLAS_NUM_THREADS, or "
+                            "launch with launch/spmd-cp-run)")
+    fastest = max(flops)
+    for rank, rate in enumerate(flops):
+        if rate * SLOW_RANK_FACTOR < fastest:
+            warnings.append(f"rank {rank} ({reports[rank]['host']}) computes attention "
+                            f"{fastest / rate:.1f}x slower than the fastest rank: every ring "
+                            "step waits for it")
+    return warnings
+
+
+# -- the command ---------------------------------------------------------------------------
+@click.command()
+@click.option("--model", "model_path", default=None, metavar="PATH",
+              help="GGUF file or MLX/HF model directory (default: embedded SmolLM2-135M-Instruct).")
+@click.option("--recalibrate", is_flag=True,
+              help="Measure link and compute again and replace the cached calibration.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+def doctor(**options):
+    """Check that all ranks agree (versions, model checksum) and measure link and compute."""
+    from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
+
+    from . import spmd
+    from .comm import Comm
+
+    comm = Comm(MPI.COMM_WORLD)
+    spmd.setup_logging(comm)
+    outcome = {}
+    code = spmd.run(comm, doctor_command, options, outcome)
+    sys.exit(code or outcome.get("exit_code", 0))
+
+
+def doctor_command(comm, options: dict, outcome: dict):
+    """The body of `spmd-cp doctor` on every rank; sets ``outcome["exit_code"]``."""
+    from .calibrate import calibration_file, calibrate, measure_attention_flops
+    from .loader import check_model_path, default_model_path
+
+    # Rank 0's flags rule: in an MPMD launch ranks may have been given different ones, and
+    # every rank must take part in the same collectives.
+    flags = comm.bcast_object({"recalibrate": options["recalibrate"],
+                               "as_json": options["as_json"]})
+
+    report = local_report()
+    # Each rank checks its own copy (resolving the default itself: in an MPMD launch ranks
+    # may name different files, and a missing model must be reported, not deadlock).
+    model_path, error = options["model_path"], None
+    try:
+        model_path = model_path or default_model_path()
+        check_model_path(model_path)
+    except UserError as failure:
+        error = str(failure)
+    # Ranks sharing a host hash one after the other: the first fills the on-disk cache, the
+    # others then only stat() the file instead of reading it again at the same time.
+    hosts = comm.allgather_object(report["host"])
+    first_on_host = hosts.index(report["host"]) == comm.rank
+    checksum, hash_s = None, 0.0
+    for turn in (True, False):
+        if turn == first_on_host and error is None:
+            start = time.perf_counter()
+            try:
+                checksum = model_checksum(model_path)
+            except UserError as failure:
+                error = str(failure)
+            hash_s = time.perf_counter() - start
+        comm.barrier()
+    report.update(model_path=model_path and os.path.abspath(model_path), model_checksum=checksum,
+                  model_error=error, checksum_s=round(hash_s, 3))
+
+    # Every rank's attention speed now, under the load the ranks put on their hosts together.
+    report["attention_flops"] = measure_attention_flops(repeats=2)
+    reports = comm.allgather_object(report)
+
+    cache_file = calibration_file(comm)
+    cached = comm.bcast_object(cache_file.is_file() if comm.rank == 0 else None)
+    start = time.perf_counter()
+    measured = calibrate(comm, recalibrate=flags["recalibrate"])
+    calibration = {
+        "attention_flops": measured.attention_flops,
+        "ring_bytes_per_s": measured.ring_bytes_per_s if comm.size > 1 else None,
+        "ring_latency_s": measured.ring_latency_s if comm.size > 1 else None,
+        "source": "cache" if cached and not flags["recalibrate"] else "measured",
+        "seconds": round(time.perf_counter() - start, 3),
+        "file": str(cache_file),
+    }
+
+    problems = find_mismatches(reports)
+    outcome["exit_code"] = EXIT_MISMATCH if problems else 0
+    if comm.rank != 0:
+        return
+    flops = [r["attention_flops"] for r in reports]
+    warnings = find_warnings(reports, flops)
+    if calibration["source"] == "cache" and not (
+            1 / SLOW_RANK_FACTOR < min(flops) / measured.attention_flops < SLOW_RANK_FACTOR):
+        warnings.append(f"the cached attention FLOP/s ({measured.attention_flops / 1e9:.2f} G) "
+                        f"is far from today's ({min(flops) / 1e9:.2f} G): run "
+                        "`spmd-cp doctor --recalibrate`")
+    crossover = None
+    if reports[0]["model_error"] is None:
+        import mlx.core as mx
+
+        # K/V element size on the wire: float32 on the CPU path (the loader dequantizes),
+        # the model's half precision on a GPU (spmd_cp.model.CPModel.elem_bytes).
+        elem_bytes = 4 if mx.default_device() == mx.cpu else 2
+        try:
+            heads = head_counts(model_path)
+        except (OSError, ValueError, KeyError, TypeError) as failure:
+            warnings.append(f"cannot read the head counts of {model_path} ({failure!r}): "
+                            "no crossover")
+        else:
+            crossover = auto_crossover(*heads, elem_bytes, comm.size, measured)
+    summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
+               "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
+               **{key: [r[key] for r in reports] for key in reports[0]},
+               "calibration": calibration, "auto": crossover}
+    print_report(summary)
+    if flags["as_json"]:
+        print(json.dumps(summary), flush=True)
+
+
+# -- output --------------------------------------------------------------------------------
+def _gflops(rate: float) -> str:
+    return f"{rate / 1e9:.2f} GFLOP/s"
+
+
+def print_report(s: dict):
+    """The human-readable report (rank 0, stdout)."""
+    out = []
+    n = s["ranks"]
+    hosts = s["hosts"]
+    out.append(f"spmd-cp doctor: {n} rank{'s' if n != 1 else ''} on {len(hosts)} "
+               f"host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})")
+    out.append("")
+    rows = [("rank", "host", "pid", "BLAS", "threads", "attention", "model sha256")]
+    for r in range(n):
+        checksum = s["model_checksum"][r]
+        rows.append((str(r), s["host"][r], str(s["pid"][r]), s["blas"][r],
+                     str(s["blas_threads"][r] or "?"), _gflops(s["attention_flops"][r]),
+                     checksum[:16] if checksum else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    out.append("")
+    labels = dict(COMPARED)
+    out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
+    for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "device",
+                "model_path", "model_checksum"):
+        values = s[key]
+        mark = "" if len(set(values)) == 1 else "   (differs)"
+        label = labels.get(key, key).replace(" version", "")
+        if key == "model_path":
+            label = "model"
+            mark = "" if len(set(values)) == 1 else "   (paths differ; checksums are compared)"
+        out.append(f"  {label:<15} {values[0]}{mark}")
+    out.append("")
+    if s["problems"]:
+        out.append(f"MISMATCH (exit status {EXIT_MISMATCH}):")
+        out += [f"  {p}" for p in s["problems"]]
+        out.append("")
+    if s["warnings"]:
+        out.append("warnings:")
+        out += [f"  {w}" for w in s["warnings"]]
+        out.append("")
+    c = s["calibration"]
+    if n > 1:
+        out.append(f"ring Sendrecv (rank r -> r+1, slowest link): "
+                   f"{c['ring_bytes_per_s'] / 1e9:.3f} GB/s per direction, "
+                   f"{c['ring_latency_s'] * 1e6:.0f} us per small step")
+    out.append(f"attention (slowest rank): {_gflops(c['attention_flops'])}")
+    if c["source"] == "cache":
+        out.append(f"calibration: read from {c['file']} "
+                   "(`spmd-cp doctor --recalibrate` measures again)")
+    else:
+        out.append(f"calibration: measured now ({c['seconds']:.1f} s), written to {c['file']}")
+    out.append(f"  (--cp-algo auto reads it whenever {n} rank{'s' if n != 1 else ''} run on "
+               f"{'these hosts' if len(hosts) > 1 else 'this host'})")
+    a = s["auto"]
+    if a is not None:
+        out.append("")
+        out.append(f"auto choice for this model (NH={a['num_heads']} query heads, "
+                   f"NKV={a['num_kv_heads']} KV heads, {a['elem_bytes']}-byte K/V) on {n} "
+                   f"rank{'s' if n != 1 else ''}:")
+        out += ["  " + line for line in describe_crossover(a)]
+    print("\n".join(out), flush=True)
+
+
+def describe_crossover(a: dict) -> list[str]:
+    """Sentences for an ``auto_crossover`` result."""
+    if a["cp_size"] == 1:
+        return ["one rank: no communication, nothing to choose (pass-kv)"]
+    share = a["share_threshold"]
+    rule = f"T/(T+P) < 2*NKV/NH = {share:.3f}"
+    lines = [f"pass-kv whenever the T new tokens are at least {share:.1%} of the context "
+             f"(T/(T+P) >= 2*NKV/NH) on P cached tokens"]
+    limit = a["pass_q_below_tokens"]
+    if limit is None:
+        lines.append(f"pass-q is chosen for every follow-up with {rule}")
+    elif limit <= 1:
+        lines.append("pass-q is never chosen: even one new token's attention hides the K/V "
+                     "transfer on this link")
+    else:
+        lines.append(f"pass-q is chosen for follow-ups of T < {limit} new tokens on P cached "
+                     f"when {rule};")
+        lines.append(f"from T >= {limit} the K/V transfer hides under attention compute "
+                     "(T >= N*C*NKV*e/(2*NH*BW)) and pass-kv wins")
+    return lines

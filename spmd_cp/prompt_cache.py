@@ -1,0 +1,150 @@
+"""Sharded prompt caches on disk: ask many questions about one long document.
+
+Layout of a cache directory for N ranks:
+
+    rank-0-of-N.safetensors ... rank-(N-1)-of-N.safetensors
+        each rank's K/V shard ("layer.<i>.keys", "layer.<i>.values", (NKV, S_r, d))
+        and its global positions ("positions")
+    meta.json
+        format, model checksum, N, token ids, the conversation so far, shard sizes and
+        the sha256 of every shard file; written last (atomically), so a directory
+        whose meta.json exists is complete
+
+Every rank writes and reads only its own shard: the cache is never gathered. Loading
+refuses, with one clear line, a cache from another model, another rank count, a
+missing or corrupt shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import spmd
+from .cache import ShardedKVCache
+from .comm import Comm
+from .errors import UserError
+
+FORMAT = 1
+META = "meta.json"
+
+
+def shard_name(rank: int, size: int) -> str:
+    return f"rank-{rank}-of-{size}.safetensors"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum: str,
+               conversation: dict):
+    """Write this rank's shard; rank 0 then writes meta.json (collective)."""
+    out = Path(directory)
+
+    def write_shard():
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if comm.rank == 0:
+                (out / META).unlink(missing_ok=True)  # incomplete until rewritten
+            arrays = {"positions": mx.array(cache.positions)}
+            for index, layer in enumerate(cache.layers):
+                keys, values = layer.fetch()
+                if keys is not None and keys.shape[1] > 0:
+                    arrays[f"layer.{index}.keys"] = keys
+                    arrays[f"layer.{index}.values"] = values
+            path = out / shard_name(comm.rank, comm.size)
+            mx.save_safetensors(str(path), arrays)
+            return _sha256(path)
+        except OSError as error:
+            raise UserError(f"cannot write prompt cache {directory}: {error}") from None
+
+    digests = comm.allgather_object(spmd.everywhere(comm, write_shard))
+
+    def write_meta():
+        meta = {"format": FORMAT, "model_checksum": model_checksum, "cp_size": comm.size,
+                "num_tokens": cache.num_tokens, "token_ids": cache.token_ids.tolist(),
+                "shard_sizes": cache.shard_sizes, "shard_sha256": digests,
+                "decode_steps": cache.decode_steps, "decode_owner": cache.decode_owner,
+                "conversation": conversation}
+        tmp = out / f"{META}.tmp"
+        try:
+            tmp.write_text(json.dumps(meta))
+            os.replace(tmp, out / META)
+        except OSError as error:
+            raise UserError(f"cannot write prompt cache {directory}: {error}") from None
+
+    spmd.on_root(comm, write_meta)
+
+
+def read_meta(directory: str) -> dict:
+    """meta.json of a cache directory (rank 0; cheap: run before loading the model)."""
+    path = Path(directory) / META
+    if not Path(directory).is_dir():
+        raise UserError(f"prompt cache not found: {directory}")
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"prompt cache {directory} is incomplete (no {META})") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"prompt cache {directory} is corrupt ({META}: {error})") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"prompt cache {directory} has format {meta.get('format')!r}, "
+                        f"this spmd-cp reads format {FORMAT}")
+    return meta
+
+
+def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
+               num_layers: int) -> ShardedKVCache:
+    """Every rank loads its own shard of a cache written for the same model and N."""
+    if meta["model_checksum"] != model_checksum:
+        raise UserError(f"prompt cache {directory} was made with another model "
+                        f"(checksum {meta['model_checksum'][:12]}..., this model "
+                        f"{model_checksum[:12]}...)")
+    if meta["cp_size"] != comm.size:
+        raise UserError(f"prompt cache {directory} was made on {meta['cp_size']} ranks; "
+                        f"this job has {comm.size} (run with mpiexec -n {meta['cp_size']})")
+
+    def read_shard():
+        path = Path(directory) / shard_name(comm.rank, comm.size)
+        try:
+            if _sha256(path) != meta["shard_sha256"][comm.rank]:
+                raise UserError(f"prompt cache shard {path} is corrupt (sha256 mismatch)")
+            return mx.load(str(path))
+        except FileNotFoundError:
+            raise UserError(f"prompt cache shard missing: {path}") from None
+        except (OSError, ValueError, RuntimeError) as error:
+            raise UserError(f"prompt cache shard {path} is corrupt: {error}") from None
+
+    arrays = spmd.everywhere(comm, read_shard)
+    cache = ShardedKVCache(num_layers, comm.rank, comm.size)
+    positions = [np.asarray(p, np.int64) for p in comm.allgather_object(
+        np.asarray(arrays["positions"], np.int64))]
+    cache.add_positions(positions, np.asarray(meta["token_ids"], np.int64))
+    if cache.shard_sizes != meta["shard_sizes"] or cache.num_tokens != meta["num_tokens"]:
+        raise UserError(f"prompt cache {directory} is corrupt (shard sizes do not match)")
+    for index, layer in enumerate(cache.layers):
+        if f"layer.{index}.keys" in arrays:
+            layer.update_and_fetch(arrays[f"layer.{index}.keys"], arrays[f"layer.{index}.values"])
+    cache.decode_steps, cache.decode_owner = meta["decode_steps"], meta["decode_owner"]
+    return cache
+
+
+def common_prefix_length(cached: np.ndarray, ids: np.ndarray) -> int:
+    """How many leading tokens of ``ids`` the cache already holds.
+
+    At most len(ids) - 1: the last prompt token is always recomputed, because its
+    logits (not kept in the cache) are what the first answer token is sampled from.
+    """
+    n = min(len(cached), len(ids) - 1)
+    mismatch = np.flatnonzero(np.asarray(cached[:n]) != np.asarray(ids[:n]))
+    return int(mismatch[0]) if mismatch.size else n

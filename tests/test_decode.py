@@ -1,0 +1,100 @@
+"""Decode over a sharded cache: prompt caches on disk, long greedy runs, shard balance."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import TESTS, run_cli, run_ranks
+
+DOCUMENT = ("The city of Lyon lies at the confluence of the Rhone and the Saone. It was "
+            "founded by the Romans as Lugdunum in 43 BC and became the capital of Gaul. ") * 6
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode")
+    (root / "doc.txt").write_text(DOCUMENT + "\nWhat river meets the Rhone at Lyon?")
+    return root
+
+
+def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files, tmp_path):
+    cache = tmp_path / "cache"
+    first = run_cli(2, ["generate", "--prompt-file", str(files / "doc.txt"), "--max-tokens", "16",
+                        "--save-cache", str(cache), "--json"]).last_json()
+    assert sorted(p.name for p in cache.iterdir()) == [
+        "meta.json", "rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
+    follow_up = "When was the city founded?"
+    resumed = run_cli(2, ["generate", "--load-cache", str(cache), "--prompt", follow_up,
+                          "--max-tokens", "16", "--json"]).last_json()
+    # Most of the conversation came from the cache: only the new turn was prefilled.
+    assert resumed["prompt_tokens_reused"] >= first["prompt_tokens"]
+    assert resumed["prompt_tokens"] - resumed["prompt_tokens_reused"] < 40
+
+    # The same conversation, templated by the reference tokenizer and prefilled from scratch.
+    from spmd_cp.gguf import default_model_path
+    from spmd_cp.loader import load_model
+
+    tokenizer = load_model(default_model_path()).tokenizer
+    messages = [{"role": "user", "content": (files / "doc.txt").read_text().strip()},
+                {"role": "assistant", "content": first["text"]},
+                {"role": "user", "content": follow_up}]
+    whole = tmp_path / "conversation.txt"
+    whole.write_text(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True))
+    scratch = run_cli(1, ["generate", "--no-chat-template", "--prompt-file", str(whole),
+                          "--max-tokens", "16", "--json"]).last_json()
+    assert scratch["prompt_tokens"] == resumed["prompt_tokens"]
+    assert resumed["text"] == scratch["text"]
+    assert resumed["tokens"] == scratch["tokens"]
+
+
+def refused(launch, *fragments):
+    assert launch.returncode != 0
+    errors = [line for line in launch.stderr.splitlines() if line.startswith("spmd-cp: error:")]
+    assert len(errors) == 1, launch.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_bad_caches_are_refused(files, tmp_path, tiny_models):
+    cache = tmp_path / "cache"
+    run_cli(2, ["generate", "--prompt", "Hello", "--max-tokens", "2", "--save-cache", str(cache)])
+    args = ["generate", "--load-cache", str(cache), "--prompt", "Again", "--max-tokens", "2"]
+    refused(run_cli(3, args, check=False), "made on 2 ranks", "this job has 3")
+    refused(run_cli(2, args + ["--model", tiny_models["llama"]], check=False),
+            "made with another model")
+    shard = cache / "rank-1-of-2.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    refused(run_cli(2, args, check=False), "rank-1-of-2.safetensors is corrupt")
+    (cache / "meta.json").write_text("{not json")
+    refused(run_cli(2, args, check=False), "is corrupt (meta.json")
+    refused(run_cli(2, ["generate", "--load-cache", str(tmp_path / "nowhere"), "--prompt", "x"],
+                    check=False), "prompt cache not found")
+
+
+def test_long_greedy_decode_matches_single_rank_for_every_algorithm(embedded_model, tmp_path):
+    """500-token prompt, greedy: 128 tokens at N=1 vs N=2 and N=4; at N=2 also after every
+    prefill algorithm (decode starts from that algorithm's cache)."""
+    driver = [sys.executable, str(TESTS / "mpi_exact_driver.py")]
+    base = {"chunk": 0, "length": 500, "seed": 7, "score": False}
+    configs = [{**base, "algo": "auto", "decode": 128}]
+    configs += [{**base, "algo": a, "decode": 16} for a in ("pass-kv", "pass-q", "allgather-kv")]
+    results = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"long-{n}.json"
+        run_ranks(n, driver + [embedded_model, json.dumps(configs if n == 2 else configs[:1]),
+                               str(out)], timeout=600)
+        results[n] = json.loads(out.read_text())["results"]
+    reference = results[1][0]["greedy"]
+    assert len(reference) == 128
+    for n in (2, 4):
+        for result in results[n]:
+            steps = result["config"]["decode"]
+            assert result["greedy"] == reference[:steps], (n, result["config"])
+            sizes = result["shard_sizes"]
+            assert max(sizes) - min(sizes) <= 1
