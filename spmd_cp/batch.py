@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from .cli import common_options
+from .options import common_options
 from .errors import UserError
 from .jobs import Job, ResultWriter, error_record, group_jobs, load_finished, read_jobs
 from .progress import MODES, Progress
@@ -337,6 +337,7 @@ class RootSide:
             "text": result.text,
             "prompt_tokens": job["prompt_tokens"],
             "prompt_tokens_prefilled": prefilled,
+            "prompt_tokens_reused": reused,
             "prefix_reused": reused > 0,
             "tokens": len(result.tokens),
             "finish_reason": result.finish_reason,

@@ -12,8 +12,9 @@ volume of each algorithm in the same unit, and tests check the two agree.
 from __future__ import annotations
 
 import pickle
+import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -72,13 +73,22 @@ class Comm:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.bytes_sent = 0
+        self.wait_seconds = 0.0  # time spent blocked in communication (not overlapped)
         self.watchdog = watchdog  # bounds every blocking call below (see watchdog.py)
         self._comm_thread = None
 
+    @contextmanager
     def _waiting(self, what: str, peer: int | None = None):
-        if self.watchdog is None or self.size == 1:
-            return nullcontext()
-        return self.watchdog.waiting(what, peer)
+        """Around every blocking call: time it, and let the watchdog bound it."""
+        start = time.perf_counter()
+        try:
+            if self.watchdog is None or self.size == 1:
+                yield
+            else:
+                with self.watchdog.waiting(what, peer):
+                    yield
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
     def sendrecv_start(self, array: mx.array, dest: int, source: int,
                        recv_shape: tuple) -> Transfer:
@@ -152,17 +162,19 @@ class Comm:
             return self.mpi.recv(source=source)
 
     # -- MLX arrays (data plane) ---------------------------------------------------
-    def allgather_rows(self, array: mx.array, axis: int) -> mx.array:
+    def allgather_rows(self, array: mx.array, axis: int, counts=None) -> mx.array:
         """Concatenate every rank's ``array`` along ``axis`` (sizes may differ per rank).
 
-        All other dimensions must agree. Ranks contribute in rank order.
+        All other dimensions must agree. Ranks contribute in rank order. ``counts``
+        (every rank's size along ``axis``), when the caller knows them, saves a round.
         """
         if self.size == 1:
             return array
         send = to_wire(mx.moveaxis(array, axis, 0))
         row_shape = send.shape[1:]
-        with self._waiting("Allgather"):
-            counts = self.mpi.allgather(send.shape[0])
+        if counts is None:
+            with self._waiting("Allgather"):
+                counts = self.mpi.allgather(send.shape[0])
         row_elems = int(np.prod(row_shape, dtype=np.int64))
         recv = np.empty((sum(counts),) + row_shape, dtype=send.dtype)
         sizes = [c * row_elems for c in counts]
@@ -170,6 +182,20 @@ class Comm:
             self.mpi.Allgatherv(send, [recv, (sizes, _offsets(sizes))])
         self.bytes_sent += (self.size - 1) * send.nbytes
         return mx.moveaxis(from_wire(recv, array.dtype), 0, axis)
+
+    def gather_rows(self, array: mx.array, counts: list, root: int = 0):
+        """Concatenate every rank's 1-D ``array`` (``counts[r]`` long) on ``root`` only."""
+        if self.size == 1:
+            return array
+        send = to_wire(array)
+        recv = np.empty(sum(counts), dtype=send.dtype) if self.rank == root else None
+        with self._waiting("Gatherv", None if self.rank == root else root):
+            self.mpi.Gatherv(send, [recv, (list(counts), _offsets(counts))] if recv is not None
+                             else None, root=root)
+        if self.rank != root:
+            self.bytes_sent += send.nbytes
+            return None
+        return from_wire(recv, array.dtype)
 
     def allgather_stack(self, array: mx.array) -> mx.array:
         """Stack every rank's same-shaped ``array`` into a new leading axis of size N."""

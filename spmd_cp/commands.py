@@ -140,7 +140,8 @@ def make_engine(comm: Comm, loaded, options: dict) -> Engine:
                   prefill_chunk=options["prefill_chunk"],
                   on_layer=layer_hook(comm.rank, comm.watchdog),
                   kv_interleave=options.get("kv_interleave", 1),
-                  decode_merge=options.get("decode_merge", "allgather"))
+                  decode_merge=options.get("decode_merge", "allgather"),
+                  decode_tp=options.get("decode_tp", "off"))
 
 
 def write_stdout(text: str):

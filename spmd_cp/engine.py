@@ -9,6 +9,7 @@ prompt are ever gathered.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from .cache import ShardedKVCache
 from .calibrate import calibrate
 from .comm import Comm
 from .model import CPModel
+from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
 from .partition import decode_owner, head_tail_positions, owner_of
 
 log = logging.getLogger("spmd_cp")
@@ -52,7 +54,7 @@ class Engine:
 
     def __init__(self, model: CPModel, comm: Comm, algo: str = "allgather-kv",
                  prefill_chunk: int = 0, on_layer=None, kv_interleave: int = 1,
-                 decode_merge: str = "allgather"):
+                 decode_merge: str = "allgather", decode_tp: str = "off"):
         """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or
         "decode"): the watchdog's context and test-only fault injection use it."""
         self.model = model
@@ -62,6 +64,9 @@ class Engine:
         self.on_layer = on_layer
         self.kv_interleave = kv_interleave
         self.decode_merge = decode_merge
+        self.decode_tp = decode_tp  # "on", "off" or "auto" (measured in the first steps)
+        self.tp_decoder = None
+        self._probe_times = []  # (split?, seconds) of the decode steps timed for "auto"
         self.algos_used = []
         self.measured = None
 
@@ -177,13 +182,50 @@ class Engine:
         rank_positions = [position if r == owner else position[:0]
                           for r in range(self.comm.size)]
         cache.add_positions(rank_positions, [token])
-        hidden = self.model.forward(np.array([token]), position, cache,
-                                    decode_attention(self.comm, self.decode_merge),
-                                    store=self.comm.rank == owner,
-                                    on_layer=self._layer_hook("decode"))
-        if self.comm.rank != 0:
-            mx.eval(hidden)  # ranks > 0 need no logits: finish the layers' collectives
-            return None
-        logits = self.model.logits(hidden)[0]
+        attend = decode_attention(self.comm, self.decode_merge)
+        store, hook = self.comm.rank == owner, self._layer_hook("decode")
+        start = time.perf_counter()
+        split = self._use_tensor_parallel()
+        if split:
+            hidden = self.tp_decoder.forward(token, position, cache, attend, store, hook)
+            logits = self.tp_decoder.logits(hidden)
+        else:
+            hidden = self.model.forward(np.array([token]), position, cache, attend,
+                                        store=store, on_layer=hook)
+            # Ranks > 0 need no logits: evaluating finishes the layers' collectives.
+            logits = self.model.logits(hidden) if self.comm.rank == 0 else hidden
         mx.eval(logits)
-        return logits
+        if self.decode_tp == "auto":
+            self._probe_times.append((split, time.perf_counter() - start))
+        return logits[0] if self.comm.rank == 0 else None
+
+    # -- tensor-parallel decode: on, off, or measured ------------------------------------
+    PROBE_STEPS = 3  # decode steps timed in each mode before ``auto`` decides
+
+    def _use_tensor_parallel(self) -> bool:
+        """Whether this decode step splits the weights' work across ranks (tp_decode.py).
+
+        ``auto`` times the engine's first PROBE_STEPS replicated steps, then PROBE_STEPS
+        split ones (the first of each discarded as warm-up), and rank 0 broadcasts the
+        faster; the choice then holds for the engine's life.
+        """
+        if self.decode_tp == "off" or self.comm.size == 1:
+            return False
+        if self.tp_decoder is None:
+            if not supports_tensor_parallel(self.model):
+                self.decode_tp = "off"
+                return False
+            self.tp_decoder = TensorParallelDecoder(self.model, self.comm)
+        if self.decode_tp == "on":
+            return True
+        probe, step = self.PROBE_STEPS, len(self._probe_times)
+        if step == 2 * probe:
+            replicated = float(np.median([t for _, t in self._probe_times[1:probe]]))
+            split = float(np.median([t for _, t in self._probe_times[probe + 1:]]))
+            faster = split < replicated if self.comm.rank == 0 else None
+            self.decode_tp = "on" if self.comm.bcast_object(faster) else "off"
+            log.info("decode: %s (measured %.1f ms per step replicated, %.1f ms split)",
+                     "tensor-parallel" if self.decode_tp == "on" else "replicated",
+                     1e3 * replicated, 1e3 * split)
+            return self.decode_tp == "on"
+        return probe <= step < 2 * probe

@@ -45,6 +45,22 @@ def rope_at(rope: nn.Module, x: mx.array, runs) -> mx.array:
     return mx.concatenate([rope(x[..., a:b, :], offset=p) for a, b, p in runs], axis=-2)
 
 
+def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs):
+    """(1, n, H*d) projections -> (H, n, d) heads, with Qwen3's q/k norms and RoPE at the
+    global positions ``runs`` (see ``contiguous_runs``)."""
+    n = q.shape[1]
+    head_dim = q.shape[-1] // attn.n_heads  # explicit: a rank may hold 0 rows
+    q = q.reshape(1, n, attn.n_heads, head_dim)
+    k = k.reshape(1, n, attn.n_kv_heads, head_dim)
+    v = v.reshape(1, n, attn.n_kv_heads, head_dim)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    if runs:
+        q, k = rope_at(attn.rope, q, runs), rope_at(attn.rope, k, runs)
+    return q[0], k[0], v[0]
+
+
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
@@ -65,19 +81,8 @@ class CPModel:
             self.elem_bytes = 2
 
     def _qkv(self, attn, x: mx.array, runs):
-        """Projections (with Qwen3's q/k norms) and RoPE: (H, n, d) each."""
-        n = x.shape[1]
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        head_dim = q.shape[-1] // attn.n_heads  # explicit: a rank may hold 0 rows
-        q = q.reshape(1, n, attn.n_heads, head_dim)
-        k = k.reshape(1, n, attn.n_kv_heads, head_dim)
-        v = v.reshape(1, n, attn.n_kv_heads, head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        if runs:
-            q, k = rope_at(attn.rope, q, runs), rope_at(attn.rope, k, runs)
-        return q[0], k[0], v[0]
+        """Projections, Qwen3's q/k norms and RoPE: (H, n, d) each."""
+        return heads_with_rope(attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), runs)
 
     def forward(
         self,

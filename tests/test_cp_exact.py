@@ -162,16 +162,22 @@ def test_prefill_memory_per_rank_shrinks_with_n(embedded_model, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_decode_merges_and_interleaved_placement(n, tiny_models, tmp_path):
-    """Both decode merges are exact, and interleaved placement keeps shards within one
-    run of K tokens of each other (vLLM's cp_kv_cache_interleave_size)."""
+def test_decode_merges_tensor_parallel_and_interleaved_placement(n, tiny_models, tmp_path):
+    """Both decode merges are exact, with and without the tensor-parallel decode step,
+    and interleaved placement keeps shards within one run of K tokens of each other
+    (vLLM's cp_kv_cache_interleave_size)."""
     configs = [{"algo": "auto", "chunk": 0, "length": 13, "decode": 22, "seed": 13,
-                "merge": merge, "interleave": k}
-               for merge in ("allgather", "allreduce") for k in (1, 4)]
+                "merge": merge, "interleave": k, "tp": tp}
+               for merge in ("allgather", "allreduce") for k in (1, 4) for tp in ("off", "on")]
     results = run_driver(n, tiny_models["qwen3"], configs, tmp_path)
     for result in results:
         k = result["config"]["interleave"]
         check_against_reference([result], tiny_models["qwen3"], n, balance=k + 1)
+    for tiny in ("llama",):  # untied LM head (qwen3 above) and tied embedding (llama)
+        tied = run_driver(n, tiny_models[tiny], [{**configs[0], "tp": "on"}], tmp_path)
+        check_against_reference(tied, tiny_models[tiny], n)
+    for result in results:
+        k = result["config"]["interleave"]
         total = sum(result["shard_sizes"])
         for size in result["shard_sizes"]:
             assert abs(size - total / n) <= k, result["shard_sizes"]

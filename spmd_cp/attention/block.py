@@ -87,15 +87,17 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float)
     if tq == 0 or k.shape[1] == 0:
         return out, lse
 
-    tile = max(64, int(np.sqrt(SCORE_TILE_ELEMENTS / num_heads)))
+    # Square tiles for prefill; a short query block (decode: one row) gets long key tiles.
+    q_tile = min(tq, max(64, int(np.sqrt(SCORE_TILE_ELEMENTS / num_heads))))
+    k_tile = max(64, SCORE_TILE_ELEMENTS // (num_heads * q_tile))
     q_tiles = []
-    for q0 in range(0, tq, tile):
-        q1 = min(q0 + tile, tq)
+    for q0 in range(0, tq, q_tile):
+        q1 = min(q0 + q_tile, tq)
         qp = q_pos[q0:q1]
         q_out, q_lse = out[:, q0:q1], lse[:, q0:q1]  # empty partial until a tile lands
         merged_any = False
-        for k0 in range(0, k.shape[1], tile):
-            k1 = min(k0 + tile, k.shape[1])
+        for k0 in range(0, k.shape[1], k_tile):
+            k1 = min(k0 + k_tile, k.shape[1])
             kp = k_pos[k0:k1]
             if kp.min() > qp.max():
                 continue  # every key is in every query's future
