@@ -96,6 +96,15 @@ def score(**options):
     sys.exit(run_command("score", options))
 
 
+@cli.command("trace-summary")
+@click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
+def trace_summary(trace_file):
+    """Each rank's compute and wait shares in a --trace file, and the slowest rank."""
+    from .trace import summarize
+
+    click.echo(summarize(trace_file))
+
+
 cli.add_command(doctor)
 cli.add_command(batch)
 

@@ -75,6 +75,7 @@ class Comm:
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # time spent blocked in communication (not overlapped)
         self.watchdog = watchdog  # bounds every blocking call below (see watchdog.py)
+        self.tracer = None  # records waits and transfers when --trace is on (trace.py)
         self._comm_thread = None
 
     @contextmanager
@@ -88,7 +89,10 @@ class Comm:
                 with self.watchdog.waiting(what, peer):
                     yield
         finally:
-            self.wait_seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            self.wait_seconds += end - start
+            if self.tracer is not None:
+                self.tracer.complete(f"wait: {what}", "wait", start, end, peer=peer)
 
     def sendrecv_start(self, array: mx.array, dest: int, source: int,
                        recv_shape: tuple) -> Transfer:
@@ -103,9 +107,17 @@ class Comm:
             self._comm_thread = ThreadPoolExecutor(1, thread_name_prefix="spmd-cp-comm")
         send = to_wire(array)
         recv = np.empty(recv_shape, dtype=send.dtype)
-        future = self._comm_thread.submit(self.mpi.Sendrecv, send, dest, 0, recv, source, 0)
+        future = self._comm_thread.submit(self._sendrecv, send, dest, recv, source)
         self.bytes_sent += send.nbytes
         return Transfer(future, send, recv, array.dtype, self._waiting("ring Sendrecv", source))
+
+    def _sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int):
+        """The blocking Sendrecv, run on the communication thread."""
+        start = time.perf_counter()
+        self.mpi.Sendrecv(send, dest, 0, recv, source, 0)
+        if self.tracer is not None:
+            self.tracer.complete("transfer", "transfer", start, time.perf_counter(), thread=1,
+                                 to=dest, source=source, bytes=int(send.nbytes))
 
     def alltoallv_arrays(self, arrays: list, recv_shapes: list) -> list:
         """Send ``arrays[r]`` to rank r; return the arrays received from each rank.

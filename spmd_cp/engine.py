@@ -21,6 +21,7 @@ from .calibrate import calibrate
 from .comm import Comm
 from .model import CPModel
 from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
+from .trace import span
 from .partition import decode_owner, head_tail_positions, owner_of
 
 log = logging.getLogger("spmd_cp")
@@ -112,9 +113,12 @@ class Engine:
             if algo not in self.algos_used:
                 log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
-            hidden = self.model.forward(ids[positions - start], positions, cache, attend,
-                                        on_layer=self._layer_hook("prefill"))
-            mx.eval(hidden)
+            with span(self.comm.tracer, "prefill chunk", "prefill", tokens=len(ids),
+                      cached=start, algo=algo):
+                hidden = self.model.forward(ids[positions - start], positions, cache, attend,
+                                            on_layer=self._layer_hook("prefill"),
+                                            tracer=self.comm.tracer)
+                mx.eval(hidden)
             if score:
                 parts = self.comm.gather_object(
                     self._score_rows(hidden, positions, token_ids, begin, start))
@@ -186,15 +190,18 @@ class Engine:
         store, hook = self.comm.rank == owner, self._layer_hook("decode")
         start = time.perf_counter()
         split = self._use_tensor_parallel()
-        if split:
-            hidden = self.tp_decoder.forward(token, position, cache, attend, store, hook)
-            logits = self.tp_decoder.logits(hidden)
-        else:
-            hidden = self.model.forward(np.array([token]), position, cache, attend,
-                                        store=store, on_layer=hook)
-            # Ranks > 0 need no logits: evaluating finishes the layers' collectives.
-            logits = self.model.logits(hidden) if self.comm.rank == 0 else hidden
-        mx.eval(logits)
+        tracer = self.comm.tracer
+        with span(tracer, "decode step", "decode", tensor_parallel=split):
+            if split:
+                hidden = self.tp_decoder.forward(token, position, cache, attend, store, hook,
+                                                 tracer)
+                logits = self.tp_decoder.logits(hidden)
+            else:
+                hidden = self.model.forward(np.array([token]), position, cache, attend,
+                                            store=store, on_layer=hook, tracer=tracer)
+                # Ranks > 0 need no logits: evaluating finishes the layers' collectives.
+                logits = self.model.logits(hidden) if self.comm.rank == 0 else hidden
+            mx.eval(logits)
         if self.decode_tp == "auto":
             self._probe_times.append((split, time.perf_counter() - start))
         return logits[0] if self.comm.rank == 0 else None

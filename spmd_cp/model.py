@@ -16,6 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import ShardedKVCache
+from .trace import span
 
 # Architectures whose layers this loop reproduces exactly (mlx-lm model_type names).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -61,6 +62,16 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs):
     return q[0], k[0], v[0]
 
 
+def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
+    """This rank's keys/values for one layer after (maybe) appending the new k, v."""
+    if store:
+        return layer_kv.update_and_fetch(k, v)
+    keys, values = layer_kv.fetch()
+    if keys is None:  # nothing cached here yet: an empty shard of the right shape
+        return k[:, :0], v[:, :0]
+    return keys, values
+
+
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
@@ -92,6 +103,7 @@ class CPModel:
         attend: AttendFn,
         store: bool = True,
         on_layer=None,
+        tracer=None,
     ) -> mx.array:
         """Hidden states (n, D) of ``token_ids`` at global ``positions``, before the final norm.
 
@@ -101,7 +113,8 @@ class CPModel:
             cache: this rank's shard; the new K/V are appended to it when ``store``
                 (decode computes a token on every rank but stores it on one).
             attend: the CP attention for this call (see ``attention/``).
-            on_layer: optional callback(layer_index) for tracing and fault injection.
+            on_layer: optional callback(layer_index) for the watchdog and fault injection.
+            tracer: a trace.Tracer to time each layer (evaluated before its span closes).
         """
         runs = contiguous_runs(positions)
         h = self.embed_tokens(mx.array(token_ids, mx.int32)[None])  # (1, n, D)
@@ -109,17 +122,16 @@ class CPModel:
         for index, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
             if on_layer is not None:
                 on_layer(index)
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(h), runs)
-            if store:
-                keys, values = layer_kv.update_and_fetch(k, v)
-            else:
-                keys, values = layer_kv.fetch()
-                if keys is None:  # nothing cached here yet: an empty shard of the right shape
-                    keys, values = k[:, :0], v[:, :0]
-            out = attend(q, keys, values, positions, cache.positions, attn.scale)
-            h = h + attn.o_proj(out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2]))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            with span(tracer, f"layer {index}", "layer"):
+                attn = layer.self_attn
+                q, k, v = self._qkv(attn, layer.input_layernorm(h), runs)
+                keys, values = local_shard(layer_kv, k, v, store)
+                out = attend(q, keys, values, positions, cache.positions, attn.scale)
+                out = out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2])
+                h = h + attn.o_proj(out)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if tracer is not None:
+                    mx.eval(h)
         return h[0]
 
     def logits(self, hidden: mx.array) -> mx.array:

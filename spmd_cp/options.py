@@ -27,6 +27,9 @@ def common_options(fn):
         click.option("--comm-timeout", type=click.FloatRange(min=0), default=None,
                      help="Abort the job when a rank waits this many seconds for a peer during "
                           "prefill/decode (default 45; 0 disables)."),
+        click.option("--trace", default=None, metavar="FILE",
+                     help="Write a Chrome trace (Perfetto) of every rank's layers, waits and "
+                          "transfers; see spmd-cp trace-summary."),
         click.option("-v", "--verbose", is_flag=True, help="Log from every rank, not only rank 0."),
     ]
     for option in reversed(options):

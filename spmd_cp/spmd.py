@@ -17,6 +17,7 @@ import traceback
 
 from .comm import Comm
 from .errors import UserError
+from .trace import Tracer
 from .watchdog import EXIT_INTERRUPTED, Watchdog
 
 EXIT_USER_ERROR = 2
@@ -103,7 +104,17 @@ def run_main(main, options: dict) -> int:
     watchdog.start(world)
     comm = Comm(world, watchdog)
     setup_logging(comm, options.get("verbose", False))
-    return run(comm, main, options)
+    if options.get("trace"):
+        comm.tracer = Tracer(comm.rank)
+        comm.tracer.align(comm)
+
+    def main_then_trace(comm, options):
+        main(comm, options)
+        if comm.tracer is not None:
+            comm.tracer.write(comm, options["trace"])
+            log.info("trace of %d ranks written to %s", comm.size, options["trace"])
+
+    return run(comm, main_then_trace, options)
 
 
 def hot_phase(comm: Comm, timeout: float | None):

@@ -24,7 +24,8 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from .comm import Comm
-from .model import CPModel, heads_with_rope
+from .model import CPModel, heads_with_rope, local_shard
+from .trace import span
 
 
 def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
@@ -80,7 +81,7 @@ class TensorParallelDecoder:
         mx.eval(self.head_w)
 
     def forward(self, token: int, position: np.ndarray, cache, attend, store: bool,
-                on_layer=None) -> mx.array:
+                on_layer=None, tracer=None) -> mx.array:
         """Hidden state (1, D) of ``token`` at ``position`` (every rank, replicated)."""
         comm = self.comm
         runs = [(0, 1, int(position[0]))]
@@ -89,31 +90,29 @@ class TensorParallelDecoder:
                                                             cache.layers)):
             if on_layer is not None:
                 on_layer(index)
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            qkv = x @ part.qkv_w.T
-            if part.qkv_b is not None:
-                qkv = qkv + part.qkv_b
-            qkv = comm.allgather_rows(qkv, axis=-1, counts=part.qkv_sizes)
-            q_end, k_end = part.q_width, part.q_width + part.k_width
-            q, k, v = heads_with_rope(attn, qkv[..., :q_end], qkv[..., q_end:k_end],
-                                      qkv[..., k_end:], runs)
-            if store:
-                keys, values = layer_kv.update_and_fetch(k, v)
-            else:
-                keys, values = layer_kv.fetch()
-                if keys is None:
-                    keys, values = k[:, :0], v[:, :0]
-            out = attend(q, keys, values, position, cache.positions, attn.scale)
-            out = out.transpose(1, 0, 2).reshape(1, 1, -1)
-            a, b = part.o_cols
-            o = out[..., a:b] @ part.o_w.T
-            if part.o_b is not None:
-                o = o + part.o_b
-            h = h + comm.allreduce(o, "sum")
-            x = layer.post_attention_layernorm(h)
-            act = swiglu(x @ part.gate_w.T, x @ part.up_w.T)
-            h = h + comm.allreduce(act @ part.down_w.T, "sum")
+            with span(tracer, f"layer {index}", "layer"):
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                qkv = x @ part.qkv_w.T
+                if part.qkv_b is not None:
+                    qkv = qkv + part.qkv_b
+                qkv = comm.allgather_rows(qkv, axis=-1, counts=part.qkv_sizes)
+                q_end, k_end = part.q_width, part.q_width + part.k_width
+                q, k, v = heads_with_rope(attn, qkv[..., :q_end], qkv[..., q_end:k_end],
+                                          qkv[..., k_end:], runs)
+                keys, values = local_shard(layer_kv, k, v, store)
+                out = attend(q, keys, values, position, cache.positions, attn.scale)
+                out = out.transpose(1, 0, 2).reshape(1, 1, -1)
+                a, b = part.o_cols
+                o = out[..., a:b] @ part.o_w.T
+                if part.o_b is not None:
+                    o = o + part.o_b
+                h = h + comm.allreduce(o, "sum")
+                x = layer.post_attention_layernorm(h)
+                act = swiglu(x @ part.gate_w.T, x @ part.up_w.T)
+                h = h + comm.allreduce(act @ part.down_w.T, "sum")
+                if tracer is not None:
+                    mx.eval(h)
         return h[0]
 
     def logits(self, hidden: mx.array) -> mx.array | None:

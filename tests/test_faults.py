@@ -134,3 +134,23 @@ def test_memory_forecast_refuses_and_names_what_fits(embedded_model, prompt_file
     assert len(error) == 1
     assert "over the limit of 0.51 GB per rank" in error[0]
     assert "it fits with" in error[0] or "no rank count fits" in error[0]
+
+
+def test_ranks_with_different_model_files_are_refused(tmp_path, prompt_file):
+    """An MPMD launch where rank 1 has another copy of the 'same' model (other weights)."""
+    from conftest import write_tiny_model
+
+    a = write_tiny_model(tmp_path / "a", "llama", seed=1)
+    b = write_tiny_model(tmp_path / "b", "llama", seed=2)
+    common = ["generate", "--prompt-file", prompt_file, "--max-tokens", "2"]
+    cmd = [MPIEXEC, "-n", "1", *SPMD_CP, *common, "--model", str(a), ":",
+           "-n", "1", *SPMD_CP, *common, "--model", str(b)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **RANK_ENV},
+                          timeout=120)
+    assert proc.returncode == 2
+    error = [line for line in proc.stderr.splitlines() if line.startswith("spmd-cp: error:")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert "ranks disagree on model file checksum" in error[0]
+    assert "rank 0:" in error[0] and "rank 1:" in error[0]
+    assert time.monotonic() - start < 60
