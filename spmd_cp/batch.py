@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from .options import common_options
+from .options import common_options, decode_options
 from .errors import UserError
 from .jobs import Job, ResultWriter, error_record, group_jobs, load_finished, read_jobs
 from .progress import MODES, Progress
@@ -36,6 +36,7 @@ PREFIX_SEPARATOR = "\n\n"
 
 @click.command()
 @common_options
+@decode_options
 @click.option("--jobs", "jobs_path", type=click.Path(dir_okay=False), required=True,
               help="JSONL file, one job per line (id, prompt or prompt_file, ...).")
 @click.option("--output", type=click.Path(dir_okay=False), required=True,

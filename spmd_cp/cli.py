@@ -18,7 +18,7 @@ import click
 from . import blas
 from .batch import batch
 from .doctor import doctor
-from .options import common_options
+from .options import common_options, decode_options
 
 
 def main():
@@ -68,15 +68,7 @@ def cli():
 @click.option("--load-cache", default=None, metavar="DIR",
               help="Continue a conversation saved with --save-cache (same model and rank "
                    "count): only the new tokens are prefilled.")
-@click.option("--kv-interleave", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Generated tokens' K/V go to the least loaded rank in runs of this many.")
-@click.option("--decode-merge", type=click.Choice(["allgather", "allreduce"]),
-              default="allgather", show_default=True,
-              help="How decode merges the ranks' partial attention each layer.")
-@click.option("--decode-tp", type=click.Choice(["auto", "on", "off"]), default="auto",
-              show_default=True,
-              help="Split decode's projections, MLP and LM head across ranks too (auto: "
-                   "time both in the first steps and keep the faster).")
+@decode_options
 def generate(**options):
     """Generate a continuation of a (long) prompt."""
     from .commands import run_command

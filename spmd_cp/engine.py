@@ -20,9 +20,9 @@ from .cache import ShardedKVCache
 from .calibrate import calibrate
 from .comm import Comm
 from .model import CPModel
+from .partition import decode_owner, head_tail_positions, owner_of
 from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
 from .trace import span
-from .partition import decode_owner, head_tail_positions, owner_of
 
 log = logging.getLogger("spmd_cp")
 
@@ -53,7 +53,7 @@ class ScoreRecords:
 class Engine:
     """Runs prefill chunks and decode steps of one model over one communicator."""
 
-    def __init__(self, model: CPModel, comm: Comm, algo: str = "allgather-kv",
+    def __init__(self, model: CPModel, comm: Comm, algo: str = "auto",
                  prefill_chunk: int = 0, on_layer=None, kv_interleave: int = 1,
                  decode_merge: str = "allgather", decode_tp: str = "off"):
         """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or

@@ -139,6 +139,19 @@ def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
     return weights, bits
 
 
+def _save_quietly(path: str, weights: dict):
+    """Write atomically (ranks on one host may race); a failure only costs a later
+    dequantization, so it is not an error."""
+    tmp = f"{path}.{os.getpid()}.tmp.safetensors"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        mx.save_safetensors(tmp, weights)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _pre_tokenizer(pre_type: str):
     """The pre-tokenizer for `tokenizer.ggml.pre`, or a ValueError for unknown ones."""
     byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex
@@ -197,21 +210,46 @@ def _wrap(tok: Tokenizer, meta: dict, tokens: list) -> TokenizerWrapper:
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=eos)
 
 
-def load_gguf(path: str, keep_quantized: bool = False) -> tuple[nn.Module, TokenizerWrapper, dict]:
+def load_gguf(path: str, keep_quantized: bool = False,
+              float32_cache: str | None = None) -> tuple[nn.Module, TokenizerWrapper, dict]:
     """Load a llama / qwen2 / qwen3 GGUF as (mlx-lm model, tokenizer, config dict).
 
     By default every tensor is dequantized to float32: MLX's quantized matmul is slow on CPU.
     keep_quantized=True keeps Q4/Q8 tensors as MLX quantized layers (bits chosen per tensor).
+    ``float32_cache``: a safetensors file holding the dequantized weights of *this* file
+    (the caller keys it by the file's checksum): read instead of dequantizing when it
+    exists, written after dequantizing when it does not.
     """
     tensors, meta = mx.load(path, return_metadata=True)
     module = check_architecture(_value(meta, "general.architecture"))
     config = gguf_config(meta, tensors)
-    weights, bits = convert_weights(tensors, keep_quantized)
     model = module.Model(module.ModelArgs.from_dict(config))
+    if not keep_quantized and float32_cache and _load_cached(model, float32_cache):
+        return _ready(model), build_tokenizer(meta), config
+    weights, bits = convert_weights(tensors, keep_quantized)
+    if not keep_quantized and float32_cache:
+        _save_quietly(float32_cache, weights)
     if bits:
         nn.quantize(model, class_predicate=lambda p, m: p in bits
                     and {"group_size": GROUP_SIZE, "bits": bits[p]})
     model.load_weights(list(weights.items()), strict=True)
+    return _ready(model), build_tokenizer(meta), config
+
+
+def _ready(model: nn.Module) -> nn.Module:
     mx.eval(model.parameters())
     model.eval()
-    return model, build_tokenizer(meta), config
+    return model
+
+
+def _load_cached(model: nn.Module, path: str) -> bool:
+    """Load the float32 copy if it exists and fits the model; a damaged one is ignored
+    (and rewritten after dequantizing)."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        model.load_weights(path, strict=True)
+        mx.eval(model.parameters())
+        return True
+    except (OSError, ValueError, RuntimeError):
+        return False

@@ -35,3 +35,21 @@ def common_options(fn):
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def decode_options(fn):
+    """Flags of the decode loop (generate, batch)."""
+    options = [
+        click.option("--kv-interleave", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Generated tokens' K/V go to the least loaded rank in runs of this many."),
+        click.option("--decode-merge", type=click.Choice(["allgather", "allreduce"]),
+                     default="allgather", show_default=True,
+                     help="How decode merges the ranks' partial attention each layer."),
+        click.option("--decode-tp", type=click.Choice(["auto", "on", "off"]), default="auto",
+                     show_default=True,
+                     help="Split decode's projections, MLP and LM head across ranks too "
+                          "(auto: time both in the first steps and keep the faster)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
