@@ -65,12 +65,12 @@ def dense_reference(q, k, v, q_pos, k_pos, scale):
     return out, lse
 
 
-@pytest.mark.parametrize("tile_elements", [None, 64 * 64 * 8])
-def test_block_attention_matches_dense_softmax(tile_elements, monkeypatch):
+@pytest.mark.parametrize("tile", [None, 16])
+def test_block_attention_matches_dense_softmax(tile, monkeypatch):
     import spmd_cp.attention.block as block
 
-    if tile_elements:  # force many tiles, skipped future tiles and merges between them
-        monkeypatch.setattr(block, "SCORE_TILE_ELEMENTS", tile_elements)
+    if tile:  # many tiles: skipped, unmasked and masked ones, merged along each row
+        monkeypatch.setattr(block, "PREFILL_TILE", tile)
     rng = np.random.default_rng(0)
     q = rng.normal(size=(8, 150, 16)).astype(np.float32)
     k = rng.normal(size=(2, 200, 16)).astype(np.float32)
@@ -83,6 +83,26 @@ def test_block_attention_matches_dense_softmax(tile_elements, monkeypatch):
     np.testing.assert_allclose(np.array(lse), ref_lse, rtol=1e-5, atol=1e-5)
     assert np.isneginf(np.array(lse)[:, q_pos < 0]).all()
     assert not np.isnan(np.array(out)).any()
+
+
+def test_tiles_follow_position_runs():
+    from spmd_cp.attention.block import tile_ranges
+
+    positions = np.concatenate([np.arange(0, 10), np.arange(90, 100)])  # head + tail
+    assert tile_ranges(positions, 4) == [(0, 4), (4, 8), (8, 10), (10, 14), (14, 18), (18, 20)]
+    spread = np.arange(0, 40, 3)  # decode tokens interleaved over ranks: small gaps
+    assert tile_ranges(spread, 8) == [(0, 8), (8, 14)]
+
+
+def test_decode_row_against_head_tail_keys_matches_dense():
+    rng = np.random.default_rng(2)
+    q = rng.normal(size=(4, 1, 8)).astype(np.float32)
+    k = rng.normal(size=(2, 50, 8)).astype(np.float32)
+    k_pos = np.concatenate([np.arange(0, 25), np.arange(75, 100)])
+    out, lse = block_attention(mx.array(q), mx.array(k), mx.array(k), np.array([100]), k_pos, 0.5)
+    ref_out, ref_lse = dense_reference(q, k, k, np.array([100]), k_pos, 0.5)
+    np.testing.assert_allclose(np.array(out), ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(lse), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_merging_partials_over_disjoint_keys_equals_attention_over_all():

@@ -23,6 +23,9 @@ NEG_INF = float("-inf")
 # memory independently of the prompt length (a 32K x 32K x 9-head score matrix would be
 # 37 GB). 8M elements = 32 MB per tile.
 SCORE_TILE_ELEMENTS = 8 * 1024 * 1024
+# Query/key tile edge in prefill: the diagonal tiles (half wasted by the causal mask)
+# cost about PREFILL_TILE / T of the work, and smaller tiles cost more MLX calls.
+PREFILL_TILE = 256
 
 
 def _finite_or_zero(x: mx.array) -> mx.array:
@@ -55,14 +58,18 @@ def merge_stacked(outs: mx.array, lses: mx.array):
 
 
 def _tile_attention(q, k, v, q_pos, k_pos, scale):
-    """One tile: dense scores for (Tq, Tk) with the causal mask, as (out, lse)."""
+    """One tile: dense scores for (Tq, Tk), as (out, lse).
+
+    ``q_pos``/``k_pos`` are None for a tile whose keys every query sees: no mask needed.
+    """
     num_heads, tq, d = q.shape
     num_kv = k.shape[0]
     groups = num_heads // num_kv
     qg = q.reshape(num_kv, groups, tq, d)
     scores = (qg * scale) @ k[:, None].swapaxes(-1, -2)  # (NKV, G, Tq, Tk)
-    visible = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
-    scores = mx.where(visible, scores, NEG_INF)
+    if q_pos is not None:
+        visible = mx.array(k_pos)[None, :] <= mx.array(q_pos)[:, None]  # (Tq, Tk)
+        scores = mx.where(visible, scores, NEG_INF)
     row_max = _finite_or_zero(scores.max(axis=-1, keepdims=True))
     probs = mx.exp(scores - row_max)
     row_sum = probs.sum(axis=-1, keepdims=True)
@@ -71,12 +78,25 @@ def _tile_attention(q, k, v, q_pos, k_pos, scale):
     return out.reshape(num_heads, tq, d), lse.reshape(num_heads, tq)
 
 
+def tile_ranges(positions: np.ndarray, size: int) -> list[tuple[int, int]]:
+    """Index ranges of at most ``size`` entries, also cut where the positions jump by more
+    than ``size``: tiles then stay compact in position space, so most (query, key) tile
+    pairs are either entirely visible or entirely in the future. (Head-tail shards are two
+    far-apart runs; decode tokens spread over ranks leave only small gaps.)"""
+    cuts = np.flatnonzero(np.abs(np.diff(positions)) > size) + 1
+    ranges = []
+    for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(positions)]])):
+        ranges.extend((int(i), int(min(i + size, b))) for i in range(a, b, size))
+    return ranges
+
+
 def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float):
     """Causal attention of queries at ``q_pos`` over keys at ``k_pos``, as (out, lse).
 
-    The work is tiled so no tile holds more than ``SCORE_TILE_ELEMENTS`` scores, and a
-    key tile that lies entirely in every query's future is skipped without computing it
-    (positions are numpy arrays so this decision costs no device sync).
+    Tiled (at most ``SCORE_TILE_ELEMENTS`` scores at once). Each (query tile, key tile)
+    pair is classified from its position ranges (numpy: no device sync): entirely in the
+    future -> skipped; entirely visible -> computed without a mask; otherwise masked. Only
+    tiles on the diagonal pay for scores the causal mask throws away.
     """
     num_heads, tq, d = q.shape
     q = q.astype(mx.float32)
@@ -87,31 +107,31 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float)
     if tq == 0 or k.shape[1] == 0:
         return out, lse
 
-    # Square tiles for prefill; a short query block (decode: one row) gets long key tiles.
-    q_tile = min(tq, max(64, int(np.sqrt(SCORE_TILE_ELEMENTS / num_heads))))
-    k_tile = max(64, SCORE_TILE_ELEMENTS // (num_heads * q_tile))
-    q_tiles = []
-    for q0 in range(0, tq, q_tile):
-        q1 = min(q0 + q_tile, tq)
+    # Prefill: small square tiles, so diagonal tiles waste little. A short query block
+    # (decode: one row) gets long key tiles instead.
+    q_tile = min(tq, PREFILL_TILE)
+    k_tile = PREFILL_TILE if tq > PREFILL_TILE // 4 else SCORE_TILE_ELEMENTS // (num_heads * tq)
+    k_ranges = [(a, b, k_pos[a:b].min(), k_pos[a:b].max()) for a, b in tile_ranges(k_pos, k_tile)]
+    q_parts = []
+    for q0, q1 in tile_ranges(q_pos, q_tile):
         qp = q_pos[q0:q1]
+        q_min, q_max = qp.min(), qp.max()
         q_out, q_lse = out[:, q0:q1], lse[:, q0:q1]  # empty partial until a tile lands
         merged_any = False
-        for k0 in range(0, k.shape[1], k_tile):
-            k1 = min(k0 + k_tile, k.shape[1])
-            kp = k_pos[k0:k1]
-            if kp.min() > qp.max():
+        for k0, k1, k_min, k_max in k_ranges:
+            if k_min > q_max:
                 continue  # every key is in every query's future
-            t_out, t_lse = _tile_attention(
-                q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], mx.array(qp), mx.array(kp), scale
-            )
+            masked = k_max > q_min
+            t_out, t_lse = _tile_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1],
+                                           qp if masked else None,
+                                           k_pos[k0:k1] if masked else None, scale)
             if merged_any:
                 q_out, q_lse = merge_partials(q_out, q_lse, t_out, t_lse)
             else:
                 q_out, q_lse, merged_any = t_out, t_lse, True
-        q_tiles.append((q_out, q_lse))
-    if len(q_tiles) == 1:
-        return q_tiles[0]
-    return (
-        mx.concatenate([t[0] for t in q_tiles], axis=1),
-        mx.concatenate([t[1] for t in q_tiles], axis=1),
-    )
+        q_parts.append((q0, q_out, q_lse))
+    if len(q_parts) == 1:
+        return q_parts[0][1], q_parts[0][2]
+    # Tiles follow q's index order, so concatenating them restores it.
+    return (mx.concatenate([p[1] for p in q_parts], axis=1),
+            mx.concatenate([p[2] for p in q_parts], axis=1))
