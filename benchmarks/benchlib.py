@@ -1,0 +1,296 @@
+"""Shared helpers of the benchmark drivers (standard library only; no MLX, no MPI).
+
+- ``machine()``: the machine description every figure is published with;
+- ``run_json(cmd)``: run a command (usually ``mpiexec ...``), sample the memory of its
+  process tree while it runs, and return the JSON object its last stdout line holds,
+  plus wall time, the load average, and how many cores *other* processes used meanwhile
+  (the machine is shared: a figure measured while someone else computed is flagged);
+- small statistics and Markdown helpers.
+
+Timings in the drivers are always ratios of configurations measured side by side, in
+alternating rounds, reported as medians: nothing here is a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+PYTHON = sys.executable
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = shutil.which("mpiexec", path=BIN + os.pathsep + os.environ.get("PATH", ""))
+SPMD_CP = shutil.which("spmd-cp", path=BIN + os.pathsep + os.environ.get("PATH", ""))
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# -- the machine -------------------------------------------------------------------
+def machine() -> dict:
+    """CPU, cores, memory, software versions: printed next to every table."""
+    import importlib.metadata as md
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for name in ("mlx", "mlx-lm", "mpi4py", "mpich", "numpy"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    sys.path.insert(0, str(ROOT))
+    from spmd_cp import blas  # stdlib only
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": blas.usable_cpus(),
+            "memory_gb": round(PAGE * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "blas": blas.find_fast_blas(), **versions}
+
+
+def machine_line(info: dict | None = None) -> str:
+    info = info or machine()
+    return (f"{info['cpu']}, {info['cores']} cores, {info['memory_gb']} GB, Linux "
+            f"{info['kernel']}, Python {info['python']}, mlx {info['mlx']}, mlx-lm "
+            f"{info['mlx-lm']}, MPICH wheel {info['mpich']}, BLAS {info['blas']}")
+
+
+def loadavg() -> tuple[float, float, float]:
+    with open("/proc/loadavg") as f:
+        return tuple(float(x) for x in f.read().split()[:3])
+
+
+def busy_seconds() -> float:
+    """CPU seconds all processes have used since boot (/proc/stat, every core)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wait_for_quiet(max_wait: float = 0.0, threshold: float = 0.3) -> float:
+    """Wait up to ``max_wait`` s for a 1 s window in which others use < threshold cores.
+
+    Returns the cores others used in the last window (the machine is shared)."""
+    deadline = time.monotonic() + max_wait
+    used = 0.0
+    while True:
+        before, own = busy_seconds(), time.process_time()
+        time.sleep(1.0)
+        used = busy_seconds() - before - (time.process_time() - own)
+        if used < threshold or time.monotonic() >= deadline:
+            return used
+
+
+# -- process trees -------------------------------------------------------------------
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids, out, todo = _children_map(), [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in kids.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def proc_status(pid: int) -> dict:
+    """VmRSS and VmHWM (bytes) and the command line of a live process ({} if gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line.split(":")[0]] = int(line.split()[1]) * 1024
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            out["cmd"] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return {}
+    return out
+
+
+class TreeSampler:
+    """Samples RSS of ``pid`` and every python process below it every ``interval`` s.
+
+    ``peak``: pid -> highest VmHWM seen; ``series``: (t, {pid: VmRSS}, extra()) tuples.
+    Ranks are told apart by pid; ``rank_pids()`` orders them by start (launch order),
+    which for mpiexec on one host is not guaranteed to be rank order: use it for
+    per-process figures, not to name ranks.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.2, extra=None, match="python"):
+        self.pid, self.interval, self.extra, self.match = pid, interval, extra, match
+        self.peak: dict[int, int] = {}
+        self.cmds: dict[int, str] = {}
+        self.series: list = []
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.start_time = time.perf_counter()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self):
+        rss = {}
+        for p in [self.pid] + descendants(self.pid):
+            st = proc_status(p)
+            if not st or self.match not in st.get("cmd", "") or "VmRSS" not in st:
+                continue
+            self.seen.add(p)
+            self.cmds[p] = st["cmd"]
+            rss[p] = st["VmRSS"]
+            self.peak[p] = max(self.peak.get(p, 0), st.get("VmHWM", 0), st["VmRSS"])
+        extra = self.extra() if self.extra else None
+        self.series.append((time.perf_counter() - self.start_time, rss, extra))
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def peaks(self) -> list[int]:
+        """Peak RSS of the sampled processes, largest first (the re-exec keeps the pid)."""
+        return sorted(self.peak.values(), reverse=True)
+
+
+# -- running a measurement -------------------------------------------------------------
+def bench_env(threads: int | None = 1, **extra) -> dict:
+    """The environment for a measured child: fixed BLAS threads, no stray preload."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "SPMD_CP_BLAS_REEXEC") and not k.endswith("_NUM_THREADS")}
+    if threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(threads)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+QUIET_WAIT = float(os.environ.get("BENCH_QUIET_WAIT", "20"))
+
+
+def run_json(cmd: list[str], env: dict | None = None, timeout: float = 3600,
+             sample_memory: bool = True, check: bool = True, cwd=None,
+             quiet_wait: float | None = None) -> dict:
+    """Run ``cmd``; return its last stdout line as JSON plus what was measured around it.
+
+    Added keys: ``_wall_s``, ``_load`` (1-min load average before, after), ``_others``
+    (cores other processes used during the run), ``_rss_peaks`` (peak RSS per python
+    process of the tree, bytes), ``_returncode``, ``_stderr`` (tail, on failure).
+    Before starting, waits up to ``quiet_wait`` s (default $BENCH_QUIET_WAIT, 20) for
+    the other processes on the machine to go quiet; it does not wait longer than that.
+    """
+    wait_for_quiet(QUIET_WAIT if quiet_wait is None else quiet_wait)
+    load0, busy0, kids0 = loadavg()[0], busy_seconds(), children_cpu()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd)
+    sampler = TreeSampler(proc.pid) if sample_memory else None
+    if sampler:
+        sampler.__enter__()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if sampler:
+            sampler.__exit__(None, None, None)
+    wall = time.perf_counter() - start
+    others = max(0.0, (busy_seconds() - busy0) - (children_cpu() - kids0)) / max(wall, 1e-9)
+    lines = [line for line in out.strip().splitlines() if line.startswith("{")]
+    result: dict = {}
+    if lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            result = {}
+    if check and (proc.returncode != 0 or not result):
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n"
+                           f"{err[-4000:]}\n{out[-2000:]}")
+    result.update(_wall_s=wall, _load=[load0, loadavg()[0]], _others=round(others, 2),
+                  _rss_peaks=sampler.peaks() if sampler else [], _returncode=proc.returncode)
+    if proc.returncode != 0 or not lines:
+        result["_stderr"] = err[-4000:]
+    return result
+
+
+def mpi_cmd(ranks: int, *args) -> list[str]:
+    return [MPIEXEC, "-n", str(ranks), *map(str, args)]
+
+
+# -- statistics and output ------------------------------------------------------------
+def median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(x, digits=2) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def save(name: str, payload: dict, markdown: str | None = None) -> Path:
+    """Write results/<name>.json (and .md with the printed tables)."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    if markdown is not None:
+        (RESULTS / f"{name}.md").write_text(markdown + "\n")
+    return path
+
+
+def header(title: str, command: str) -> str:
+    """The preamble of every printed report: command, machine, load, time."""
+    l1, l5, l15 = loadavg()
+    return (f"## {title}\n\ncommand: `{command}`\n\nmachine: {machine_line()}\n\n"
+            f"report written {time.strftime('%Y-%m-%d %H:%M:%S')}, load average then "
+            f"{l1:.2f} / {l5:.2f} / {l15:.2f} (1/5/15 min; includes the benchmark's own "
+            "ranks: see the per-run 'others' cores' for outside load)\n")
+
+
+def log(msg: str):
+    print(f"[{time.strftime('%H:%M:%S')} load {loadavg()[0]:.2f}] {msg}", file=sys.stderr,
+          flush=True)
