@@ -109,6 +109,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup-jobs", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -194,7 +195,7 @@ def main():
     for t, rss, finished in sampler2.series:
         for pid, value in rss.items():
             # Up to the last job's result: the exit afterwards frees memory (not a trend).
-            if "spmd-cp" in sampler2.cmds.get(pid, "") and 0 < finished < args.jobs:
+            if "spmd-cp" in sampler2.cmds.get(pid, "") and args.warmup_jobs <= finished < args.jobs:
                 per_pid.setdefault(pid, []).append((finished, value, t))
     rows2 = []
     for i, (pid, pts) in enumerate(sorted(per_pid.items())):
@@ -205,8 +206,9 @@ def main():
                "shared 600-word prefix document), 8 tokens each\n")
     out.append(f"exit {proc.returncode}, {wall2:.0f} s wall, {len(results)} result lines, "
                f"{len(errors)} errors. RSS sampled every 0.2 s and regressed on the number of "
-               "finished result lines (from the first to the last but one); processes in launch order "
-               "(not necessarily rank order).\n")
+               f"finished result lines, from {args.warmup_jobs} finished jobs (warm-up: the "
+               "first plain and the first prefix job) to the last but one (the exit frees "
+               "memory); processes in launch order (not necessarily rank order).\n")
     out.append(bl.table(["process", "pid", "samples", "RSS MiB first -> last",
                          "RSS slope B/job", "peak RSS MiB"], rows2))
     out.append(f"\nleft after the job: {left2 or 'nothing'} (pgrep -af {tag}; the "
