@@ -6,6 +6,7 @@ LD_PRELOAD only takes effect when a process starts, so every check runs a new Py
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,9 @@ needs_openblas = pytest.mark.skipif(
 PROBE = """
 import json, os, sys
 from spmd_cp import blas
-print("before", os.getpid(), flush=True)
+def emit(line):  # one write(2) per line: ranks share the stdout pipe, lines must not mix
+    os.write(1, (line + "\\n").encode())
+emit(f"before {os.getpid()}")
 status = blas.ensure_fast_blas()
 if "--mpi" in sys.argv:
     from mpi4py import MPI
@@ -40,7 +43,7 @@ err = float(np.abs(c - a.astype(np.float64) @ b.astype(np.float64)).max())
 info = blas.describe_blas()
 info.update(status=status, rank=rank, pid=os.getpid(), err=err, argv=sys.argv[1:],
             env={k: os.environ.get(k) for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")})
-print("RESULT " + json.dumps(info), flush=True)
+emit("RESULT " + json.dumps(info))
 """
 
 
@@ -59,9 +62,15 @@ def run_probe(tmp_path, *args, launcher=(), **env):
     proc = subprocess.run([*launcher, sys.executable, str(script), *args], env=clean_env(**env),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines()
-               if line.startswith("RESULT ")]
-    befores = [line for line in proc.stdout.splitlines() if line.startswith("before ")]
+    # Each line is written atomically, but mpiexec forwards several ranks' output: find
+    # every "RESULT {...}" wherever it sits rather than trusting line boundaries.
+    decoder, out = json.JSONDecoder(), proc.stdout
+    results, at = [], out.find("RESULT ")
+    while at >= 0:
+        info, end = decoder.raw_decode(out, at + len("RESULT "))
+        results.append(info)
+        at = out.find("RESULT ", end)
+    befores = re.findall(r"before \d+", out)
     return results, befores, proc.stderr
 
 
