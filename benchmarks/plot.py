@@ -44,8 +44,8 @@ def main():
             style = "k--o" if config == "mlx-lm" else "-o"
             axes[0].plot(xs, [points[x][0] for x in xs], style, label=config)
             axes[1].plot(xs, [points[x][1] for x in xs], style, label=config)
-    axes[0].set(title="Prefill (time to first token)", xlabel="prompt tokens", ylabel="seconds")
-    axes[1].set(title="Decode speed, real generate (32 tokens)", xlabel="prompt tokens",
+    axes[0].set(title="Prefill: time to first token", xlabel="prompt tokens", ylabel="seconds")
+    axes[1].set(title="Decode, real generate (BLAS threads = 2 / ranks)", xlabel="prompt tokens",
                 ylabel="tokens/s")
     dec = bl.RESULTS / "decode.json"
     if dec.exists():
@@ -62,7 +62,7 @@ def main():
             xs = sorted(points)
             axes[2].plot(xs, [1 / statistics.median(points[x]) for x in xs],
                          "--o" if "tp off" in label else "-o", label=label)
-    axes[2].set(title="Decode speed vs context (synthetic cache)", xlabel="context tokens",
+    axes[2].set(title="Decode vs context, synthetic cache, 1 BLAS thread/rank", xlabel="context tokens",
                 ylabel="tokens/s")
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -79,9 +79,13 @@ def install_profiler(comm, prof: dict):
 
     def counting_tile(q, k, v, q_pos, k_pos, scale):
         if prof["on"]:
-            qp, kp = np.asarray(q_pos), np.asarray(k_pos)
-            prof["scores"] += q.shape[0] * qp.size * kp.size
-            prof["visible"] += q.shape[0] * int((kp[None, :] <= qp[:, None]).sum())
+            scores = q.shape[0] * q.shape[1] * k.shape[1]
+            prof["scores"] += scores
+            if q_pos is None:  # a tile every query sees entirely (no mask computed)
+                prof["visible"] += scores
+            else:
+                qp, kp = np.asarray(q_pos), np.asarray(k_pos)
+                prof["visible"] += q.shape[0] * int((kp[None, :] <= qp[:, None]).sum())
         return original_tile(q, k, v, q_pos, k_pos, scale)
 
     def timed_prefill_attention(*args, **kwargs):
