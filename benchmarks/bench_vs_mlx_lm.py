@@ -26,7 +26,7 @@ Then the memory forecast (spmd_cp.forecast.forecast_rank_bytes, the check behind
 the whole prompt in one prefill call and with --prefill-chunk 1024; and an empirical check
 of the N = 1 point: spmd-cp run with --memory-limit just under and just over it.
 
-Results: benchmarks/results/vs_mlx_lm.json and .md.
+Results: benchmarks/results/vs_mlx_lm.json and .md (with --only-memory: vs_mlx_lm_memory.*).
 """
 
 from __future__ import annotations
@@ -131,12 +131,12 @@ def longest_fitting(shape, weights, n, chunk, budget, algo="pass-kv") -> int:
 
 
 def memory_section(args, shape, weights, prompts_dir: Path) -> tuple[str, dict]:
-    from spmd_cp.forecast import forecast_rank_bytes, parse_bytes
+    from spmd_cp.forecast import SAFETY, forecast_rank_bytes, parse_bytes
 
     budget = parse_bytes(args.budget)
     out = [f"\n### Longest context within {args.budget} per rank (memory forecast)\n",
            "spmd_cp.forecast.forecast_rank_bytes (weights + KV shard + activations of one "
-           "prefill call, x1.25 safety on activations), pass-kv, float32. The model itself "
+           f"prefill call, x{SAFETY} safety on activations), pass-kv, float32. The model itself "
            "is trained for 8192 positions; longer contexts are arithmetic here.\n"]
     rows, data = [], {}
     for n in args.forecast_ranks:
@@ -277,7 +277,7 @@ def main():
     mem_text, mem_data = memory_section(args, shape, weights, prompts_dir)
     out.append(mem_text)
     text = "\n".join(out)
-    bl.save("vs_mlx_lm", {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    bl.save("vs_mlx_lm_memory" if args.only_memory else "vs_mlx_lm", {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                           "machine": bl.machine(), "memory": mem_data,
                           "runs": {f"{s}|{c}": v for (s, c), v in runs.items()}}, text)
     print(text)

@@ -84,6 +84,13 @@ def main():
           f"mx.fast.sdpa {1e3 * result['sdpa_30_s']:.1f} ms, block_attention "
           f"{1e3 * result['block_attention_30_s']:.1f} ms")
     print(json.dumps(result))
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchlib
+
+    benchlib.save(f"decode_overhead_{args.context}", {"machine": benchlib.machine(), **result})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Regenerate every figure of docs/BENCHMARKS.md, one benchmark after the other.
 
-    python benchmarks/run_all.py                  # everything (~60 min on 2 idle cores)
+    python benchmarks/run_all.py                  # everything (~65 min on 2 idle cores)
     python benchmarks/run_all.py --only decode soak
     python benchmarks/run_all.py --skip network   # e.g. without root
 
@@ -26,9 +26,9 @@ PY = sys.executable
 
 STEPS = {
     "prefill-scaling": [PY, HERE / "bench_prefill.py", "scaling", "--new", "3072", "--ranks",
-                        "1", "2", "--rounds", "3", "--profile", "--split-runs"],
-    "prefill-algos": [PY, HERE / "bench_prefill.py", "algos", "--ranks", "2", "--mix", "4096:0",
-                      "--mix", "256:4096", "--rounds", "2"],
+                        "1", "2", "--rounds", "3", "--profile"],
+    "prefill-algos": [PY, HERE / "bench_prefill.py", "algos", "--ranks", "2", "--mix", "2048:0",
+                      "--mix", "128:2048", "--rounds", "2"],
     "decode": [PY, HERE / "bench_decode.py", "--contexts", "16", "2048", "4096", "8192",
                "--ranks", "1", "2", "4", "--rounds", "3"],
     "vs-mlx-lm": [PY, HERE / "bench_vs_mlx_lm.py", "--sizes", "1024", "2048", "4096", "8160",
@@ -36,6 +36,7 @@ STEPS = {
     "network": [PY, HERE / "bench_network.py", "--rates", "1gbit", "4gbit", "16gbit",
                 "--mix", "2048:0", "--mix", "64:2048", "--rounds", "2"],
     "soak": [PY, HERE / "soak.py", "--generations", "200", "--jobs", "20"],
+    "decode-overhead": [PY, HERE / "decode_overhead.py", "--context", "4096"],
     "plot": [PY, HERE / "plot.py"],
 }
 
