@@ -231,6 +231,8 @@ class Engine:
             split = float(np.median([t for _, t in self._probe_times[probe + 1:]]))
             faster = split < replicated if self.comm.rank == 0 else None
             self.decode_tp = "on" if self.comm.bcast_object(faster) else "off"
+            if self.decode_tp == "off":
+                self.tp_decoder = None  # release the weight slices (~2/N of the weights)
             log.info("decode: %s (measured %.1f ms per step replicated, %.1f ms split)",
                      "tensor-parallel" if self.decode_tp == "on" else "replicated",
                      1e3 * replicated, 1e3 * split)
