@@ -92,6 +92,10 @@ class ShardedKVCache:
             self.rank_positions[rank] = np.concatenate([self.rank_positions[rank], positions])
             self.num_tokens += int(positions.size)
 
+    def set_token(self, position: int, token_id: int):
+        """Record the id of a token that was fed before its value was known (-1)."""
+        self.token_ids[position] = token_id
+
     def truncate(self, num_tokens: int):
         """Forget every position >= ``num_tokens`` on every rank (e.g. back to a shared
         document after answering one question about it).

@@ -177,15 +177,24 @@ class Engine:
         return None
 
     # -- decode --------------------------------------------------------------------
-    def decode_step(self, cache: ShardedKVCache, token: int):
-        """Feed one generated token; return the next logits on rank 0 (None elsewhere)."""
+    def decode_step(self, cache: ShardedKVCache, token, wait: bool = True):
+        """Feed one generated token; return the next logits on rank 0 (None elsewhere).
+
+        ``token`` is an int, or on a single rank an unevaluated mx.array scalar: then
+        ``wait=False`` returns the logits unevaluated too, so the caller can build the
+        next step's graph while this one computes (mlx-lm's async decode). The token's
+        id is recorded in the cache as -1 until the caller calls ``cache.set_token``.
+        """
         owner = decode_owner(cache.shard_sizes, cache.decode_steps, self.kv_interleave,
                              cache.decode_owner)
         cache.decode_owner, cache.decode_steps = owner, cache.decode_steps + 1
         position = np.array([cache.num_tokens], np.int64)
         rank_positions = [position if r == owner else position[:0]
                           for r in range(self.comm.size)]
-        cache.add_positions(rank_positions, [token])
+        lazy = isinstance(token, mx.array)
+        if lazy and self.comm.size > 1:
+            raise ValueError("a lazy token needs one rank: the others must receive its id")
+        cache.add_positions(rank_positions, [-1 if lazy else token])
         attend = decode_attention(self.comm, self.decode_merge)
         store, hook = self.comm.rank == owner, self._layer_hook("decode")
         start = time.perf_counter()
@@ -197,11 +206,13 @@ class Engine:
                                                  tracer)
                 logits = self.tp_decoder.logits(hidden)
             else:
-                hidden = self.model.forward(np.array([token]), position, cache, attend,
+                ids = token.reshape(1) if lazy else np.array([token])
+                hidden = self.model.forward(ids, position, cache, attend,
                                             store=store, on_layer=hook, tracer=tracer)
                 # Ranks > 0 need no logits: evaluating finishes the layers' collectives.
                 logits = self.model.logits(hidden) if self.comm.rank == 0 else hidden
-            mx.eval(logits)
+            if wait:
+                mx.eval(logits)
         if self.decode_tp == "auto":
             self._probe_times.append((split, time.perf_counter() - start))
         return logits[0] if self.comm.rank == 0 else None

@@ -91,27 +91,70 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     logits, _ = engine.prefill(cache, prompt_ids, progress=prefill_progress)
     prefill_s = time.perf_counter() - start
 
+    def sample(logits):
+        return sampler((logits - mx.logsumexp(logits, keepdims=True))[None])[0]
+
+    def finished(token: int) -> bool:
+        """Record a sampled token on rank 0; True when it ends the generation."""
+        if token in eos:
+            return True
+        tokens.append(token)
+        return stream.push(tokens)
+
     tokens: list[int] = []
-    finish_reason = "length"
     decode_start = time.perf_counter()
-    for step in range(options.max_tokens):
-        message = None
-        if is_root:
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            token = int(sampler(logprobs[None])[0])
-            stopped = token in eos
-            if not stopped:
-                tokens.append(token)
-                stopped = stream.push(tokens)
-            message = (token, stopped)
-        token, stopped = comm.bcast_object(message)
-        if stopped:
-            finish_reason = "stop"
-            break
-        if step + 1 == options.max_tokens:
-            break
-        logits = engine.decode_step(cache, token)
+    if comm.size == 1:
+        stopped = _decode_overlapped(engine, cache, logits, sample, finished, options.max_tokens)
+    else:
+        stopped = _decode_lockstep(engine, cache, logits, sample, finished, options.max_tokens)
+    finish_reason = "stop" if stopped else "length"
     decode_s = time.perf_counter() - decode_start
     if is_root:
         stream.finish()
     return Generation(tokens, stream.text if is_root else "", finish_reason, prefill_s, decode_s)
+
+
+def _decode_lockstep(engine: Engine, cache, logits, sample, finished, max_tokens: int) -> bool:
+    """Several ranks: rank 0 samples, broadcasts (token, stopped), every rank feeds it."""
+    comm = engine.comm
+    for step in range(max_tokens):
+        message = None
+        if comm.rank == 0:
+            token = int(sample(logits))
+            message = (token, finished(token))
+        token, stopped = comm.bcast_object(message)
+        if stopped:
+            return True
+        if step + 1 == max_tokens:
+            return False
+        logits = engine.decode_step(cache, token)
+    return False
+
+
+def _decode_overlapped(engine: Engine, cache, logits, sample, finished, max_tokens: int) -> bool:
+    """One rank: step n+1 is queued (``mx.async_eval``) before token n reaches the host,
+    so building a step's graph overlaps the previous step's compute, as in mlx-lm's
+    generate_step. Tokens, cache contents and the random stream equal the lock-step
+    loop's: a step queued after the token that ends the generation is dropped again."""
+    if max_tokens == 0:
+        return False
+    token = sample(logits)
+    mx.async_eval(token)
+    for step in range(max_tokens):
+        position, placement = cache.num_tokens, (cache.decode_steps, cache.decode_owner)
+        queued = step + 1 < max_tokens
+        if queued:
+            next_token = sample(engine.decode_step(cache, token, wait=False))
+            mx.async_eval(next_token)
+        value = int(token.item())
+        if queued:
+            cache.set_token(position, value)
+        if finished(value):
+            if queued:
+                # The lock-step loop never feeds the token that ends the generation.
+                cache.truncate(position)
+                cache.decode_steps, cache.decode_owner = placement
+            return True
+        if queued:
+            token = next_token
+    return False

@@ -109,7 +109,7 @@ class CPModel:
 
         Args:
             token_ids, positions: this rank's rows (n may be 0: the rank still joins
-                every collective inside ``attend``).
+                every collective inside ``attend``); the ids may be an mx.array.
             cache: this rank's shard; the new K/V are appended to it when ``store``
                 (decode computes a token on every rank but stores it on one).
             attend: the CP attention for this call (see ``attention/``).
@@ -117,7 +117,11 @@ class CPModel:
             tracer: a trace.Tracer to time each layer (evaluated before its span closes).
         """
         runs = contiguous_runs(positions)
-        h = self.embed_tokens(mx.array(token_ids, mx.int32)[None])  # (1, n, D)
+        if isinstance(token_ids, mx.array):
+            ids = token_ids.astype(mx.int32)
+        else:
+            ids = mx.array(token_ids, mx.int32)
+        h = self.embed_tokens(ids[None])  # (1, n, D)
         n = h.shape[1]
         for index, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
             if on_layer is not None:

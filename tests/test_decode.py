@@ -51,6 +51,30 @@ def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files
     assert resumed["tokens"] == scratch["tokens"]
 
 
+def test_single_rank_overlapped_decode_equals_the_lockstep_loop(files, tmp_path):
+    """One rank queues step n+1 before token n reaches the host (generation.py); several
+    ranks run in lock-step. Sampled tokens (same random stream), the stop, and the cache
+    left behind (the token that ends the generation is never fed) must agree."""
+    doc = str(files / "doc.txt")
+    sampling = ["--temp", "0.9", "--seed", "11", "--max-tokens", "12"]
+    free = {n: run_cli(n, ["generate", "--prompt-file", doc, "--json", *sampling]).last_json()
+            for n in (1, 2)}
+    assert free[1]["tokens"] == free[2]["tokens"] == 12
+    assert free[1]["text"] == free[2]["text"]
+    stop = free[2]["text"][len(free[2]["text"]) // 3:][:6]  # a stop string met part-way
+    metas = {}
+    for n in (1, 2):
+        run = run_cli(n, ["generate", "--prompt-file", doc, "--stop", stop, "--json",
+                          "--save-cache", str(tmp_path / f"cache-{n}"), *sampling]).last_json()
+        assert run["finish_reason"] == "stop" and run["tokens"] < 12, run
+        assert stop not in run["text"] and free[2]["text"].startswith(run["text"])
+        metas[n] = json.loads((tmp_path / f"cache-{n}" / "meta.json").read_text())
+    for key in ("num_tokens", "token_ids", "decode_steps"):
+        assert metas[1][key] == metas[2][key], key
+    assert -1 not in metas[1]["token_ids"]
+    assert metas[1]["shard_sizes"] == [metas[1]["num_tokens"]]
+
+
 def refused(launch, *fragments):
     assert launch.returncode != 0
     errors = [line for line in launch.stderr.splitlines() if line.startswith("spmd-cp: error:")]

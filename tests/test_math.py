@@ -105,6 +105,25 @@ def test_decode_row_against_head_tail_keys_matches_dense():
     np.testing.assert_allclose(np.array(lse), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("extra_keys", [-2000, 1])  # MLX's fused kernel, then block_attention
+def test_single_rank_decode_attention_matches_dense_on_both_sides_of_the_fused_cutoff(extra_keys):
+    from mpi4py import MPI
+
+    from spmd_cp.attention.gather import FUSED_DECODE_MAX_KEYS, decode_attention
+    from spmd_cp.comm import Comm
+
+    num_keys = FUSED_DECODE_MAX_KEYS + extra_keys
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(6, 1, 16)).astype(np.float32) * 3
+    k = rng.normal(size=(2, num_keys, 16)).astype(np.float32) * 3
+    v = rng.normal(size=(2, num_keys, 16)).astype(np.float32)
+    k_pos = np.arange(num_keys)
+    attend = decode_attention(Comm(MPI.COMM_SELF))
+    out = attend(mx.array(q), mx.array(k), mx.array(v), np.array([num_keys - 1]), k_pos, 0.25)
+    ref_out, _ = dense_reference(q, k, v, np.array([num_keys - 1]), k_pos, 0.25)
+    np.testing.assert_allclose(np.array(out), ref_out, rtol=1e-5, atol=1e-5)
+
+
 def test_merging_partials_over_disjoint_keys_equals_attention_over_all():
     rng = np.random.default_rng(1)
     q = rng.normal(size=(4, 30, 8)).astype(np.float32) * 30  # extreme scores

@@ -35,6 +35,12 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray]):
 
 DECODE_MERGES = ("allgather", "allreduce")
 
+# On one rank nothing is merged, so no lse is needed and MLX's fused attention can serve
+# the decode query. Below about 2K keys it wins (a smaller graph to build per step:
+# 4.5 vs 6.3 ms for 30 layers); above, block_attention's folded GQA matmul is faster on
+# this CPU (measured 8.4 vs 8.2 tokens/s at 4K). Both are exact.
+FUSED_DECODE_MAX_KEYS = 2048
+
 
 def decode_attention(comm: Comm, merge: str = "allgather"):
     """Attention of one replicated query over the sharded cache, merged across ranks.
@@ -46,6 +52,10 @@ def decode_attention(comm: Comm, merge: str = "allgather"):
     """
 
     def attend(q, keys, values, q_pos, k_pos, scale):
+        if comm.size == 1 and keys.shape[1] <= FUSED_DECODE_MAX_KEYS:
+            # The decode query sees every cached key: no mask.
+            q, keys, values = (x.astype(mx.float32)[None] for x in (q, keys, values))
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)[0]
         out, lse = block_attention(q, keys, values, q_pos, k_pos, scale)  # (NH,1,d), (NH,1)
         if comm.size == 1:
             return out
