@@ -1,6 +1,6 @@
 """Real multi-host runs over the simulated TCP cluster (launch/netns-cluster, docs/LAUNCH.md).
 
-`spmd-cp score` and `spmd-cp generate` run through `launch/spmd-cp-run --netns-cluster` on 2
+`spmd-cp score`, `generate` and `batch` run through `launch/spmd-cp-run --netns-cluster` on 2
 and 4 "hosts" (network namespaces joined by shaped veth links, MPICH over ofi/tcp) and must
 give what one rank gives, and the bytes that crossed the links must be the bytes the ranks
 counted in `comm_bytes`. Skipped, with the reason, where network namespaces cannot be made.
@@ -204,7 +204,14 @@ def texts(cluster, tmp_path_factory):
     doc.write_text(document(SCORE_PARAGRAPHS))
     prompt.write_text(document(GENERATE_PARAGRAPHS)
                       + "\nWhich object does the lighthouse carry in the text above?\n")
-    return {"root": root, "doc": str(doc), "prompt": str(prompt)}
+    # Batch: two questions about one document (prefilled once, then truncated back to it
+    # for the second question) and a job of its own.
+    jobs = root / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps(job) + "\n" for job in [
+        {"id": "q1", "prefix_file": "prompt.txt", "prompt": "Who remembers the first snow?"},
+        {"id": "alone", "prompt": "Name three colors of the rainbow."},
+        {"id": "q2", "prefix_file": "prompt.txt", "prompt": "What does the market collect?"}]))
+    return {"root": root, "doc": str(doc), "prompt": str(prompt), "jobs": str(jobs)}
 
 
 def score_argv(texts, output):
@@ -215,6 +222,11 @@ def score_argv(texts, output):
 def generate_argv(texts):
     return ["generate", "--prompt-file", texts["prompt"], "--max-tokens", str(MAX_TOKENS),
             "--temp", "0", "--json", "--cp-algo", "pass-kv"]
+
+
+def batch_argv(texts, output):
+    return ["batch", "--jobs", texts["jobs"], "--output", str(output), "--max-tokens",
+            str(MAX_TOKENS), "--json", "--cp-algo", "pass-kv", "--progress", "off"]
 
 
 def read_lines(path) -> list[dict]:
@@ -261,4 +273,25 @@ def test_generate_on_two_hosts_equals_one_rank_and_link_bytes_match(texts, basel
     assert summary["text"] == expected["text"]
     # Only rank 0 writes stdout: the streamed text, then the JSON line.
     assert launch.stdout.startswith(expected["text"])
+    assert_wire_matches_counted(summary, wire, fixed)
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_batch_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, baseline):
+    expected_out = texts["root"] / "batch-1.jsonl"
+    if not expected_out.exists():
+        run_cli(1, batch_argv(texts, expected_out), env=RANK_ENV, timeout=TIMEOUT)
+    expected = read_lines(expected_out)
+    fixed = baseline(hosts)
+    output = texts["root"] / f"batch-{hosts}.jsonl"
+    launch, wire = wire_bytes_of(lambda: on_cluster(hosts, batch_argv(texts, output)))
+    summary = launch.last_json()
+    assert summary["ranks"] == hosts and summary["answered"] == 3 and summary["errors"] == 0
+    lines = read_lines(output)
+    assert [line["id"] for line in lines] == ["q1", "alone", "q2"]
+    assert [line["prefix_reused"] for line in lines] == [False, False, True]
+    for line, reference in zip(lines, expected):
+        for field in ("id", "text", "tokens", "prompt_tokens", "prompt_tokens_prefilled"):
+            assert line[field] == reference[field], (field, line, reference)
+    assert lines[2]["prompt_tokens_reused"] > 300  # the document came from the cache
     assert_wire_matches_counted(summary, wire, fixed)
