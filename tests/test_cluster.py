@@ -262,12 +262,19 @@ def test_score_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, one_r
     assert_wire_matches_counted(summary, wire, fixed)
 
 
-def test_generate_on_two_hosts_equals_one_rank_and_link_bytes_match(texts, baseline):
-    expected = run_cli(1, generate_argv(texts), env=RANK_ENV, timeout=TIMEOUT).last_json()
-    fixed = baseline(2)
-    launch, wire = wire_bytes_of(lambda: on_cluster(2, generate_argv(texts)))
+@pytest.fixture(scope="module")
+def one_rank_generate(texts):
+    return run_cli(1, generate_argv(texts), env=RANK_ENV, timeout=TIMEOUT).last_json()
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_generate_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, one_rank_generate,
+                                                                baseline):
+    expected = one_rank_generate
+    fixed = baseline(hosts)
+    launch, wire = wire_bytes_of(lambda: on_cluster(hosts, generate_argv(texts)))
     summary = launch.last_json()
-    assert summary["ranks"] == 2 and summary["algo"] == "pass-kv"
+    assert summary["ranks"] == hosts and summary["algo"] == "pass-kv"
     assert summary["prompt_tokens"] == expected["prompt_tokens"] > 300
     assert summary["tokens"] == expected["tokens"] == MAX_TOKENS
     assert summary["text"] == expected["text"]
