@@ -76,10 +76,30 @@ class TextStream:
         self.emitted = max(self.emitted, upto)
 
 
+def overlap_by_default(comm) -> bool:
+    """Whether one rank queues decode step n+1 before token n reaches the host.
+
+    On a GPU the device computes while the host builds the next step's graph: mlx-lm's
+    generate_step overlaps for that reason. On MLX's CPU backend the host's graph building
+    takes a core from the BLAS threads instead: measured here, lock-step decoded 1-3%
+    faster than the overlapped loop (benchmarks/decode_overhead.py, docs/BENCHMARKS.md).
+    Several ranks always run in lock-step: the token must be broadcast first.
+    """
+    return comm.size == 1 and mx.default_device() == mx.gpu
+
+
 def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingOptions,
-             write=None, prefill_progress=None) -> Generation:
-    """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens."""
+             write=None, prefill_progress=None, overlap: bool | None = None) -> Generation:
+    """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens.
+
+    ``overlap``: queue each decode step before the previous token reaches the host (one
+    rank only; None: ``overlap_by_default``). Tokens and cache are the same either way.
+    """
     comm = engine.comm
+    if overlap is None:
+        overlap = overlap_by_default(comm)
+    if overlap and comm.size > 1:
+        raise ValueError("overlapped decode needs one rank: the others must receive each token")
     is_root = comm.rank == 0
     sampler = make_sampler(options.temp, options.top_p, options.min_p, top_k=options.top_k)
     if is_root and options.seed is not None:
@@ -103,7 +123,7 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
 
     tokens: list[int] = []
     decode_start = time.perf_counter()
-    if comm.size == 1:
+    if overlap:
         stopped = _decode_overlapped(engine, cache, logits, sample, finished, options.max_tokens)
     else:
         stopped = _decode_lockstep(engine, cache, logits, sample, finished, options.max_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import TESTS, run_cli, run_ranks
@@ -51,10 +52,48 @@ def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files
     assert resumed["tokens"] == scratch["tokens"]
 
 
-def test_single_rank_overlapped_decode_equals_the_lockstep_loop(files, tmp_path):
-    """One rank queues step n+1 before token n reaches the host (generation.py); several
-    ranks run in lock-step. Sampled tokens (same random stream), the stop, and the cache
-    left behind (the token that ends the generation is never fed) must agree."""
+def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
+    """The overlapped loop (one rank on a GPU: step n+1 queued before token n reaches the
+    host) against the lock-step loop, in this process on one real rank: same sampled
+    tokens (same random stream), same stop, and the same cache left behind (the token
+    that ends the generation is never fed)."""
+    from mpi4py import MPI
+
+    from spmd_cp.comm import Comm
+    from spmd_cp.engine import Engine
+    from spmd_cp.generation import SamplingOptions, generate
+    from spmd_cp.loader import load_model
+    from spmd_cp.model import CPModel
+
+    loaded = load_model(tiny_models["llama"])
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF))
+    prompt = np.array(loaded.tokenizer.encode(DOCUMENT))
+
+    def run(overlap: bool, stop: str | None = None):
+        cache = engine.new_cache()
+        options = SamplingOptions(max_tokens=12, temp=0.9, seed=11, stop=[stop] if stop else [])
+        result = generate(engine, cache, prompt, loaded.tokenizer, options, overlap=overlap)
+        keys = np.concatenate([np.array(layer.fetch()[0]) for layer in cache.layers])
+        return result, cache, keys
+
+    free = {overlap: run(overlap) for overlap in (True, False)}
+    stop = free[False][0].text[len(free[False][0].text) // 3:][:4]  # met part-way
+    stopped = {overlap: run(overlap, stop) for overlap in (True, False)}
+    assert stopped[False][0].finish_reason == "stop" and len(stopped[False][0].tokens) < 12
+    for runs in (free, stopped):
+        (a, cache_a, keys_a), (b, cache_b, keys_b) = runs[True], runs[False]
+        assert (a.tokens, a.text, a.finish_reason) == (b.tokens, b.text, b.finish_reason)
+        assert cache_a.num_tokens == cache_b.num_tokens
+        assert cache_a.token_ids.tolist() == cache_b.token_ids.tolist()
+        assert -1 not in cache_a.token_ids.tolist()
+        assert (cache_a.decode_steps, cache_a.decode_owner) == (cache_b.decode_steps,
+                                                                cache_b.decode_owner)
+        np.testing.assert_array_equal(keys_a, keys_b)
+
+
+def test_sampled_decode_and_stop_strings_equal_on_one_and_two_ranks(files, tmp_path):
+    """Sampled tokens (rank 0's random stream), the stop, and the cache left behind (the
+    token that ends the generation is never fed) must not depend on the rank count."""
     doc = str(files / "doc.txt")
     sampling = ["--temp", "0.9", "--seed", "11", "--max-tokens", "12"]
     free = {n: run_cli(n, ["generate", "--prompt-file", doc, "--json", *sampling]).last_json()
