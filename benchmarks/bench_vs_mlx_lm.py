@@ -21,12 +21,18 @@ peak MLX memory (mx.get_peak_memory after the model is loaded: weights + KV + ac
 per rank, peak RSS per process (sampled from /proc every 0.2 s: VmHWM), and how many
 leading characters of the greedy continuation agree with mlx-lm's.
 
+With ``--cluster-rate R`` (root: network namespaces), also (c) ``spmd-cp N=2 TCP``: the
+same spmd-cp command on 2 simulated hosts (``launch/netns-cluster up 2 --rate R``, both on
+this machine's 2 cores, links capped at R) through ``launch/spmd-cp-run --netns-cluster
+--threads 1``, so the ranks talk TCP instead of shared memory.
+
 Then the memory forecast (spmd_cp.forecast.forecast_rank_bytes, the check behind
 --memory-limit): the longest context that fits --budget per rank for N = 1, 2, 4, 8, with
 the whole prompt in one prefill call and with --prefill-chunk 1024; and an empirical check
 of the N = 1 point: spmd-cp run with --memory-limit just under and just over it.
 
-Results: benchmarks/results/vs_mlx_lm.json and .md (with --only-memory: vs_mlx_lm_memory.*).
+Results: benchmarks/results/<--name>.json and .md (default vs_mlx_lm; with --only-memory:
+vs_mlx_lm_memory.*).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,10 +109,45 @@ def mlx_lm_child(args):
         "text": tokenizer.decode(tokens), "blas": describe_blas().get("line")}))
 
 
-# -- (b) spmd-cp ---------------------------------------------------------------------------
+# -- (b) spmd-cp, (c) spmd-cp over simulated hosts --------------------------------------
+CLUSTER = bl.ROOT / "launch" / "netns-cluster"
+RUN = bl.ROOT / "launch" / "spmd-cp-run"
+TCP_CONFIG = "spmd-cp N=2 TCP"
+
+
+def generate_args(prompt_file: str, max_tokens: int, *extra) -> list:
+    return ["generate", "--prompt-file", prompt_file, "--json", "--no-chat-template",
+            "--max-tokens", max_tokens, *extra]
+
+
 def spmd_cp_cmd(ranks: int, prompt_file: str, max_tokens: int, *extra) -> list[str]:
-    return bl.mpi_cmd(ranks, bl.SPMD_CP, "generate", "--prompt-file", prompt_file, "--json",
-                      "--no-chat-template", "--max-tokens", max_tokens, *extra)
+    return bl.mpi_cmd(ranks, bl.SPMD_CP, *generate_args(prompt_file, max_tokens, *extra))
+
+
+def tcp_cmd(prompt_file: str, max_tokens: int) -> list[str]:
+    return [bl.PYTHON, str(RUN), "--netns-cluster", "-n", "2", "--threads", "1", "--",
+            *map(str, generate_args(prompt_file, max_tokens))]
+
+
+def measure(args, configs: list[str], prompts: dict, runs: dict):
+    """Every configuration on every prompt; configurations alternate within each round."""
+    for rnd in range(max(args.rounds, args.rounds_long)):
+        for size in args.sizes:
+            if rnd >= (args.rounds if size < args.long_at else args.rounds_long):
+                continue
+            path = prompts[size][0]
+            for config in configs:
+                if config == "mlx-lm":
+                    cmd = [bl.PYTHON, __file__, "--mlx-lm-child", "--prompt-file", path,
+                           "--max-tokens", str(args.max_tokens)]
+                elif config == TCP_CONFIG:
+                    cmd = tcp_cmd(path, args.max_tokens)
+                else:
+                    cmd = spmd_cp_cmd(int(config.split("=")[1]), path, args.max_tokens)
+                r = bl.run_json(cmd, env=bl.bench_env(None), timeout=7200)
+                runs[(size, config)].append(r)
+                bl.log(f"round {rnd + 1}: {size} tokens, {config}: ttft {r['ttft_s']:.1f}s, "
+                       f"decode {r['decode_tok_s']:.1f} tok/s, others {r['_others']:.2f}")
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -193,6 +235,9 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--budget", default="1GB")
     parser.add_argument("--forecast-ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--cluster-rate", help="also run N=2 on simulated hosts (e.g. 16gbit)")
+    parser.add_argument("--skip-memory", action="store_true", help="no forecast section")
+    parser.add_argument("--name", default="vs_mlx_lm", help="results file name")
     parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--only-memory", action="store_true")
     parser.add_argument("--mlx-lm-child", action="store_true", help=argparse.SUPPRESS)
@@ -226,22 +271,15 @@ def main():
             path.write_text(text)
             prompts[size] = (str(path), actual)
         configs = ["mlx-lm"] + [f"spmd-cp N={n}" for n in args.ranks]
+        if args.cluster_rate:
+            configs.append(TCP_CONFIG)
+            subprocess.run([str(CLUSTER), "up", "2", "--rate", args.cluster_rate], check=True)
         runs = {(s, c): [] for s in args.sizes for c in configs}
-        for rnd in range(max(args.rounds, args.rounds_long)):
-            for size in args.sizes:
-                if rnd >= (args.rounds if size < args.long_at else args.rounds_long):
-                    continue
-                path = prompts[size][0]
-                for config in configs:
-                    if config == "mlx-lm":
-                        cmd = [bl.PYTHON, __file__, "--mlx-lm-child", "--prompt-file", path,
-                               "--max-tokens", str(args.max_tokens)]
-                    else:
-                        cmd = spmd_cp_cmd(int(config.split("=")[1]), path, args.max_tokens)
-                    r = bl.run_json(cmd, env=bl.bench_env(None), timeout=7200)
-                    runs[(size, config)].append(r)
-                    bl.log(f"round {rnd + 1}: {size} tokens, {config}: ttft {r['ttft_s']:.1f}s, "
-                           f"decode {r['decode_tok_s']:.1f} tok/s, others {r['_others']:.2f}")
+        try:
+            measure(args, configs, prompts, runs)
+        finally:
+            if args.cluster_rate:
+                subprocess.run([str(CLUSTER), "down"], capture_output=True)
 
         def med(size, config, key):
             return bl.median(r[key] for r in runs[(size, config)])
@@ -251,6 +289,9 @@ def main():
                    f"({args.rounds} below {args.long_at} tokens, {args.rounds_long} from there on; configurations "
                    "alternate within a round). Peak MLX memory: the largest rank's. Peak RSS: "
                    "the largest process's VmHWM (includes the model load).\n")
+        if args.cluster_rate:
+            out.append(f"{TCP_CONFIG}: 2 simulated hosts, links capped at {args.cluster_rate}, "
+                       "both hosts on this machine's 2 cores, 1 BLAS thread per rank.\n")
         rows = []
         for size in args.sizes:
             ref = {k: med(size, "mlx-lm", k) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s")}
@@ -274,10 +315,12 @@ def main():
                              "decode tok/s", "x mlx-lm", "peak MLX MiB/rank", "x mlx-lm",
                              "peak RSS MiB/process", "chars = mlx-lm", "load avg",
                              "others' cores (max)"], rows))
-    mem_text, mem_data = memory_section(args, shape, weights, prompts_dir)
-    out.append(mem_text)
+    mem_text, mem_data = "", {}
+    if not args.skip_memory:
+        mem_text, mem_data = memory_section(args, shape, weights, prompts_dir)
+        out.append(mem_text)
     text = "\n".join(out)
-    bl.save("vs_mlx_lm_memory" if args.only_memory else "vs_mlx_lm", {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    bl.save("vs_mlx_lm_memory" if args.only_memory else args.name, {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                           "machine": bl.machine(), "memory": mem_data,
                           "runs": {f"{s}|{c}": v for (s, c), v in runs.items()}}, text)
     print(text)

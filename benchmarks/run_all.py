@@ -16,6 +16,7 @@ how many cores others used anyway.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -31,12 +32,17 @@ STEPS = {
                       "--mix", "128:2048", "--rounds", "2"],
     "decode": [PY, HERE / "bench_decode.py", "--contexts", "16", "2048", "4096", "8192",
                "--ranks", "1", "2", "4", "--rounds", "3"],
+    # As root, also N = 2 over 2 simulated hosts (TCP through veth links capped at 16 gbit).
     "vs-mlx-lm": [PY, HERE / "bench_vs_mlx_lm.py", "--sizes", "1024", "2048", "4096", "8160",
-                  "--ranks", "1", "2", "4", "--rounds", "2", "--rounds-long", "1"],
+                  "--ranks", "1", "2", "4", "--rounds", "2", "--rounds-long", "1"]
+                 + (["--cluster-rate", "16gbit"] if os.geteuid() == 0 else []),
     "network": [PY, HERE / "bench_network.py", "--rates", "1gbit", "4gbit", "16gbit",
                 "--mix", "2048:0", "--mix", "64:2048", "--rounds", "2"],
     "soak": [PY, HERE / "soak.py", "--generations", "200", "--jobs", "20"],
-    "decode-overhead": [PY, HERE / "decode_overhead.py", "--context", "4096"],
+    "decode-overhead": [PY, HERE / "decode_overhead.py", "--context", "1024"],
+    "decode-overhead-4k": [PY, HERE / "decode_overhead.py", "--context", "4096"],
+    "long-greedy": [PY, HERE / "check_long_greedy.py", "--lengths", "500", "3000", "--tokens",
+                    "128", "--ranks", "1", "2", "3", "4"],
     "plot": [PY, HERE / "plot.py"],
 }
 

@@ -135,7 +135,8 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
 
 
 def _decode_lockstep(engine: Engine, cache, logits, sample, finished, max_tokens: int) -> bool:
-    """Several ranks: rank 0 samples, broadcasts (token, stopped), every rank feeds it."""
+    """Rank 0 samples and broadcasts (token, stopped) (nothing to send on one rank);
+    every rank feeds the token."""
     comm = engine.comm
     for step in range(max_tokens):
         message = None
