@@ -1,6 +1,6 @@
 """Regenerate every figure of docs/BENCHMARKS.md, one benchmark after the other.
 
-    python benchmarks/run_all.py                  # everything (~65 min on 2 idle cores)
+    python benchmarks/run_all.py                  # everything (~95 min on 2 idle cores)
     python benchmarks/run_all.py --only decode soak
     python benchmarks/run_all.py --skip network   # e.g. without root
 
