@@ -225,8 +225,8 @@ class Comm:
 
         Counted as 2 * (N-1)/N * nbytes per rank: what the bandwidth-optimal algorithm
         (reduce-scatter, then allgather of the reduced pieces) sends, and the least any
-        algorithm can send; MPICH uses it above 2 KB. Below, recursive doubling sends
-        log2(N) * nbytes, a little more on the wire than counted (equal at N = 2).
+        algorithm can send; MPICH's algorithm for large messages. For small ones recursive
+        doubling sends log2(N) * nbytes, a little more than counted (equal at N = 2).
         """
         from mpi4py import MPI
 

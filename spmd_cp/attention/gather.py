@@ -36,9 +36,9 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray]):
 DECODE_MERGES = ("allgather", "allreduce")
 
 # On one rank nothing is merged, so no lse is needed and MLX's fused attention can serve
-# the decode query. Below about 2K keys it wins (a smaller graph to build per step:
-# 4.5 vs 6.3 ms for 30 layers); above, block_attention's folded GQA matmul is faster on
-# this CPU (measured 8.4 vs 8.2 tokens/s at 4K). Both are exact.
+# the decode query. Below about 2K keys it wins (30 layers over 1K keys: 6.8 vs 10.4 ms,
+# and a smaller graph to build per step); above, block_attention's folded GQA matmul is
+# faster on this CPU (over 4K keys: 31 vs 49 ms; benchmarks/decode_overhead.py).
 FUSED_DECODE_MAX_KEYS = 2048
 
 
