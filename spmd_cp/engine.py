@@ -65,7 +65,9 @@ class Engine:
         self.on_layer = on_layer
         self.kv_interleave = kv_interleave
         self.decode_merge = decode_merge
-        self.decode_tp = decode_tp  # "on", "off" or "auto" (measured in the first steps)
+        # "on", "off" or "auto" (measured in the first steps). One rank has nothing to
+        # split, and "auto" would otherwise keep timing every step for the engine's life.
+        self.decode_tp = decode_tp if comm.size > 1 else "off"
         self.tp_decoder = None
         self._probe_times = []  # (split?, seconds) of the decode steps timed for "auto"
         self.algos_used = []
@@ -227,7 +229,7 @@ class Engine:
         split ones (the first of each discarded as warm-up), and rank 0 broadcasts the
         faster; the choice then holds for the engine's life.
         """
-        if self.decode_tp == "off" or self.comm.size == 1:
+        if self.decode_tp == "off":
             return False
         if self.tp_decoder is None:
             if not supports_tensor_parallel(self.model):

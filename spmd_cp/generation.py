@@ -81,8 +81,9 @@ def overlap_by_default(comm) -> bool:
 
     On a GPU the device computes while the host builds the next step's graph: mlx-lm's
     generate_step overlaps for that reason. On MLX's CPU backend the host's graph building
-    takes a core from the BLAS threads instead: measured here, lock-step decoded 1-3%
-    faster than the overlapped loop (benchmarks/decode_overhead.py, docs/BENCHMARKS.md).
+    takes a core from the BLAS threads instead: measured here in one process, lock-step
+    decoded 4-7% faster than the overlapped loop at 1K and 4K context
+    (benchmarks/decode_overhead.py, docs/BENCHMARKS.md section 5).
     Several ranks always run in lock-step: the token must be broadcast first.
     """
     return comm.size == 1 and mx.default_device() == mx.gpu

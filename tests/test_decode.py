@@ -66,7 +66,10 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
     from spmd_cp.model import CPModel
 
     loaded = load_model(tiny_models["llama"])
-    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF))
+    # "auto", as the CLI passes it: on one rank it must resolve to "off" at once, not time
+    # every step for the engine's life.
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), decode_tp="auto")
+    assert engine.decode_tp == "off"
     prompt = np.array(loaded.tokenizer.encode(DOCUMENT))
 
     def run(overlap: bool, stop: str | None = None):
