@@ -120,7 +120,7 @@ def run_prefill(tokens: int, quantized: bool, args) -> dict:
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from spmd_cp.gguf import default_model_path, load_gguf
+    from spmd_cp.models.gguf import default_model_path, load_gguf
 
     model, tokenizer, _ = load_gguf(default_model_path(), keep_quantized=quantized)
     prompt = mx.array([tokenizer.encode(TEXT * (tokens // 30 + 2))[:tokens]])

@@ -8,7 +8,7 @@ For each prompt size (random-ish English-like text cut to exactly that many toke
 model's tokenizer), in every round, alternating:
 
 (a) mlx-lm: a fresh process that calls spmd_cp.blas.ensure_fast_blas() (OpenBLAS, like
-    spmd-cp), loads the model with spmd_cp.loader.load_model (the same dequantized float32
+    spmd-cp), loads the model with spmd_cp.models.loader.load_model (the same dequantized float32
     weights) and runs mlx-lm's own ``generate_step`` (its default prefill_step_size 2048)
     greedily for --max-tokens tokens, without stopping at EOS;
 (b) ``mpiexec -n N spmd-cp generate --prompt-file F --json --no-chat-template
@@ -26,7 +26,7 @@ same spmd-cp command on 2 simulated hosts (``launch/netns-cluster up 2 --rate R`
 this machine's 2 cores, links capped at R) through ``launch/spmd-cp-run --netns-cluster
 --threads 1``, so the ranks talk TCP instead of shared memory.
 
-Then the memory forecast (spmd_cp.forecast.forecast_rank_bytes, the check behind
+Then the memory forecast (spmd_cp.engine.forecast.forecast_rank_bytes, the check behind
 --memory-limit): the longest context that fits --budget per rank for N = 1, 2, 4, 8, with
 the whole prompt in one prefill call and with --prefill-chunk 1024; and an empirical check
 of the N = 1 point: spmd-cp run with --memory-limit just under and just over it.
@@ -84,7 +84,7 @@ def mlx_lm_child(args):
     from mlx_lm.sample_utils import make_sampler
 
     from spmd_cp.blas import describe_blas
-    from spmd_cp.loader import default_model_path, load_model
+    from spmd_cp.models.loader import default_model_path, load_model
 
     loaded = load_model(default_model_path())
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -160,7 +160,7 @@ def common_prefix(a: str, b: str) -> int:
 
 
 def longest_fitting(shape, weights, n, chunk, budget, algo="pass-kv") -> int:
-    from spmd_cp.forecast import forecast_rank_bytes
+    from spmd_cp.engine.forecast import forecast_rank_bytes
 
     lo, hi = 0, 10**8
     while lo < hi:
@@ -173,11 +173,11 @@ def longest_fitting(shape, weights, n, chunk, budget, algo="pass-kv") -> int:
 
 
 def memory_section(args, shape, weights, prompts_dir: Path) -> tuple[str, dict]:
-    from spmd_cp.forecast import SAFETY, forecast_rank_bytes, parse_bytes
+    from spmd_cp.engine.forecast import SAFETY, forecast_rank_bytes, parse_bytes
 
     budget = parse_bytes(args.budget)
     out = [f"\n### Longest context within {args.budget} per rank (memory forecast)\n",
-           "spmd_cp.forecast.forecast_rank_bytes (weights + KV shard + activations of one "
+           "spmd_cp.engine.forecast.forecast_rank_bytes (weights + KV shard + activations of one "
            f"prefill call, x{SAFETY} safety on activations), pass-kv, float32. The model itself "
            "is trained for 8192 positions; longer contexts are arithmetic here.\n"]
     rows, data = [], {}
@@ -251,8 +251,8 @@ def main():
         return
     command = "python benchmarks/bench_vs_mlx_lm.py " + shlex.join(sys.argv[1:])
 
-    from spmd_cp.commands import model_nbytes
-    from spmd_cp.loader import default_model_path, load_model
+    from spmd_cp.cli.commands import model_nbytes
+    from spmd_cp.models.loader import default_model_path, load_model
 
     loaded = load_model(default_model_path())
     tokenizer, shape, weights = loaded.tokenizer, loaded.shape, model_nbytes(loaded.model)

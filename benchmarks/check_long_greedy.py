@@ -42,7 +42,7 @@ def mlx_lm_greedy(model_path: str, ids: list[int], tokens: int) -> list[int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from spmd_cp.loader import load_model
+    from spmd_cp.models.loader import load_model
 
     model = load_model(model_path).model
     steps = generate_step(mx.array(ids), model, max_tokens=tokens,
@@ -65,7 +65,7 @@ def main():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import benchlib
     from spmd_cp.blas import ensure_fast_blas
-    from spmd_cp.loader import default_model_path
+    from spmd_cp.models.loader import default_model_path
 
     ensure_fast_blas()
     model = args.model or default_model_path()

@@ -44,11 +44,11 @@ def main():
     from mpi4py import MPI
 
     from spmd_cp.attention import block_attention, decode_attention
-    from spmd_cp.comm import Comm
-    from spmd_cp.engine import Engine
-    from spmd_cp.generation import _decode_overlapped
-    from spmd_cp.loader import default_model_path, load_model
-    from spmd_cp.model import CPModel
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.engine.generation import _decode_overlapped
+    from spmd_cp.models.loader import default_model_path, load_model
+    from spmd_cp.engine.model import CPModel
 
     model = load_model(default_model_path()).model
     ids = np.random.RandomState(0).randint(3, 20000, size=args.context)

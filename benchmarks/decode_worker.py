@@ -46,11 +46,11 @@ def main():
     import numpy as np
     from mpi4py import MPI
 
-    from spmd_cp.comm import Comm
-    from spmd_cp.engine import Engine
-    from spmd_cp.loader import default_model_path, load_model
-    from spmd_cp.model import CPModel
-    from spmd_cp.partition import head_tail_positions
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.models.loader import default_model_path, load_model
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.attention.partition import head_tail_positions
 
     comm = Comm(MPI.COMM_WORLD)
     model = CPModel(load_model(args.model or default_model_path()).model)

@@ -39,7 +39,7 @@ def split_runs_block_attention(original):
     (the partials merge like any other).
     """
     from spmd_cp.attention.block import merge_partials
-    from spmd_cp.model import contiguous_runs
+    from spmd_cp.engine.model import contiguous_runs
 
     def attention(q, k, v, q_pos, k_pos, scale):
         q_runs, k_runs = contiguous_runs(q_pos), contiguous_runs(k_pos)
@@ -72,7 +72,7 @@ def install_profiler(comm, prof: dict):
     import numpy as np
 
     import spmd_cp.attention.block as block
-    import spmd_cp.engine as engine_module
+    import spmd_cp.engine.engine as engine_module
 
     original_tile = block._tile_attention
     original_prefill_attention = engine_module.prefill_attention
@@ -137,10 +137,10 @@ def main():
 
     import spmd_cp.attention.gather as gather
     import spmd_cp.attention.ring as ring
-    from spmd_cp.comm import Comm
-    from spmd_cp.engine import Engine
-    from spmd_cp.loader import default_model_path, load_model
-    from spmd_cp.model import CPModel
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.models.loader import default_model_path, load_model
+    from spmd_cp.engine.model import CPModel
 
     if args.split_runs:
         ring.block_attention = split_runs_block_attention(ring.block_attention)
@@ -159,7 +159,7 @@ def main():
 
     if args.auto_choice:
         from spmd_cp.attention import prefill_attention
-        from spmd_cp.partition import head_tail_positions
+        from spmd_cp.attention.partition import head_tail_positions
 
         auto = Engine(model, comm, algo="auto")
         new = args.new if args.chunk <= 0 else min(args.chunk, args.new)

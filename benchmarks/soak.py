@@ -4,7 +4,7 @@
     python benchmarks/soak.py --generations 50 --jobs 10
 
 Part 1: ``mpiexec -n 2 python benchmarks/soak.py --worker`` loads the model once and runs
---generations short generations through spmd_cp.generation.generate (the engine the CLI
+--generations short generations through spmd_cp.engine.generation.generate (the engine the CLI
 uses: --cp-algo auto, --decode-tp auto, allgather merge), each on a fresh sharded cache,
 with prompts of varying length (16-256 tokens) and 8 greedy tokens. After every
 generation each rank records its RSS (/proc/self/status), MLX active memory and MLX
@@ -59,11 +59,11 @@ def worker(args):
     import numpy as np
     from mpi4py import MPI
 
-    from spmd_cp.comm import Comm
-    from spmd_cp.engine import Engine
-    from spmd_cp.generation import SamplingOptions, generate
-    from spmd_cp.loader import default_model_path, load_model
-    from spmd_cp.model import CPModel
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.engine.generation import SamplingOptions, generate
+    from spmd_cp.models.loader import default_model_path, load_model
+    from spmd_cp.engine.model import CPModel
 
     comm = Comm(MPI.COMM_WORLD)
     loaded = load_model(default_model_path())

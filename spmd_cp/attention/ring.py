@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..comm import Comm
+from ..runtime.comm import Comm
 from .block import block_attention, merge_partials, merge_stacked
 
 

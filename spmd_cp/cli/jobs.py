@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 # Bad lines spelled out in the error message; the line numbers are always all listed.
 MAX_DETAILED_LINES = 10

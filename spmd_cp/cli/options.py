@@ -7,7 +7,7 @@ import click
 
 def common_options(fn):
     """Flags shared by every command that runs the model (DESIGN.md section 6)."""
-    from .attention import PREFILL_ALGOS
+    from ..attention import PREFILL_ALGOS
 
     options = [
         click.option("--model", "model_path", default=None, metavar="PATH",

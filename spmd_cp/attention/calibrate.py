@@ -18,10 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .attention.block import block_attention
-from .attention.choose import LinkAndCompute
-from .checksum import cache_dir
-from .comm import Comm
+from .block import block_attention
+from .choose import LinkAndCompute
+from ..runtime.paths import cache_dir
+from ..runtime.comm import Comm
 
 
 

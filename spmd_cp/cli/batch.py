@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from .options import common_options, decode_options
-from .errors import UserError
+from ..errors import UserError
 from .jobs import Job, ResultWriter, error_record, group_jobs, load_finished, read_jobs
 from .progress import MODES, Progress
 
@@ -62,7 +62,7 @@ def batch(**options):
 
 
 def run_batch(options: dict) -> int:
-    from . import spmd
+    from ..runtime import spmd
 
     # MPI, the communicator and its watchdog, exactly as for generate (commands.run_command).
     return spmd.run_main(batch_command, options)
@@ -72,7 +72,7 @@ def run_batch(options: dict) -> int:
 def rank0_alone(comm, what: str):
     """While rank 0 reads and tokenizes a group, the other ranks wait in a Bcast: allow
     that wait as long as start-up (a long document, many jobs), not --comm-timeout."""
-    from .spmd import STARTUP_TIMEOUT_S
+    from ..runtime.spmd import STARTUP_TIMEOUT_S
 
     watchdog = getattr(comm, "watchdog", None)
     if watchdog is None:
@@ -145,7 +145,7 @@ class Preparer:
         import numpy as np
 
         from .commands import new_conversation, prompt_text_for
-        from .forecast import check_fits
+        from ..engine.forecast import check_fits
 
         system = job.system if job.system is not None else self.options["system"]
         # The same text generate builds (chat template, stripped user turn).
@@ -171,7 +171,7 @@ class Preparer:
         return ids
 
     def sampling(self, job: Job):
-        from .generation import SamplingOptions
+        from ..engine.generation import SamplingOptions
 
         def pick(value, default):
             return default if value is None else value
@@ -184,7 +184,7 @@ class Preparer:
 
     def group(self, jobs: list[Job]):
         """(work for every rank, error records) for one group of jobs."""
-        from .prompt_cache import common_prefix_length
+        from ..engine.prompt_cache import common_prefix_length
 
         documents, ready, errors = {}, [], []
         for job in jobs:
@@ -210,9 +210,9 @@ class Preparer:
 def batch_command(comm, options: dict):
     import mlx.core as mx
 
-    from . import spmd
+    from ..runtime import spmd
     from .commands import check_writable, make_engine, model_nbytes, rank_metrics, resolve_model
-    from .forecast import default_memory_limit, parse_bytes
+    from ..engine.forecast import default_memory_limit, parse_bytes
 
     log = spmd.log
     plan = {}
@@ -275,7 +275,7 @@ def batch_command(comm, options: dict):
 
 def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
     """Prefill the group's shared tokens once, then answer each job after them (all ranks)."""
-    from .generation import generate
+    from ..engine.generation import generate
 
     cache.truncate(0)
     shared = work["shared"]

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .attention import decode_attention, prefill_attention
+from ..attention import decode_attention, prefill_attention
 from .cache import ShardedKVCache
-from .calibrate import calibrate
-from .comm import Comm
+from ..attention.calibrate import calibrate
+from ..runtime.comm import Comm
 from .model import CPModel
-from .partition import decode_owner, head_tail_positions, owner_of
+from ..attention.partition import decode_owner, head_tail_positions, owner_of
 from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
-from .trace import span
+from ..runtime.trace import span
 
 log = logging.getLogger("spmd_cp")
 

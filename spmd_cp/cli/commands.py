@@ -17,18 +17,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import spmd
-from .blas import describe_blas
-from .checksum import model_checksum
-from .comm import Comm
-from .engine import Engine
-from .errors import UserError
-from .faults import layer_hook
-from .forecast import check_fits, default_memory_limit, parse_bytes
-from .generation import SamplingOptions, generate
-from .loader import check_model_path, default_model_path, load_model
-from .model import CPModel
-from .prompt_cache import common_prefix_length, load_cache, read_meta, save_cache
+from ..runtime import spmd
+from ..blas import describe_blas
+from ..models.checksum import model_checksum
+from ..runtime.comm import Comm
+from ..engine.engine import Engine
+from ..errors import UserError
+from ..runtime.faults import layer_hook
+from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
+from ..engine.generation import SamplingOptions, generate
+from ..models.loader import check_model_path, default_model_path, load_model
+from ..engine.model import CPModel
+from ..engine.prompt_cache import common_prefix_length, load_cache, read_meta, save_cache
 
 log = spmd.log
 

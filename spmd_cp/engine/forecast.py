@@ -15,30 +15,15 @@ import os
 import re
 from dataclasses import dataclass
 
-from .attention.block import SCORE_TILE_ELEMENTS
-from .errors import UserError
+from ..attention.block import SCORE_TILE_ELEMENTS
+from ..errors import UserError
+from ..models.shape import ModelShape
 
 # Measured activation peaks exceed this model by up to ~35% (allocator rounding, MLX
 # temporaries: SmolLM2 at 4,188 tokens on one rank peaked at 358 MiB of activations
 # against 259 MiB modelled); the forecast is a refusal threshold, so it errs on the
 # large side.
 SAFETY = 1.4
-
-
-@dataclass
-class ModelShape:
-    layers: int
-    hidden: int
-    intermediate: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab: int
-    elem_bytes: int = 4
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.num_kv_heads * self.head_dim * self.elem_bytes
 
 
 @dataclass

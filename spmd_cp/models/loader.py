@@ -17,10 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .checksum import cache_dir, model_checksum
-from .errors import UserError
-from .forecast import ModelShape
-from .model import SUPPORTED_MODEL_TYPES
+from ..runtime.paths import cache_dir
+from .checksum import model_checksum
+from ..errors import UserError
+from .shape import SUPPORTED_MODEL_TYPES, ModelShape
 
 
 @dataclass

@@ -9,17 +9,11 @@ import json
 import os
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
+from ..runtime.paths import cache_dir
 
 # Hashing reads the file in pieces of this size.
 HASH_CHUNK = 8 << 20
-
-
-
-def cache_dir() -> Path:
-    """The on-disk cache directory (the one spmd_cp.calibrate uses): $SPMD_CP_CACHE or
-    ~/.cache/spmd-cp, read at call time."""
-    return Path(os.environ.get("SPMD_CP_CACHE", Path.home() / ".cache" / "spmd-cp"))
 
 
 def model_files(path: str) -> list[Path]:

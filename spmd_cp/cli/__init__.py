@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from . import blas
+from .. import blas
 from .batch import batch
 from .doctor import doctor
 from .options import common_options, decode_options
@@ -92,7 +92,7 @@ def score(**options):
 @click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
 def trace_summary(trace_file):
     """Each rank's compute and wait shares in a --trace file, and the slowest rank."""
-    from .trace import summarize
+    from ..runtime.trace import summarize
 
     click.echo(summarize(trace_file))
 

@@ -25,9 +25,9 @@ import time
 
 import click
 
-from .checksum import model_checksum
-from .gguf_header import head_counts
-from .errors import UserError  # standard library only: importing this module (cli.py does,
+from ..models.checksum import model_checksum
+from ..models.gguf_header import head_counts
+from ..errors import UserError  # standard library only: importing this module (cli.py does,
 # before the BLAS re-exec) must not load MLX or MPI
 
 EXIT_MISMATCH = 3
@@ -60,7 +60,7 @@ def auto_crossover(num_heads: int, num_kv_heads: int, elem_bytes: int, cp_size: 
     exactly for T < X new tokens (1: never; None: for every T). X is found by asking
     ``choose_prefill_algo`` itself (a bisection), so it cannot drift from the rule.
     """
-    from .attention.choose import choose_prefill_algo
+    from ..attention.choose import choose_prefill_algo
 
     result = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "elem_bytes": elem_bytes,
               "cp_size": cp_size, "share_threshold": 2 * num_kv_heads / num_heads,
@@ -101,7 +101,7 @@ def local_report() -> dict:
     import mpi4py
     from mpi4py import MPI
 
-    from .blas import describe_blas, usable_cpus
+    from ..blas import describe_blas, usable_cpus
 
     blas = describe_blas()
     return {
@@ -211,8 +211,8 @@ def doctor(**options):
     """Check that all ranks agree (versions, model checksum) and measure link and compute."""
     from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
 
-    from . import spmd
-    from .comm import Comm
+    from ..runtime import spmd
+    from ..runtime.comm import Comm
 
     comm = Comm(MPI.COMM_WORLD)
     spmd.setup_logging(comm)
@@ -223,8 +223,8 @@ def doctor(**options):
 
 def doctor_command(comm, options: dict, outcome: dict):
     """The body of `spmd-cp doctor` on every rank; sets ``outcome["exit_code"]``."""
-    from .calibrate import calibration_file, calibrate, measure_attention_flops
-    from .loader import check_model_path, default_model_path
+    from ..attention.calibrate import calibration_file, calibrate, measure_attention_flops
+    from ..models.loader import check_model_path, default_model_path
 
     # Rank 0's flags rule: in an MPMD launch ranks may have been given different ones, and
     # every rank must take part in the same collectives.

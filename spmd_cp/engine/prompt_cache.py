@@ -25,10 +25,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import spmd
+from ..runtime import spmd
 from .cache import ShardedKVCache
-from .comm import Comm
-from .errors import UserError
+from ..runtime.comm import Comm
+from ..errors import UserError
 
 FORMAT = 1
 META = "meta.json"

@@ -16,10 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import ShardedKVCache
-from .trace import span
-
-# Architectures whose layers this loop reproduces exactly (mlx-lm model_type names).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from ..runtime.trace import span
 
 # attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale) -> (NH, n, d)
 AttendFn = Callable[..., mx.array]

@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from .comm import Comm
-from .errors import UserError
+from ..errors import UserError
 from .trace import Tracer
 from .watchdog import EXIT_INTERRUPTED, Watchdog
 

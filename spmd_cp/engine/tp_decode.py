@@ -23,9 +23,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-from .comm import Comm
+from ..runtime.comm import Comm
 from .model import CPModel, heads_with_rope, local_shard
-from .trace import span
+from ..runtime.trace import span
 
 
 def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:

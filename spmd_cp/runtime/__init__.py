@@ -1,0 +1,1 @@
+"""The SPMD runtime: the communicator, agreement on errors, the watchdog, tracing, fault injection."""
