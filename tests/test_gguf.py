@@ -13,7 +13,7 @@ import pytest
 from mlx_lm import generate
 from numpy_reference import reference_logits
 
-from spmd_cp import gguf
+from spmd_cp.models import gguf
 from spmd_cp.models.gguf import default_model_path, load_gguf
 
 # 21 tokens: words, digits, punctuation.
