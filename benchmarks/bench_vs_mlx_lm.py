@@ -251,7 +251,7 @@ def main():
         return
     command = "python benchmarks/bench_vs_mlx_lm.py " + shlex.join(sys.argv[1:])
 
-    from spmd_cp.cli.commands import model_nbytes
+    from spmd_cp.cli.steps import model_nbytes
     from spmd_cp.models.loader import default_model_path, load_model
 
     loaded = load_model(default_model_path())

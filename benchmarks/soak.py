@@ -61,7 +61,8 @@ def worker(args):
 
     from spmd_cp.runtime.comm import Comm
     from spmd_cp.engine.engine import Engine
-    from spmd_cp.engine.generation import SamplingOptions, generate
+    from spmd_cp.config import SamplingConfig
+    from spmd_cp.engine.generation import generate
     from spmd_cp.models.loader import default_model_path, load_model
     from spmd_cp.engine.model import CPModel
 
@@ -69,7 +70,7 @@ def worker(args):
     loaded = load_model(default_model_path())
     engine = Engine(CPModel(loaded.model), comm, algo="auto", decode_tp="auto")
     rng = np.random.RandomState(0)
-    options = SamplingOptions(max_tokens=args.max_tokens)
+    options = SamplingConfig(max_tokens=args.max_tokens)
     records = []
     start = time.perf_counter()
     for g in range(args.generations):

@@ -262,6 +262,7 @@ def test_per_job_problems_are_error_lines_and_the_rest_answered(killed_then_resu
         record = by_id[job_id]
         assert record["text"] and "error" not in record
         assert 0 < record["tokens"] <= MAX_TOKENS and record["finish_reason"] in ("stop", "length")
+        assert len(record["token_ids"]) == record["tokens"]
         for field in ("prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s"):
             assert record[field] >= 0
     assert "Paris" in by_id["a"]["text"]
@@ -302,3 +303,4 @@ def test_greedy_answers_equal_generate_one_by_one(killed_then_resumed, workdir, 
     assert batched["prompt_tokens"] == alone["prompt_tokens"]
     assert batched["text"] == alone["text"]
     assert batched["tokens"] == alone["tokens"]
+    assert batched["token_ids"] == alone["token_ids"]

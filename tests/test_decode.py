@@ -61,7 +61,8 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
 
     from spmd_cp.runtime.comm import Comm
     from spmd_cp.engine.engine import Engine
-    from spmd_cp.engine.generation import SamplingOptions, generate
+    from spmd_cp.config import SamplingConfig
+    from spmd_cp.engine.generation import generate
     from spmd_cp.models.loader import load_model
     from spmd_cp.engine.model import CPModel
 
@@ -74,7 +75,7 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
 
     def run(overlap: bool, stop: str | None = None):
         cache = engine.new_cache()
-        options = SamplingOptions(max_tokens=12, temp=0.9, seed=11, stop=[stop] if stop else [])
+        options = SamplingConfig(max_tokens=12, temp=0.9, seed=11, stop=[stop] if stop else [])
         result = generate(engine, cache, prompt, loaded.tokenizer, options, overlap=overlap)
         keys = np.concatenate([np.array(layer.fetch()[0]) for layer in cache.layers])
         return result, cache, keys

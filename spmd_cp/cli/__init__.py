@@ -6,7 +6,9 @@ Every rank runs this same entry point:
     mpiexec -n 4 spmd-cp score --text-file doc.txt --output tokens.jsonl --json
 
 Rank 0 reads and tokenizes the prompt, samples, and alone writes to stdout; every rank
-holds the whole model and 1/N of the KV cache.
+holds the whole model and 1/N of the KV cache. One module per command (generate, score,
+batch, doctor); the steps they share are in steps.py. Importing this package must not
+initialise MPI: main() may still re-execute the process with a faster BLAS.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import click
 from .. import blas
 from .batch import batch
 from .doctor import doctor
-from .options import common_options, decode_options
+from .generate import generate
+from .options import RangeError
+from .score import score
 
 
 def main():
-    # Before MPI_Init and before MLX loads: possibly re-exec with an optimized BLAS.
+    # Before MPI_Init: possibly re-exec with an optimized BLAS.
     blas.ensure_fast_blas()
     try:
         cli.main(standalone_mode=False)
@@ -32,7 +36,10 @@ def main():
         # Argument errors are found identically on every rank before MPI starts
         # talking, so each rank exits on its own; print once.
         if _launcher_rank() == 0:
-            error.show()
+            if isinstance(error, RangeError):
+                print(f"spmd-cp: error: {error.message}", file=sys.stderr, flush=True)
+            else:
+                error.show()
         sys.exit(error.exit_code)
 
 
@@ -50,44 +57,6 @@ def cli():
     """Exact context-parallel long-context LLM inference for MLX models, under MPI."""
 
 
-@cli.command()
-@common_options
-@click.option("--prompt", default=None, help="Prompt text, or - to read standard input.")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read the prompt from a file.")
-@click.option("--system", default=None, help="System message for the chat template.")
-@click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is.")
-@click.option("--max-tokens", type=int, default=256, show_default=True)
-@click.option("--temp", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop when this string appears (repeatable).")
-@click.option("--save-cache", default=None, metavar="DIR",
-              help="After answering, save every rank's KV shard and the conversation here.")
-@click.option("--load-cache", default=None, metavar="DIR",
-              help="Continue a conversation saved with --save-cache (same model and rank "
-                   "count): only the new tokens are prefilled.")
-@decode_options
-def generate(**options):
-    """Generate a continuation of a (long) prompt."""
-    from .commands import run_command
-
-    sys.exit(run_command("generate", options))
-
-
-@cli.command()
-@common_options
-@click.option("--text-file", type=click.Path(dir_okay=False), required=True, help="The document to score.")
-@click.option("--output", type=click.Path(dir_okay=False), required=True,
-              help="JSONL file: one line per predicted position (pos, token, logprob, argmax).")
-def score(**options):
-    """Log-probability of every token of a document given everything before it."""
-    from .commands import run_command
-
-    sys.exit(run_command("score", options))
-
-
 @cli.command("trace-summary")
 @click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
 def trace_summary(trace_file):
@@ -97,8 +66,8 @@ def trace_summary(trace_file):
     click.echo(summarize(trace_file))
 
 
-cli.add_command(doctor)
-cli.add_command(batch)
+for command in (generate, score, batch, doctor):
+    cli.add_command(command)
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import describe_range, in_range
 from ..errors import UserError
 
 # Bad lines spelled out in the error message; the line numbers are always all listed.
@@ -33,6 +34,14 @@ def _check_stop(value) -> bool:
                                       and all(isinstance(s, str) for s in value))
 
 
+def _sampling(setting: str, integer: bool = False):
+    """(check, what the value must be) of a sampling key, from config.SAMPLING_RANGES."""
+    is_type = _is_int if integer else _is_number
+    kind = "an integer" if integer else "a number"
+    return (lambda v: is_type(v) and in_range(setting, v),
+            f"{kind} {describe_range(setting)}")
+
+
 # key -> (check, what the value must be). ``None`` values count as absent.
 FIELDS = {
     "id": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
@@ -40,11 +49,12 @@ FIELDS = {
     "prompt_file": (lambda v: isinstance(v, str) and v != "", "a file path string"),
     "prefix_file": (lambda v: isinstance(v, str) and v != "", "a file path string"),
     "system": (lambda v: isinstance(v, str), "a string"),
-    "max_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
-    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "seed": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "max_tokens": _sampling("max_tokens", integer=True),
+    "temperature": _sampling("temp"),
+    "top_p": _sampling("top_p"),
+    "top_k": _sampling("top_k", integer=True),
+    "min_p": _sampling("min_p"),
+    "seed": _sampling("seed", integer=True),
     "stop": (_check_stop, "a string or a list of strings"),
 }
 
@@ -63,6 +73,7 @@ class Job:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -140,7 +151,7 @@ def _make_job(number: int, record: dict, base: Path) -> Job:
                prompt_file=resolve("prompt_file"), prefix_file=resolve("prefix_file"),
                system=record.get("system"), max_tokens=record.get("max_tokens"),
                temperature=record.get("temperature"), top_p=record.get("top_p"),
-               top_k=record.get("top_k"), seed=record.get("seed"),
+               top_k=record.get("top_k"), min_p=record.get("min_p"), seed=record.get("seed"),
                stop=(stop,) if isinstance(stop, str) else tuple(stop))
 
 
@@ -161,15 +172,16 @@ class Finished:
     dropped_bytes: int = 0
 
 
-def load_finished(path: str | os.PathLike, resume: bool) -> Finished:
+def load_finished(path: str | os.PathLike, resume: bool, discard: bool = False) -> Finished:
     """The ids already answered in ``path``; with ``resume``, drop a torn last line.
 
     A torn last line is one without its newline, or an invalid last line: what a kill
     in the middle of a write leaves. A bad line anywhere else is refused, by number.
-    Without ``resume``, any non-empty existing file is refused.
+    Without ``resume``, any non-empty existing file is refused, unless ``discard``
+    (--overwrite: the ResultWriter starts it over).
     """
     path = Path(path)
-    if not path.exists() or path.stat().st_size == 0:
+    if discard or not path.exists() or path.stat().st_size == 0:
         return Finished([])
     if not resume:
         raise UserError(f"output {path} exists; use --resume or remove it")
@@ -220,11 +232,11 @@ class ResultWriter:
     input-order prefix of the pending jobs and ``--resume`` needs no reordering.
     """
 
-    def __init__(self, path: str | os.PathLike, order: list[str]):
+    def __init__(self, path: str | os.PathLike, order: list[str], truncate: bool = False):
         self.order = list(order)
         self.next = 0
         self.held: dict[str, dict] = {}
-        self.file = open(path, "ab")
+        self.file = open(path, "wb" if truncate else "ab")
 
     def add(self, record: dict) -> int:
         """Queue ``record`` (it has ``id``); write what is ready. Returns lines written."""

@@ -1,55 +1,113 @@
-"""Flags shared by every command that runs the model (DESIGN.md section 6 names)."""
+"""The flags of the commands that run the model, declared once from spmd_cp.config.
+
+Defaults come from the settings classes, ranges from ``SAMPLING_RANGES``; generate and
+batch share the sampling and decode flags. Names and meanings: docs/USAGE.md.
+"""
 
 from __future__ import annotations
 
 import click
 
+from ..config import (DECODE_TP_MODES, DecodeConfig, RunConfig, SamplingConfig, describe_range,
+                      in_range)
+
+
+class RangeError(click.BadParameter):
+    """A flag outside its declared range: printed as one ``spmd-cp: error:`` line."""
+
+
+def range_check(name: str):
+    """A click callback refusing values outside ``SAMPLING_RANGES[name]``."""
+    def check(ctx, param, value):
+        if not in_range(name, value):
+            raise RangeError(f"{param.opts[0]} must be {describe_range(name)}, got {value}")
+        return value
+
+    return check
+
+
+def _apply(fn, options):
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
 
 def common_options(fn):
-    """Flags shared by every command that runs the model (DESIGN.md section 6)."""
+    """Flags shared by every command that runs the model (RunConfig)."""
     from ..attention import PREFILL_ALGOS
 
-    options = [
-        click.option("--model", "model_path", default=None, metavar="PATH",
+    d = RunConfig.default
+    return _apply(fn, [
+        click.option("--model", "model_path", default=d("model_path"), metavar="PATH",
                      help="GGUF file or MLX/HF model directory (default: embedded SmolLM2-135M-Instruct)."),
-        click.option("--cp-algo", type=click.Choice(PREFILL_ALGOS), default="auto", show_default=True,
-                     help="Context-parallel prefill attention."),
-        click.option("--prefill-chunk", type=click.IntRange(min=0), default=0, show_default=True,
+        click.option("--cp-algo", type=click.Choice(PREFILL_ALGOS), default=d("cp_algo"),
+                     show_default=True, help="Context-parallel prefill attention."),
+        click.option("--prefill-chunk", type=click.IntRange(min=0), default=d("prefill_chunk"),
+                     show_default=True,
                      help="Prefill the prompt in chunks of this many tokens (0: one chunk)."),
-        click.option("--max-context", type=click.IntRange(min=1), default=None,
+        click.option("--max-context", type=click.IntRange(min=1), default=d("max_context"),
                      help="Refuse prompts longer than this (default: the model's limit)."),
         click.option("--keep-quantized", is_flag=True,
                      help="Keep quantized weights (default on CPU: dequantize to float32, much faster)."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line."),
-        click.option("--memory-limit", default=None, metavar="SIZE",
+        click.option("--memory-limit", default=d("memory_limit"), metavar="SIZE",
                      help="Refuse jobs whose forecast exceeds this per rank, e.g. 2GB "
                           "(default: this host's memory / its ranks)."),
-        click.option("--comm-timeout", type=click.FloatRange(min=0), default=None,
+        click.option("--comm-timeout", type=click.FloatRange(min=0), default=d("comm_timeout"),
                      help="Abort the job when a rank waits this many seconds for a peer during "
                           "prefill/decode (default 45; 0 disables)."),
-        click.option("--trace", default=None, metavar="FILE",
+        click.option("--trace", default=d("trace"), metavar="FILE",
                      help="Write a Chrome trace (Perfetto) of every rank's layers, waits and "
                           "transfers; see spmd-cp trace-summary."),
+        click.option("--overwrite", is_flag=True,
+                     help="Replace existing output files (--output, --trace, --save-cache)."),
         click.option("-v", "--verbose", is_flag=True, help="Log from every rank, not only rank 0."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+        click.option("-q", "--quiet", is_flag=True,
+                     help="No info logs (errors and warnings still print)."),
+    ])
+
+
+def ranged_option(flag: str, setting: str, kind, help: str):
+    """A sampling flag with its SamplingConfig default and its SAMPLING_RANGES check."""
+    return click.option(flag, setting, type=kind, default=SamplingConfig.default(setting),
+                        show_default=True, callback=range_check(setting),
+                        help=f"{help} Must be {describe_range(setting)}.")
+
+
+def sampling_options(fn):
+    """Sampling flags of generate and batch (batch: for jobs that set none of their own)."""
+    return _apply(fn, [
+        ranged_option("--max-tokens", "max_tokens", int, "Most tokens to generate."),
+        ranged_option("--temp", "temp", float, "Sampling temperature (0 = greedy)."),
+        ranged_option("--top-p", "top_p", float, "Nucleus sampling (0 = off)."),
+        ranged_option("--top-k", "top_k", int, "Sample among the k likeliest tokens (0 = off)."),
+        ranged_option("--min-p", "min_p", float,
+                      "Drop tokens below this share of the likeliest one's probability (0 = off)."),
+    ])
 
 
 def decode_options(fn):
     """Flags of the decode loop (generate, batch)."""
-    options = [
-        click.option("--kv-interleave", type=click.IntRange(min=1), default=1, show_default=True,
+    from ..attention.gather import DECODE_MERGES
+
+    d = DecodeConfig.default
+    return _apply(fn, [
+        click.option("--kv-interleave", type=click.IntRange(min=1), default=d("kv_interleave"),
+                     show_default=True,
                      help="Generated tokens' K/V go to the least loaded rank in runs of this many."),
-        click.option("--decode-merge", type=click.Choice(["allgather", "allreduce"]),
-                     default="allgather", show_default=True,
+        click.option("--decode-merge", type=click.Choice(DECODE_MERGES),
+                     default=d("decode_merge"), show_default=True,
                      help="How decode merges the ranks' partial attention each layer."),
-        click.option("--decode-tp", type=click.Choice(["auto", "on", "off"]), default="auto",
+        click.option("--decode-tp", type=click.Choice(DECODE_TP_MODES), default=d("decode_tp"),
                      show_default=True,
                      help="Split decode's projections, MLP and LM head across ranks too "
                           "(auto: time both in the first steps and keep the faster)."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    ])
+
+
+def prompt_options(fn):
+    """How a prompt becomes the model's input (generate, batch)."""
+    return _apply(fn, [
+        click.option("--system", default=None, help="System message for the chat template."),
+        click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is."),
+    ])

@@ -7,24 +7,14 @@ ranks stop together. Text is decoded and streamed on rank 0 only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
+from ..config import SamplingConfig
 from .engine import Engine
-
-
-@dataclass
-class SamplingOptions:
-    max_tokens: int = 256
-    temp: float = 0.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +79,7 @@ def overlap_by_default(comm) -> bool:
     return comm.size == 1 and mx.default_device() == mx.gpu
 
 
-def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingOptions,
+def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingConfig,
              write=None, prefill_progress=None, overlap: bool | None = None) -> Generation:
     """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens.
 

@@ -1,0 +1,139 @@
+"""Output paths: checked on rank 0 before any heavy work, written so nothing is lost.
+
+A job refuses, in one line and before the model loads, an output that is one of its own
+inputs (``score --output doc.txt --text-file doc.txt`` would replace the document by its
+scores), an existing file unless ``--overwrite``, and a place it cannot write. The
+writability probe creates a temporary file next to the output: ``os.access`` says yes to
+everything when run as root. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class Output:
+    flag: str  # how the user named it, e.g. "--output"
+    path: str
+    directory: bool = False  # a directory of files (--save-cache)
+    writes: tuple[str, ...] = ()  # directory: glob patterns of the files written into it
+    appended: bool = False  # batch results: an existing file is the --resume case
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file or directory (through symlinks and hard links)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_outputs(outputs: list[Output], inputs: dict[str, list], overwrite: bool):
+    """Refuse outputs that are inputs, each other, existing files, or unwritable.
+
+    ``inputs``: a label ("the prompt file") -> the paths it covers.
+    """
+    outputs = [o for o in outputs if o.path]
+    for index, output in enumerate(outputs):
+        for label, paths in inputs.items():
+            if any(p and same_file(output.path, p) for p in paths):
+                raise UserError(f"{output.flag} is {label}: {output.path}")
+        for other in outputs[:index]:
+            if same_file(output.path, other.path):
+                raise UserError(f"{output.flag} and {other.flag} are the same file: {output.path}")
+        if output.directory:
+            _check_directory(output, overwrite)
+        else:
+            _check_file(output, overwrite)
+
+
+def _check_file(output: Output, overwrite: bool):
+    path = Path(output.path)
+    if path.is_dir():
+        raise UserError(f"{output.flag} is a directory: {path}")
+    if path.exists() and not path.is_file():
+        # A device or a pipe (/dev/stdout): written in place, nothing to replace.
+        if not os.access(path, os.W_OK):
+            raise UserError(f"output is not writable: {path}")
+        return
+    if path.exists() and not overwrite and not output.appended:
+        raise UserError(f"output {path} exists; use --overwrite to replace it")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"output directory does not exist: {parent}")
+    probe_writable(parent, output.path)
+    if output.appended and path.exists():
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as error:
+            raise UserError(f"output is not writable: {path} ({error.strerror})") from None
+
+
+def _check_directory(output: Output, overwrite: bool):
+    path = Path(output.path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{output.flag} is not a directory: {path}")
+    if path.is_dir() and not overwrite:
+        held = sorted({p.name for pattern in output.writes for p in path.glob(pattern)})
+        if held:
+            raise UserError(f"{output.flag} {path} already holds {', '.join(held[:3])}"
+                            f"{' ...' if len(held) > 3 else ''}; use --overwrite to replace it")
+    # The directory and its missing parents are created later: the nearest existing
+    # ancestor must take new entries.
+    existing = next(p for p in [path.resolve(), *path.resolve().parents] if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{output.flag} cannot be created under the file {existing}")
+    probe_writable(existing, output.path)
+
+
+def probe_writable(directory: Path, named: str):
+    """Create and remove a temporary file in ``directory``, or refuse ``named``."""
+    try:
+        probe = _create_temporary(directory, ".spmd-cp-probe")
+    except OSError as error:
+        raise UserError(f"output is not writable: {named} (cannot create a file in "
+                        f"{directory}: {error.strerror})") from None
+    os.close(probe[0])
+    os.unlink(probe[1])
+
+
+def _create_temporary(directory: Path, stem: str) -> tuple[int, Path]:
+    """A new file (mode 0666 less the umask, as ``open`` gives) under a fresh name."""
+    path = directory / f"{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.open(path, flags, 0o666), path
+
+
+def write_text_atomically(path: str, lines):
+    """Write ``lines`` to ``path`` through a temporary file in its directory, fsync'ed and
+    renamed over it: readers see the old file or the whole new one, never a part.
+
+    A device or pipe (``/dev/stdout``) is written in place.
+    """
+    target = Path(path)
+    try:
+        if target.exists() and not target.is_file():
+            with open(target, "w", encoding="utf-8") as out:
+                out.writelines(lines)
+            return
+        fd, temporary = _create_temporary(target.resolve().parent, f".{target.name}")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.writelines(lines)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        raise UserError(f"cannot write {path}: {error.strerror or error}") from None

@@ -1,0 +1,136 @@
+"""Rank 0's side of a batch before the ranks compute: job -> token ids, or the job's error.
+
+A problem with one job (a missing file, an over-long prompt, a forecast over the memory
+limit) becomes that job's error line; the batch goes on. Jobs that share a document are
+prepared together, and the tokens they all begin with are prefilled once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import BatchConfig, RunConfig, SamplingConfig
+from ..errors import UserError
+from .jobs import Job, error_record
+
+# A prefix job's prompt is the document, a blank line, then the question: exactly the
+# text ``generate --prompt-file`` gets from a file holding "document\n\nquestion".
+PREFIX_SEPARATOR = "\n\n"
+
+
+class JobError(Exception):
+    """A problem with one job: it becomes that job's error line, the batch goes on."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def read_job_file(path: Path, what: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JobError("file_not_found", f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise JobError("unreadable_file", f"cannot read {what} {path}: {error}") from None
+    if not text.strip():
+        raise JobError("empty_prompt", f"{what} is empty: {path}")
+    return text
+
+
+def pick(value, default):
+    return default if value is None else value
+
+
+class Preparer:
+    """Rank 0: job -> token ids, or a JobError. Documents are read once per group."""
+
+    def __init__(self, loaded, run: RunConfig, sampling: SamplingConfig, args: BatchConfig,
+                 ranks: int):
+        from .steps import memory_limit, model_nbytes
+
+        self.loaded = loaded
+        self.run = run
+        self.defaults = sampling
+        self.args = args
+        self.ranks = ranks
+        self.limit = run.max_context or loaded.max_context
+        self.memory_limit = memory_limit(run)
+        self.weights_bytes = model_nbytes(loaded.model)
+
+    def prompt_of(self, job: Job, documents: dict) -> str:
+        if job.prompt_file is not None:
+            prompt = read_job_file(job.prompt_file, "prompt file")
+        else:
+            prompt = job.prompt
+            if not prompt.strip():
+                raise JobError("empty_prompt", "the prompt is empty")
+        if job.prefix_file is None:
+            return prompt
+        if job.prefix_file not in documents:
+            try:
+                documents[job.prefix_file] = read_job_file(job.prefix_file, "prefix file")
+            except JobError as error:
+                documents[job.prefix_file] = error
+        document = documents[job.prefix_file]
+        if isinstance(document, JobError):
+            raise document
+        return document.strip() + PREFIX_SEPARATOR + prompt
+
+    def token_ids(self, job: Job, documents: dict):
+        import numpy as np
+
+        from ..engine.forecast import check_fits
+        from .steps import forecast_algo, new_conversation, prompt_text_for
+
+        # The same text generate builds (chat template, stripped user turn).
+        text = prompt_text_for(self.loaded, new_conversation(pick(job.system, self.args.system)),
+                               self.prompt_of(job, documents), not self.args.no_chat_template)
+        ids = np.asarray(self.loaded.tokenizer.encode(text), np.int64)
+        if ids.size == 0:
+            raise JobError("empty_prompt", "the prompt is empty after tokenization")
+        if self.limit is not None and ids.size > self.limit:
+            raise JobError("prompt_too_long",
+                           f"prompt has {ids.size} tokens, more than --max-context {self.limit}")
+        # The memory forecast generate checks, per job: one huge job must not take the
+        # whole batch down with it.
+        try:
+            check_fits(self.loaded.shape, self.weights_bytes,
+                       int(ids.size) + self.sampling(job).max_tokens,
+                       self.run.prefill_chunk or int(ids.size), self.ranks,
+                       self.memory_limit, forecast_algo(self.run))
+        except UserError as error:
+            raise JobError("out_of_memory", str(error)) from None
+        return ids
+
+    def sampling(self, job: Job) -> SamplingConfig:
+        """The job's own settings, the flags' for those it leaves out."""
+        d = self.defaults
+        return SamplingConfig(max_tokens=pick(job.max_tokens, d.max_tokens),
+                              temp=pick(job.temperature, d.temp), top_p=pick(job.top_p, d.top_p),
+                              top_k=pick(job.top_k, d.top_k), min_p=pick(job.min_p, d.min_p),
+                              seed=job.seed, stop=list(job.stop))
+
+    def group(self, jobs: list[Job]):
+        """(work for every rank, error records) for one group of jobs."""
+        from ..engine.prompt_cache import common_prefix_length
+
+        documents, ready, errors = {}, [], []
+        for job in jobs:
+            try:
+                ready.append((job, self.token_ids(job, documents)))
+            except JobError as error:
+                errors.append(error_record(job.id, error.kind, error.message))
+        shared = 0
+        if len(ready) >= 2 and jobs[0].group_key is not None:
+            # The longest run of tokens every job starts with, found on token ids (not
+            # text): BPE may merge across the end of the document. Each job keeps at
+            # least one token of its own, which yields its first logits.
+            first = ready[0][1]
+            shared = min([len(first) - 1] + [common_prefix_length(first, ids)
+                                             for _, ids in ready[1:]])
+        work = {"shared": ready[0][1][:shared] if ready else None,
+                "jobs": [{"id": job.id, "ids": ids[shared:], "prompt_tokens": int(len(ids)),
+                          "sampling": self.sampling(job)} for job, ids in ready]}
+        return work, errors

@@ -1,0 +1,210 @@
+"""Steps every command that runs the model shares, on every rank inside the SPMD runtime.
+
+Order inside each command: validate on rank 0 (cheap, before anything heavy: inputs,
+outputs, flags), check the model on every rank (agreeing on errors), load it, tokenize
+on rank 0 and broadcast the ids, run the engine, gather per-rank metrics to rank 0, print.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..blas import describe_blas
+from ..config import DecodeConfig, RunConfig
+from ..engine.engine import Engine
+from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
+from ..engine.model import CPModel
+from ..errors import UserError
+from ..models.checksum import model_checksum, model_files
+from ..models.loader import check_model_path, default_model_path, load_model
+from ..runtime import spmd
+from ..runtime.comm import Comm
+from ..runtime.faults import layer_hook
+from .outputs import Output
+
+log = spmd.log
+
+
+def run_spmd(body, run: RunConfig, *settings) -> int:
+    """``body(comm, run, *settings)`` on every rank inside ``spmd.run_main`` (MPI, the
+    watchdog, agreement on errors, abort); returns the exit code."""
+    def main(comm, _):
+        if run.quiet:
+            log.setLevel(logging.WARNING)
+        body(comm, run, *settings)
+
+    # run_main itself reads only these two settings.
+    return spmd.run_main(main, {"verbose": run.verbose, "trace": run.trace})
+
+
+# -- inputs (rank 0) -------------------------------------------------------------------
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt text from --prompt TEXT, --prompt - (stdin) or --prompt-file F (rank 0)."""
+    if (prompt is None) == (prompt_file is None):
+        raise UserError("give exactly one of --prompt TEXT, --prompt - or --prompt-file FILE")
+    if prompt_file is not None:
+        return read_text_file(prompt_file, "prompt file")
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
+
+
+def read_text_file(path: str, what: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {what} {path}: {error}") from None
+    if not text.strip():
+        raise UserError(f"{what} is empty: {path}")
+    return text
+
+
+def model_inputs(run: RunConfig) -> dict[str, list]:
+    """The model's files as inputs an output must not replace (rank 0; never fails: a
+    missing model is reported by ``check_model`` with its own message)."""
+    path = run.model_path or default_model_path()
+    try:
+        files = model_files(path)
+    except UserError:
+        files = []
+    return {"the model": [path, *files]}
+
+
+# -- the model (every rank) ------------------------------------------------------------
+def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
+    """(path, sha256) of the model, the same on every rank, before anything is loaded.
+
+    Each rank checks its own copy (it may be missing or differ on one host).
+    """
+    spmd.require_same(comm, "package versions", spmd.software_versions())
+    path = run.model_path or spmd.on_root(comm, default_model_path)
+    spmd.everywhere(comm, check_model_path, path)
+    checksum = spmd.everywhere(comm, model_checksum, path)
+    spmd.require_same(comm, "model file checksum", checksum)
+    return path, checksum
+
+
+def load_checked_model(comm: Comm, run: RunConfig, path: str):
+    """Load the model ``check_model`` accepted, on every rank."""
+    start = time.perf_counter()
+    loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized)
+    # From here on every rank is in lockstep: a long wait means a peer is gone.
+    spmd.hot_phase(comm, run.comm_timeout)
+    blas_info = describe_blas()
+    log.info("model %s loaded in %.1fs; %s", loaded.path, time.perf_counter() - start,
+             blas_info.get("summary", blas_info))
+    return loaded
+
+
+def resolve_model(comm: Comm, run: RunConfig):
+    """Check the model on every rank, then load it."""
+    path, _ = check_model(comm, run)
+    return load_checked_model(comm, run, path)
+
+
+def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
+    return Engine(CPModel(loaded.model), comm, algo=run.cp_algo,
+                  prefill_chunk=run.prefill_chunk,
+                  on_layer=layer_hook(comm.rank, comm.watchdog),
+                  kv_interleave=decode.kv_interleave, decode_merge=decode.decode_merge,
+                  decode_tp=decode.decode_tp)
+
+
+# -- prompts and memory (rank 0) -------------------------------------------------------
+def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0) -> np.ndarray:
+    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt."""
+    ids = np.asarray(loaded.tokenizer.encode(text), np.int64)
+    if ids.size == 0:
+        raise UserError("the prompt is empty after tokenization")
+    limit = max_context or loaded.max_context
+    if limit is not None and ids.size + reserve > limit:
+        extra = f" + {reserve} tokens to generate" if reserve else ""
+        raise UserError(f"prompt has {ids.size} tokens{extra}, more than --max-context {limit}")
+    return ids
+
+
+def memory_limit(run: RunConfig) -> int:
+    return parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
+
+
+def forecast_algo(run: RunConfig) -> str:
+    # auto picks per call; pass-KV's buffers bound what the others need.
+    return "pass-kv" if run.cp_algo == "auto" else run.cp_algo
+
+
+def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_tokens: int,
+                 score: bool = False):
+    """Refuse before prefill when the forecast per rank exceeds --memory-limit."""
+    limit = memory_limit(run)
+    need = check_fits(loaded.shape, model_nbytes(loaded.model), total_tokens,
+                      run.prefill_chunk or new_tokens, comm.size, limit, forecast_algo(run),
+                      score)
+    log.info("memory forecast per rank: %.2f GB (KV %.2f GB) of %.2f GB allowed",
+             need.total / 2**30, need.kv / 2**30, limit / 2**30)
+
+
+# -- results ---------------------------------------------------------------------------
+def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
+    """Per-rank lists (rank order) of memory, KV and communication figures, on rank 0."""
+    mine = {"peak_mem_bytes": int(mx.get_peak_memory()), "kv_cache_bytes": int(cache.nbytes),
+            "comm_bytes": int(comm.bytes_sent), "model_bytes": int(model_bytes),
+            "kv_tokens": int(cache.shard_sizes[comm.rank])}
+    gathered = comm.gather_object(mine)
+    if comm.rank != 0:
+        return {}
+    return {name: [g[name] for g in gathered] for name in mine}
+
+
+def model_nbytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def algos_used(engine: Engine) -> str:
+    return ",".join(sorted(set(engine.algos_used)))
+
+
+def throughput(tokens: int, seconds: float) -> float:
+    return round(tokens / seconds, 3) if tokens and seconds > 0 else 0.0
+
+
+def write_stdout(text: str):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def trace_output(run: RunConfig) -> Output:
+    return Output("--trace", run.trace)
+
+
+# -- conversations (rank 0; generate and batch build the same text) --------------------
+def new_conversation(system: str | None) -> dict:
+    """What a prompt cache remembers of the exchange so far."""
+    return {"messages": [{"role": "system", "content": system}] if system else [], "text": ""}
+
+
+def prompt_text_for(loaded, conversation: dict, prompt: str, chat: bool) -> str:
+    """The full text to tokenize: the conversation so far plus the new user prompt."""
+    if chat and getattr(loaded.tokenizer, "has_chat_template", False):
+        # A prompt file's trailing newline is not part of the question; small models
+        # answer noticeably worse with it inside the user turn.
+        messages = conversation["messages"] + [{"role": "user", "content": prompt.strip()}]
+        return loaded.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=True)
+    return conversation["text"] + prompt
+
+
+def extend_conversation(conversation: dict, prompt: str, answer: str) -> dict:
+    messages = conversation["messages"] + [{"role": "user", "content": prompt.strip()},
+                                           {"role": "assistant", "content": answer}]
+    return {"messages": messages, "text": conversation["text"] + prompt + answer}

@@ -1,0 +1,136 @@
+"""Typed settings of a run, with every default in one place (like mlx-lm's ModelArgs).
+
+The CLI builds its flags from these classes (spmd_cp/cli/options.py) and its commands
+build them from click's keyword arguments (``from_options``); everything below the CLI
+receives these objects, never a dict of flags. Standard library only: the CLI module
+that declares the flags imports this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+
+DECODE_TP_MODES = ("auto", "on", "off")
+
+# Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
+# declaration both the generate/batch flags and batch's job lines are checked against.
+SAMPLING_RANGES = {
+    "max_tokens": (0, None),
+    "temp": (0, None),
+    "top_p": (0, 1),
+    "top_k": (0, None),
+    "min_p": (0, 1),
+    "seed": (0, None),  # mx.random.seed takes an unsigned integer
+}
+
+
+def in_range(name: str, value) -> bool:
+    """Whether ``value`` (None: unset) is allowed for sampling setting ``name``."""
+    low, high = SAMPLING_RANGES[name]
+    return value is None or (value >= low and (high is None or value <= high))
+
+
+def describe_range(name: str) -> str:
+    low, high = SAMPLING_RANGES[name]
+    return f">= {low}" if high is None else f"in [{low}, {high}]"
+
+
+class _Settings:
+    @classmethod
+    def default(cls, name: str):
+        """The default of field ``name`` (what the CLI flag shows and falls back to)."""
+        spec = next(f for f in fields(cls) if f.name == name)
+        return spec.default_factory() if spec.default is MISSING else spec.default
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class RunConfig(_Settings):
+    """How every rank loads the model, prefills, and reports (generate, score, batch)."""
+
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    cp_algo: str = "auto"
+    prefill_chunk: int = 0  # 0: the whole prompt in one chunk
+    max_context: int | None = None  # None: the model's own limit
+    # On the CPU dequantized float32 weights run much faster than quantized ones.
+    keep_quantized: bool = False
+    memory_limit: str | None = None  # None: this host's memory divided by its ranks
+    comm_timeout: float | None = None  # None: spmd.DEFAULT_COMM_TIMEOUT_S; 0 disables
+    trace: str | None = None
+    verbose: bool = False
+    quiet: bool = False
+    as_json: bool = False
+    overwrite: bool = False
+
+
+@dataclass
+class SamplingConfig(_Settings):
+    """Rank 0's sampling and when generation stops."""
+
+    max_tokens: int = 256
+    temp: float = 0.0  # 0: greedy
+    top_p: float = 0.0  # 0: off (mlx-lm's make_sampler)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.stop = list(self.stop)
+
+
+@dataclass(frozen=True)
+class DecodeConfig(_Settings):
+    """How the ranks share each decode step."""
+
+    kv_interleave: int = 1
+    decode_merge: str = "allgather"
+    # auto: time replicated and split steps in the first decode steps, keep the faster.
+    decode_tp: str = "auto"
+
+
+@dataclass(frozen=True)
+class GenerateConfig(_Settings):
+    """What `spmd-cp generate` reads and writes besides the shared settings."""
+
+    prompt: str | None = None
+    prompt_file: str | None = None
+    system: str | None = None
+    no_chat_template: bool = False
+    save_cache: str | None = None
+    load_cache: str | None = None
+
+
+@dataclass(frozen=True)
+class ScoreConfig(_Settings):
+    text_file: str | None = None
+    output: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchConfig(_Settings):
+    jobs_path: str | None = None
+    output: str | None = None
+    resume: bool = False
+    system: str | None = None
+    no_chat_template: bool = False
+    progress_mode: str = "auto"
+
+
+def from_options(options: dict, *classes) -> tuple:
+    """One instance of each settings class, taken from click's keyword arguments.
+
+    Every option must belong to exactly one class: a flag nobody reads is a bug.
+    """
+    left = set(options)
+    built = []
+    for cls in classes:
+        names = cls.names() & set(options)
+        built.append(cls(**{name: options[name] for name in names}))
+        left -= names
+    if left:
+        raise TypeError(f"options without a settings field: {sorted(left)}")
+    return tuple(built)
