@@ -9,8 +9,12 @@ prefill extras and decode tokens go) need no communication.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
+
+from ..attention.partition import decode_owner
 
 
 class LayerKV:
@@ -60,6 +64,14 @@ class LayerKV:
         return 2 * self.offset * per_token
 
 
+class Checkpoint(NamedTuple):
+    """What ``ShardedKVCache.rollback`` returns to: a length and the decode placement."""
+
+    num_tokens: int
+    decode_steps: int
+    decode_owner: int
+
+
 class ShardedKVCache:
     """All layers' local K/V plus the global positions they hold."""
 
@@ -92,6 +104,25 @@ class ShardedKVCache:
             self.rank_positions[rank] = np.concatenate([self.rank_positions[rank], positions])
             self.num_tokens += int(positions.size)
 
+    def place_decode_token(self, interleave: int) -> int:
+        """The rank that caches the next decode token (counted as placed).
+
+        Every rank runs the same rule on the same shard sizes, so all agree unasked.
+        """
+        self.decode_owner = decode_owner(self.shard_sizes, self.decode_steps, interleave,
+                                         self.decode_owner)
+        self.decode_steps += 1
+        return self.decode_owner
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.num_tokens, self.decode_steps, self.decode_owner)
+
+    def rollback(self, checkpoint: Checkpoint):
+        """Back to ``checkpoint``: positions after it forgotten, decode placement restored
+        (a decode step queued past the token that ended a generation is undone so)."""
+        self.truncate(checkpoint.num_tokens)
+        self.decode_steps, self.decode_owner = checkpoint.decode_steps, checkpoint.decode_owner
+
     def set_token(self, position: int, token_id: int):
         """Record the id of a token that was fed before its value was known (-1)."""
         self.token_ids[position] = token_id
@@ -114,3 +145,41 @@ class ShardedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    # -- saving and restoring (prompt_cache.py) ------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        """(this rank's arrays, the facts every rank shares) to save the cache by.
+
+        The arrays: "positions" and each non-empty layer's "layer.<i>.keys"/"values";
+        the facts (JSON types): token ids, shard sizes and the decode placement.
+        """
+        arrays = {"positions": mx.array(self.positions)}
+        for index, layer in enumerate(self.layers):
+            keys, values = layer.fetch()
+            if keys is not None and keys.shape[1] > 0:
+                arrays[f"layer.{index}.keys"] = keys
+                arrays[f"layer.{index}.values"] = values
+        shared = {"num_tokens": self.num_tokens, "token_ids": self.token_ids.tolist(),
+                  "shard_sizes": self.shard_sizes, "decode_steps": self.decode_steps,
+                  "decode_owner": self.decode_owner}
+        return arrays, shared
+
+    @classmethod
+    def from_state(cls, num_layers: int, cp_rank: int, rank_positions: list[np.ndarray],
+                   arrays: dict, shared: dict) -> "ShardedKVCache":
+        """The cache ``state()`` described, given every rank's "positions" array.
+
+        Raises ValueError when the positions disagree with the shared facts.
+        """
+        cache = cls(num_layers, cp_rank, len(rank_positions))
+        cache.add_positions([np.asarray(p, np.int64) for p in rank_positions],
+                            np.asarray(shared["token_ids"], np.int64))
+        if (cache.shard_sizes != list(shared["shard_sizes"])
+                or cache.num_tokens != shared["num_tokens"]):
+            raise ValueError("shard sizes do not match")
+        for index, layer in enumerate(cache.layers):
+            if f"layer.{index}.keys" in arrays:
+                layer.update_and_fetch(arrays[f"layer.{index}.keys"],
+                                       arrays[f"layer.{index}.values"])
+        cache.decode_steps, cache.decode_owner = shared["decode_steps"], shared["decode_owner"]
+        return cache

@@ -50,18 +50,13 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
                conversation: dict):
     """Write this rank's shard; rank 0 then writes meta.json (collective)."""
     out = Path(directory)
+    arrays, shared = cache.state()
 
     def write_shard():
         try:
             out.mkdir(parents=True, exist_ok=True)
             if comm.rank == 0:
                 (out / META).unlink(missing_ok=True)  # incomplete until rewritten
-            arrays = {"positions": mx.array(cache.positions)}
-            for index, layer in enumerate(cache.layers):
-                keys, values = layer.fetch()
-                if keys is not None and keys.shape[1] > 0:
-                    arrays[f"layer.{index}.keys"] = keys
-                    arrays[f"layer.{index}.values"] = values
             path = out / shard_name(comm.rank, comm.size)
             mx.save_safetensors(str(path), arrays)
             return _sha256(path)
@@ -72,10 +67,7 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
 
     def write_meta():
         meta = {"format": FORMAT, "model_checksum": model_checksum, "cp_size": comm.size,
-                "num_tokens": cache.num_tokens, "token_ids": cache.token_ids.tolist(),
-                "shard_sizes": cache.shard_sizes, "shard_sha256": digests,
-                "decode_steps": cache.decode_steps, "decode_owner": cache.decode_owner,
-                "conversation": conversation}
+                **shared, "shard_sha256": digests, "conversation": conversation}
         tmp = out / f"{META}.tmp"
         try:
             tmp.write_text(json.dumps(meta))
@@ -126,17 +118,11 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
             raise UserError(f"prompt cache shard {path} is corrupt: {error}") from None
 
     arrays = spmd.everywhere(comm, read_shard)
-    cache = ShardedKVCache(num_layers, comm.rank, comm.size)
-    positions = [np.asarray(p, np.int64) for p in comm.allgather_object(
-        np.asarray(arrays["positions"], np.int64))]
-    cache.add_positions(positions, np.asarray(meta["token_ids"], np.int64))
-    if cache.shard_sizes != meta["shard_sizes"] or cache.num_tokens != meta["num_tokens"]:
-        raise UserError(f"prompt cache {directory} is corrupt (shard sizes do not match)")
-    for index, layer in enumerate(cache.layers):
-        if f"layer.{index}.keys" in arrays:
-            layer.update_and_fetch(arrays[f"layer.{index}.keys"], arrays[f"layer.{index}.values"])
-    cache.decode_steps, cache.decode_owner = meta["decode_steps"], meta["decode_owner"]
-    return cache
+    positions = comm.allgather_object(np.asarray(arrays["positions"], np.int64))
+    try:
+        return ShardedKVCache.from_state(num_layers, comm.rank, positions, arrays, meta)
+    except ValueError as error:
+        raise UserError(f"prompt cache {directory} is corrupt ({error})") from None
 
 
 def common_prefix_length(cached: np.ndarray, ids: np.ndarray) -> int:
