@@ -15,8 +15,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from spmd_cp.runtime.comm import Comm
 from spmd_cp.engine.engine import Engine
+from spmd_cp.engine.generation import decode_tokens
 from spmd_cp.models.loader import load_model
 from spmd_cp.engine.model import CPModel
 
@@ -39,12 +39,12 @@ def run_config(comm, model, config, model_bytes):
     prefill_bytes = comm.bytes_sent - bytes_before
     peak_beyond_weights = comm.allgather_object(mx.get_peak_memory() - model_bytes)
     kv_after_prefill = comm.allgather_object(cache.nbytes)
-    tokens = []
-    for _ in range(config["decode"]):
-        token = int(mx.argmax(logits)) if comm.rank == 0 else None
-        token = comm.bcast_object(token)
-        tokens.append(token)
-        logits = engine.decode_step(cache, token)
+    tokens = [token for token, _ in decode_tokens(engine, cache, logits, mx.argmax,
+                                                  config["decode"])]
+    if tokens:
+        # Cache every greedy token, the last too: the tests count decode placement on
+        # shard sizes of length + decode tokens.
+        engine.decode_step(cache, tokens[-1])
     comm_bytes = comm.allgather_object(prefill_bytes)
     return {
         "config": config,
@@ -61,13 +61,10 @@ def run_config(comm, model, config, model_bytes):
     }
 
 
-def main():
-    from mpi4py import MPI
-
-    model_path, configs_json, out_path = sys.argv[1:4]
-    comm = Comm(MPI.COMM_WORLD)
+def main(comm, _options):
     from mlx.utils import tree_flatten
 
+    model_path, configs_json, out_path = sys.argv[1:4]
     loaded = load_model(model_path).model
     model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
     model = CPModel(loaded)
@@ -81,12 +78,8 @@ if __name__ == "__main__":
     from spmd_cp.blas import ensure_fast_blas
 
     ensure_fast_blas()  # as the CLI does: re-exec with an optimized BLAS before MPI_Init
-    try:
-        main()
-    except BaseException:
-        import traceback
+    from spmd_cp.runtime import spmd
 
-        from mpi4py import MPI
-
-        traceback.print_exc()
-        MPI.COMM_WORLD.Abort(1)
+    # As every command runs: a watchdog bounds each blocking call, and any rank's
+    # failure prints its traceback and aborts the whole job non-zero.
+    sys.exit(spmd.run_main(main, {}))

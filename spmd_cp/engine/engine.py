@@ -20,7 +20,7 @@ from .cache import ShardedKVCache
 from ..attention.calibrate import calibrate
 from ..runtime.comm import Comm
 from .model import CPModel
-from ..attention.partition import decode_owner, head_tail_positions, owner_of
+from ..attention.partition import head_tail_positions, owner_of
 from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
 from ..runtime.trace import span
 
@@ -55,10 +55,14 @@ class Engine:
 
     def __init__(self, model: CPModel, comm: Comm, algo: str = "auto",
                  prefill_chunk: int = 0, on_layer=None, kv_interleave: int = 1,
-                 decode_merge: str = "allgather", decode_tp: str = "off"):
+                 decode_merge: str = "allgather", decode_tp: str = "off",
+                 make_prefill_attention=prefill_attention):
         """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or
-        "decode"): the watchdog's context and test-only fault injection use it."""
+        "decode"): the watchdog's context and test-only fault injection use it.
+        ``make_prefill_attention``: returns each prefill call's (attend, algo, reason),
+        with ``attention.prefill_attention``'s arguments (a profiler may wrap it)."""
         self.model = model
+        self.make_prefill_attention = make_prefill_attention
         self.comm = comm
         self.algo = algo
         self.prefill_chunk = prefill_chunk
@@ -78,7 +82,7 @@ class Engine:
             return None
         return lambda index: self.on_layer(phase, index)
 
-    def _measured(self):
+    def calibration(self):
         """Link and compute figures for the auto choice, measured once (lazily)."""
         if self.algo != "auto" or self.comm.size == 1:
             return None
@@ -110,8 +114,8 @@ class Engine:
                                                  cache.shard_sizes)
             positions = rank_positions[self.comm.rank]
             cache.add_positions(rank_positions, ids)
-            attend, algo, reason = prefill_attention(self.algo, self.comm, rank_positions,
-                                                     cache, self.model, self._measured())
+            attend, algo, reason = self.make_prefill_attention(
+                self.algo, self.comm, rank_positions, cache, self.model, self.calibration())
             if algo not in self.algos_used:
                 log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
@@ -187,9 +191,7 @@ class Engine:
         next step's graph while this one computes (mlx-lm's async decode). The token's
         id is recorded in the cache as -1 until the caller calls ``cache.set_token``.
         """
-        owner = decode_owner(cache.shard_sizes, cache.decode_steps, self.kv_interleave,
-                             cache.decode_owner)
-        cache.decode_owner, cache.decode_steps = owner, cache.decode_steps + 1
+        owner = cache.place_decode_token(self.kv_interleave)
         position = np.array([cache.num_tokens], np.int64)
         rank_positions = [position if r == owner else position[:0]
                           for r in range(self.comm.size)]

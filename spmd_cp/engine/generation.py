@@ -7,6 +7,7 @@ ranks stop together. Text is decoded and streamed on rank 0 only.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -79,6 +80,68 @@ def overlap_by_default(comm) -> bool:
     return comm.size == 1 and mx.default_device() == mx.gpu
 
 
+def decode_tokens(engine: Engine, cache, logits, sample, max_tokens: int,
+                  overlap: bool = False, stop=None) -> Iterator[tuple[int, bool]]:
+    """Sample up to ``max_tokens`` tokens, from ``logits`` (rank 0's, of the last token
+    fed) on, feeding each into ``cache`` but the last: yields (token, stopped) on every
+    rank, which must all consume it to the end.
+
+    ``sample(logits) -> mx.array`` and ``stop(token) -> bool`` run on rank 0 only;
+    ``stop`` sees every token as it is sampled, and True ends the generation at that
+    token (yielded with stopped=True, never fed). Lock-step (any number of ranks): rank 0
+    broadcasts (token, stopped), then every rank feeds the token. ``overlap`` (one rank):
+    step n+1 is queued (``mx.async_eval``) before token n reaches the host, so building a
+    step's graph overlaps the previous step's compute, as in mlx-lm's generate_step.
+    Tokens, cache and random stream are the same either way: a step queued after the
+    token that ends the generation is rolled back.
+    """
+    if overlap and engine.comm.size > 1:
+        raise ValueError("overlapped decode needs one rank: the others must receive each token")
+    stop = stop or (lambda token: False)
+    if overlap:
+        yield from _overlapped(engine, cache, logits, sample, max_tokens, stop)
+    else:
+        yield from _lockstep(engine, cache, logits, sample, max_tokens, stop)
+
+
+def _lockstep(engine: Engine, cache, logits, sample, max_tokens: int, stop):
+    comm = engine.comm
+    for step in range(max_tokens):
+        message = None
+        if comm.rank == 0:
+            token = int(sample(logits))
+            message = (token, stop(token))
+        token, stopped = comm.bcast_object(message)
+        yield token, stopped
+        if stopped or step + 1 == max_tokens:
+            return
+        logits = engine.decode_step(cache, token)
+
+
+def _overlapped(engine: Engine, cache, logits, sample, max_tokens: int, stop):
+    if max_tokens == 0:
+        return
+    token = sample(logits)
+    mx.async_eval(token)
+    for step in range(max_tokens):
+        checkpoint = cache.checkpoint()
+        queued = step + 1 < max_tokens
+        if queued:
+            next_token = sample(engine.decode_step(cache, token, wait=False))
+            mx.async_eval(next_token)
+        value = int(token.item())
+        if queued:
+            cache.set_token(checkpoint.num_tokens, value)
+        stopped = stop(value)
+        if stopped and queued:
+            cache.rollback(checkpoint)  # the lock-step loop never feeds the last token
+        yield value, stopped
+        if stopped:
+            return
+        if queued:
+            token = next_token
+
+
 def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingConfig,
              write=None, prefill_progress=None, overlap: bool | None = None) -> Generation:
     """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens.
@@ -89,8 +152,6 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     comm = engine.comm
     if overlap is None:
         overlap = overlap_by_default(comm)
-    if overlap and comm.size > 1:
-        raise ValueError("overlapped decode needs one rank: the others must receive each token")
     is_root = comm.rank == 0
     sampler = make_sampler(options.temp, options.top_p, options.min_p, top_k=options.top_k)
     if is_root and options.seed is not None:
@@ -105,6 +166,8 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     def sample(logits):
         return sampler((logits - mx.logsumexp(logits, keepdims=True))[None])[0]
 
+    tokens: list[int] = []
+
     def finished(token: int) -> bool:
         """Record a sampled token on rank 0; True when it ends the generation."""
         if token in eos:
@@ -112,61 +175,13 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         tokens.append(token)
         return stream.push(tokens)
 
-    tokens: list[int] = []
     decode_start = time.perf_counter()
-    if overlap:
-        stopped = _decode_overlapped(engine, cache, logits, sample, finished, options.max_tokens)
-    else:
-        stopped = _decode_lockstep(engine, cache, logits, sample, finished, options.max_tokens)
-    finish_reason = "stop" if stopped else "length"
+    stopped = False
+    for _, stopped in decode_tokens(engine, cache, logits, sample, options.max_tokens, overlap,
+                                    finished):
+        pass
     decode_s = time.perf_counter() - decode_start
     if is_root:
         stream.finish()
-    return Generation(tokens, stream.text if is_root else "", finish_reason, prefill_s, decode_s)
-
-
-def _decode_lockstep(engine: Engine, cache, logits, sample, finished, max_tokens: int) -> bool:
-    """Rank 0 samples and broadcasts (token, stopped) (nothing to send on one rank);
-    every rank feeds the token."""
-    comm = engine.comm
-    for step in range(max_tokens):
-        message = None
-        if comm.rank == 0:
-            token = int(sample(logits))
-            message = (token, finished(token))
-        token, stopped = comm.bcast_object(message)
-        if stopped:
-            return True
-        if step + 1 == max_tokens:
-            return False
-        logits = engine.decode_step(cache, token)
-    return False
-
-
-def _decode_overlapped(engine: Engine, cache, logits, sample, finished, max_tokens: int) -> bool:
-    """One rank: step n+1 is queued (``mx.async_eval``) before token n reaches the host,
-    so building a step's graph overlaps the previous step's compute, as in mlx-lm's
-    generate_step. Tokens, cache contents and the random stream equal the lock-step
-    loop's: a step queued after the token that ends the generation is dropped again."""
-    if max_tokens == 0:
-        return False
-    token = sample(logits)
-    mx.async_eval(token)
-    for step in range(max_tokens):
-        position, placement = cache.num_tokens, (cache.decode_steps, cache.decode_owner)
-        queued = step + 1 < max_tokens
-        if queued:
-            next_token = sample(engine.decode_step(cache, token, wait=False))
-            mx.async_eval(next_token)
-        value = int(token.item())
-        if queued:
-            cache.set_token(position, value)
-        if finished(value):
-            if queued:
-                # The lock-step loop never feeds the token that ends the generation.
-                cache.truncate(position)
-                cache.decode_steps, cache.decode_owner = placement
-            return True
-        if queued:
-            token = next_token
-    return False
+    return Generation(tokens, stream.text if is_root else "", "stop" if stopped else "length",
+                      prefill_s, decode_s)
