@@ -46,7 +46,6 @@ def measure_ring(comm: Comm, nbytes=8 << 20, repeats=3) -> tuple[float, float]:
     """(bytes/s per direction, one-step latency in s) of a ring Sendrecv; slowest rank's."""
     if comm.size == 1:
         return float("inf"), 0.0
-    send_to, recv_from = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     results = []
     for size in (8, nbytes):
         send = np.ones(size // 4, np.float32)
@@ -55,7 +54,7 @@ def measure_ring(comm: Comm, nbytes=8 << 20, repeats=3) -> tuple[float, float]:
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            comm.mpi.Sendrecv(send, send_to, 0, recv, recv_from, 0)
+            comm.mpi.Sendrecv(send, comm.ring_next, 0, recv, comm.ring_prev, 0)
             best = min(best, time.perf_counter() - start)
         results.append(max(comm.allgather_object(best)))
     latency, bulk = results

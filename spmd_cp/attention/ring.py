@@ -24,7 +24,6 @@ from .block import block_attention, merge_partials, merge_stacked
 def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray]):
     """Ring attention passing K/V. ``cached_positions``: every rank's cache positions."""
     size, rank = comm.size, comm.rank
-    send_to, recv_from = (rank + 1) % size, (rank - 1) % size
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         block = mx.stack([keys, values])  # (2, NKV, S_owner, d): one message per step
@@ -33,10 +32,10 @@ def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray]):
         for step in range(size):
             transfer = None
             if step < size - 1:
-                # recv_from forwards the shard it holds now: that of owner - 1.
+                # ring_prev forwards the shard it holds now: that of owner - 1.
                 incoming = (owner - 1) % size
                 shape = (2, keys.shape[0], cached_positions[incoming].size, keys.shape[2])
-                transfer = comm.sendrecv_start(block, send_to, recv_from, shape)
+                transfer = comm.sendrecv_start(block, comm.ring_next, comm.ring_prev, shape)
             part_out, part_lse = block_attention(q, block[0], block[1], q_pos,
                                                  cached_positions[owner], scale)
             if out is None:
@@ -54,7 +53,6 @@ def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray]):
 def pass_q_attention(comm: Comm, query_positions: list[np.ndarray]):
     """Ring attention passing Q. ``query_positions``: every rank's new (query) positions."""
     size, rank = comm.size, comm.rank
-    send_to, recv_from = (rank + 1) % size, (rank - 1) % size
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         num_heads, _, head_dim = q.shape
@@ -65,7 +63,7 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray]):
             if step < size - 1:
                 incoming = (owner - 1) % size
                 shape = (num_heads, query_positions[incoming].size, head_dim)
-                transfer = comm.sendrecv_start(visitor, send_to, recv_from, shape)
+                transfer = comm.sendrecv_start(visitor, comm.ring_next, comm.ring_prev, shape)
             out, lse = block_attention(visitor, keys, values, query_positions[owner],
                                        k_pos, scale)
             partials[owner] = mx.concatenate([out, lse[..., None]], axis=-1)

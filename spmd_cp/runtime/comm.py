@@ -21,14 +21,21 @@ import numpy as np
 
 # MPI has no bfloat16: such arrays travel as their raw 16-bit patterns.
 _WIRE_VIEW = {mx.bfloat16: mx.uint16}
-_NUMPY_DTYPE = {
-    mx.float32: np.float32,
-    mx.float16: np.float16,
-    mx.uint16: np.uint16,
-    mx.int32: np.int32,
-    mx.int64: np.int64,
-    mx.uint32: np.uint32,
-}
+
+
+def require_thread_multiple(provided: int, required: int, size: int):
+    """Refuse an MPI that cannot take calls from two threads at once (several ranks).
+
+    The ring's Sendrecv runs on a communication thread while the main thread (and the
+    watchdog's probes) call MPI too: that needs MPI_THREAD_MULTIPLE, which mpi4py
+    requests by default but an MPI build, or ``mpi4py.rc.thread_level``, may refuse.
+    """
+    if size > 1 and provided < required:
+        raise RuntimeError(
+            f"MPI provides thread level {provided}, below MPI_THREAD_MULTIPLE ({required}), "
+            "which spmd-cp needs on more than one rank (its communication thread calls MPI "
+            "while the main thread does): use an MPI built with thread support "
+            "(the mpich wheel is) and leave mpi4py.rc.thread_level at 'multiple'")
 
 
 def to_wire(array: mx.array) -> np.ndarray:
@@ -72,6 +79,14 @@ class Comm:
         self.mpi = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        if self.size > 1:
+            from mpi4py import MPI
+
+            require_thread_multiple(MPI.Query_thread(), MPI.THREAD_MULTIPLE, self.size)
+        # Ring neighbours, computed once (ring-flash-attention's RingComm): this rank
+        # sends to ring_next and receives from ring_prev.
+        self.ring_next = (self.rank + 1) % self.size
+        self.ring_prev = (self.rank - 1) % self.size
         self.bytes_sent = 0
         self.wait_seconds = 0.0  # time spent blocked in communication (not overlapped)
         self.watchdog = watchdog  # bounds every blocking call below (see watchdog.py)
@@ -100,8 +115,10 @@ class Comm:
 
         A Python thread runs the blocking Sendrecv while the caller keeps MLX busy: MLX
         releases the GIL during evaluation, and over TCP this overlapped better than
-        Isend/Irecv + Wait or Testall polling (DESIGN.md section 4). Only this thread
-        talks MPI until ``wait()``; mpi4py initialises MPI_THREAD_MULTIPLE.
+        Isend/Irecv + Wait or Testall polling (figures: docs/ALGORITHMS.md, "Overlap";
+        the threads: docs/ARCHITECTURE.md). Only this thread talks MPI until ``wait()``,
+        but the watchdog may probe meanwhile: hence MPI_THREAD_MULTIPLE, checked in
+        ``__init__``.
         """
         if self._comm_thread is None:
             self._comm_thread = ThreadPoolExecutor(1, thread_name_prefix="spmd-cp-comm")
@@ -163,15 +180,6 @@ class Comm:
             self.bytes_sent += len(pickle.dumps(obj))
         with self._waiting("Gather", None if self.rank == root else root):
             return self.mpi.gather(obj, root=root)
-
-    def send_object(self, obj, dest: int):
-        self.bytes_sent += len(pickle.dumps(obj))
-        with self._waiting("Send", dest):
-            self.mpi.send(obj, dest=dest)
-
-    def recv_object(self, source: int):
-        with self._waiting("Recv", source):
-            return self.mpi.recv(source=source)
 
     # -- MLX arrays (data plane) ---------------------------------------------------
     def allgather_rows(self, array: mx.array, axis: int, counts=None) -> mx.array:
@@ -238,18 +246,20 @@ class Comm:
         return from_wire(recv, array.dtype)
 
     def send_array(self, array: mx.array, dest: int):
+        """Send ``array`` to ``dest``, which gets it back with ``recv_array``: the shape and
+        the dtype travel with it."""
         send = to_wire(array)
         with self._waiting("Send", dest):
-            self.mpi.send((send.shape, send.dtype.str), dest=dest)
+            self.mpi.send((send.shape, send.dtype.str, _dtype_name(array.dtype)), dest=dest)
             self.mpi.Send(send, dest=dest)
         self.bytes_sent += send.nbytes
 
-    def recv_array(self, source: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    def recv_array(self, source: int) -> mx.array:
         with self._waiting("Recv", source):
-            shape, dtype_str = self.mpi.recv(source=source)
-            recv = np.empty(shape, dtype=np.dtype(dtype_str))
+            shape, wire_dtype, dtype_name = self.mpi.recv(source=source)
+            recv = np.empty(shape, dtype=np.dtype(wire_dtype))
             self.mpi.Recv(recv, source=source)
-        return from_wire(recv, dtype)
+        return from_wire(recv, getattr(mx, dtype_name))
 
     def barrier(self):
         if self.size > 1:
@@ -258,6 +268,11 @@ class Comm:
 
     def abort(self, code: int = 1):
         self.mpi.Abort(code)
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    """'bfloat16' for mx.bfloat16: a name that pickles, and ``getattr(mx, name)`` undoes."""
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def _offsets(counts) -> list[int]:
