@@ -95,13 +95,14 @@ def decode_tokens(engine: Engine, cache, logits, sample, max_tokens: int,
     Tokens, cache and random stream are the same either way: a step queued after the
     token that ends the generation is rolled back.
     """
-    if overlap and engine.comm.size > 1:
+    check_overlap(engine.comm, overlap)
+    loop = _overlapped if overlap else _lockstep
+    return loop(engine, cache, logits, sample, max_tokens, stop or (lambda token: False))
+
+
+def check_overlap(comm, overlap: bool):
+    if overlap and comm.size > 1:
         raise ValueError("overlapped decode needs one rank: the others must receive each token")
-    stop = stop or (lambda token: False)
-    if overlap:
-        yield from _overlapped(engine, cache, logits, sample, max_tokens, stop)
-    else:
-        yield from _lockstep(engine, cache, logits, sample, max_tokens, stop)
 
 
 def _lockstep(engine: Engine, cache, logits, sample, max_tokens: int, stop):
@@ -152,6 +153,7 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     comm = engine.comm
     if overlap is None:
         overlap = overlap_by_default(comm)
+    check_overlap(comm, overlap)  # before the prefill's work
     is_root = comm.rank == 0
     sampler = make_sampler(options.temp, options.top_p, options.min_p, top_k=options.top_k)
     if is_root and options.seed is not None:
