@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from spmd_cp import blas  # noqa: E402  (stdlib only: safe before the re-exec)
+import benchlib as bl  # noqa: E402  (stdlib only, as is spmd_cp.blas: safe before the re-exec)
+from spmd_cp import blas  # noqa: E402
 
 # name -> (what, BLAS, threads, quantized weights)
 CONFIGS = {
@@ -58,34 +58,14 @@ ALL_CONFIGS = {**CONFIGS, **EXTRA_CONFIGS}
 TEXT = ("The history of computing is a story of machines that grew smaller and faster while "
         "the problems put to them grew larger. Early computers filled rooms; today a phone "
         "holds more memory than all of them together. ")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def busy_seconds() -> float:
-    """CPU seconds all processes have used since boot (/proc/stat, all cores)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
-            int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
-
-
-def wait_for_idle(max_wait: float, threshold: float = 0.15) -> None:
-    """Wait up to max_wait s for a 1-second window in which others use < threshold cores."""
-    deadline = time.monotonic() + max_wait
-    while time.monotonic() < deadline:
-        before, own = busy_seconds(), time.process_time()
-        time.sleep(1.0)
-        if busy_seconds() - before - (time.process_time() - own) < threshold:
-            return
-
 
 def timed(fn, idle_wait: float) -> dict:
     """Run fn once: wall and own CPU seconds, and the cores other processes used meanwhile."""
-    wait_for_idle(idle_wait)
-    busy, cpu, start = busy_seconds(), time.process_time(), time.perf_counter()
+    bl.wait_for_quiet(idle_wait, threshold=0.15)
+    busy, cpu, start = bl.busy_seconds(), time.process_time(), time.perf_counter()
     fn()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"wall": wall, "cpu": cpu, "foreign": max(0.0, busy_seconds() - busy - cpu) / wall}
+    return {"wall": wall, "cpu": cpu, "foreign": max(0.0, bl.busy_seconds() - busy - cpu) / wall}
 
 
 def pick(runs: list[dict], max_foreign: float) -> list[dict]:
@@ -157,13 +137,8 @@ def child(args) -> None:
 
 def child_env(blas_choice: str, threads: int) -> dict:
     """A clean environment: the child picks its BLAS itself through ensure_fast_blas()."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", blas.ENV_GUARD, *blas.LOCAL_SIZE_VARS)
-           and not k.endswith("_NUM_THREADS")}
-    env[blas.ENV_CHOICE] = blas_choice
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(threads)
-    return env
+    env = bl.bench_env(threads, **{blas.ENV_CHOICE: blas_choice, "MKL_NUM_THREADS": threads})
+    return {k: v for k, v in env.items() if k not in blas.LOCAL_SIZE_VARS}
 
 
 def spawn(name: str, args, logits_path: str | None) -> dict:
@@ -183,18 +158,7 @@ def spawn(name: str, args, logits_path: str | None) -> dict:
 
 
 def machine() -> dict:
-    import importlib.metadata as md
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": blas.usable_cpus(), "python": platform.python_version(),
-            "platform": platform.platform(), "mlx": md.version("mlx"),
-            "mlx-lm": md.version("mlx-lm"), "openblas": blas.find_fast_blas("openblas")}
+    return {**bl.machine(), "openblas": blas.find_fast_blas("openblas")}
 
 
 def report(results: dict, names: list[str], args, logits_diff: dict) -> str:

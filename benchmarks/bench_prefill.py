@@ -1,17 +1,14 @@
 """Prefill scaling and algorithm comparison, measured side by side in one run.
 
     python benchmarks/bench_prefill.py scaling --new 3072 --ranks 1 2 --rounds 3
-    python benchmarks/bench_prefill.py scaling --new 3072 --ranks 1 2 --rounds 3 --profile --split-runs
+    python benchmarks/bench_prefill.py scaling --new 3072 --ranks 1 2 --rounds 3 --profile
     python benchmarks/bench_prefill.py algos --ranks 2 --mix 2048:0 --mix 128:2048
 
 ``scaling``: prefill time versus N with one BLAS thread per rank (OPENBLAS_NUM_THREADS=1),
 and the parallel efficiency T1 / (N * TN). Rounds alternate the rank counts (1 2 1 2 ...);
 each launch warms up with a 64-token prefill, then times one prefill of --new tokens.
 ``--profile`` adds, per launch, one prefill with synchronisation around every attention
-call: per-rank time in the rest of the layers, attention compute and communication wait,
-and attention scores computed versus needed. ``--split-runs`` adds the configuration
-"pass-kv with run-split attention tiles" (an experiment on the tiling, see
-docs/BENCHMARKS.md) to every launch, alternating with the shipped code.
+call: per-rank time in the rest of the layers, attention compute and communication wait.
 
 ``algos``: pass-kv, pass-q and allgather-kv alternate inside one launch per new:cached mix
 and round (the cached prefix is prefilled once per launch, untimed); the launch also
@@ -48,9 +45,8 @@ def best_time(run: dict, algo: str) -> float:
 
 
 def scaling(args) -> str:
-    configs = [("shipped", ())] + ([("split-runs", ("--split-runs",))] if args.split_runs else [])
-    # With one rank the shard is one run of positions: split-runs is the shipped code there.
-    runs = {(n, c): [] for n in args.ranks for c, _ in configs if n > 1 or c == "shipped"}
+    configs = [("shipped", ())]
+    runs = {(n, c): [] for n in args.ranks for c, _ in configs}
     for rnd in range(args.rounds):
         for n in args.ranks:
             for name, flags in configs:
@@ -89,33 +85,34 @@ def scaling(args) -> str:
                          "speed-up", "efficiency", "paired eff.", "load avg",
                          "others' cores (max)"], rows))
     if args.profile:
-        out.append(f"\nWhere the time goes (one extra prefill per launch in the first "
-                   f"{args.profile_rounds} round(s), with synchronisation around every attention "
-                   "call, so a little slower; per rank; 'non-attention' = norms, projections, "
-                   "RoPE, cache append, MLP; medians over the profiled rounds):\n")
-        prow = []
-        for name, _ in configs:
-            for n in args.ranks:
-                if (n, name) not in runs:
-                    continue
-                for rank in range(n):
-                    def med(key):
-                        return bl.median(r["results"]["pass-kv"]["profile"][rank][key]
-                                         for r in runs[(n, name)]
-                                         if "profile" in r["results"]["pass-kv"])
-                    total, attn, wait = med("total_s"), med("attention_s"), med("wait_s")
-                    scores = med("scores")
-                    visible = med("visible")
-                    prow.append([name, n, rank, bl.fmt(total), bl.fmt(total - attn),
-                                 bl.fmt(attn - wait), bl.fmt(wait), f"{scores / 1e6:.0f}",
-                                 f"{visible / 1e6:.0f}", bl.fmt(scores / max(visible, 1))])
-        out.append(bl.table(["tiles", "ranks", "rank", "total s", "non-attention s",
-                             "attention compute s", "comm wait s", "scores computed (M)",
-                             "scores needed (M)", "computed / needed"], prow))
+        out.append(profile_table(args, configs, runs))
     text = "\n".join(out)
     bl.save("prefill_scaling", {"args": vars(args), "machine": bl.machine(),
                                 "runs": {f"{n}:{c}": v for (n, c), v in runs.items()}}, text)
     return text
+
+
+def profile_table(args, configs, runs) -> str:
+    """Per rank: where one profiled prefill's time went."""
+    rows = []
+    for name, _ in configs:
+        for n in args.ranks:
+            if (n, name) not in runs:
+                continue
+            for rank in range(n):
+                def med(key):
+                    return bl.median(r["results"]["pass-kv"]["profile"][rank][key]
+                                     for r in runs[(n, name)]
+                                     if "profile" in r["results"]["pass-kv"])
+                total, attn, wait = med("total_s"), med("attention_s"), med("wait_s")
+                rows.append([name, n, rank, bl.fmt(total), bl.fmt(total - attn),
+                             bl.fmt(attn - wait), bl.fmt(wait)])
+    return (f"\nWhere the time goes (one extra prefill per launch in the first "
+            f"{args.profile_rounds} round(s), with synchronisation around every attention "
+            "call, so a little slower; per rank; 'non-attention' = norms, projections, "
+            "RoPE, cache append, MLP; medians over the profiled rounds):\n\n"
+            + bl.table(["tiles", "ranks", "rank", "total s", "non-attention s",
+                        "attention compute s", "comm wait s"], rows))
 
 
 def algos(args) -> str:
@@ -180,7 +177,6 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rounds", type=int, default=1,
                         help="rounds whose launches also run the --profile prefill")
-    parser.add_argument("--split-runs", action="store_true")
     args = parser.parse_args()
     args.command = "python benchmarks/bench_prefill.py " + shlex.join(sys.argv[1:])
     if args.what == "algos" and not args.mix:

@@ -224,6 +224,65 @@ def memory_section(args, shape, weights, prompts_dir: Path) -> tuple[str, dict]:
     return "\n".join(out), {"forecast": data, "checks": checks, "budget": budget}
 
 
+def speed_section(args, tokenizer, prompts_dir: Path) -> tuple[str, dict]:
+    """Every configuration on every prompt size, in alternating rounds: the table."""
+    prompts = {}
+    for size in args.sizes:
+        text, actual = make_prompt(tokenizer, size, seed=size)
+        path = prompts_dir / f"prompt_{size}.txt"
+        path.write_text(text)
+        prompts[size] = (str(path), actual)
+    configs = ["mlx-lm"] + [f"spmd-cp N={n}" for n in args.ranks]
+    if args.cluster_rate:
+        configs.append(TCP_CONFIG)
+        subprocess.run([str(CLUSTER), "up", "2", "--rate", args.cluster_rate], check=True)
+    runs = {(s, c): [] for s in args.sizes for c in configs}
+    try:
+        measure(args, configs, prompts, runs)
+    finally:
+        if args.cluster_rate:
+            subprocess.run([str(CLUSTER), "down"], capture_output=True)
+    out = ["Prompts: random English-like text cut to the given number of tokens "
+           "(no chat template), 32 greedy tokens. Median over rounds "
+           f"({args.rounds} below {args.long_at} tokens, {args.rounds_long} from there on; configurations "
+           "alternate within a round). Peak MLX memory: the largest rank's. Peak RSS: "
+           "the largest process's VmHWM (includes the model load).\n"]
+    if args.cluster_rate:
+        out.append(f"{TCP_CONFIG}: 2 simulated hosts, links capped at {args.cluster_rate}, "
+                   "both hosts on this machine's 2 cores, 1 BLAS thread per rank.\n")
+    out.append(speed_table(args.sizes, configs, runs))
+    return "\n".join(out), runs
+
+
+def speed_table(sizes, configs, runs) -> str:
+    def med(size, config, key):
+        return bl.median(r[key] for r in runs[(size, config)])
+
+    rows = []
+    for size in sizes:
+        ref = {k: med(size, "mlx-lm", k) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s")}
+        ref_text = runs[(size, "mlx-lm")][0]["text"]
+        ref_peak = bl.median(max(r["peak_mem_bytes"]) for r in runs[(size, "mlx-lm")])
+        for config in configs:
+            rs = runs[(size, config)]
+            peak = bl.median(max(r["peak_mem_bytes"]) for r in rs)
+            rss = bl.median(max(r["_rss_peaks"] or [0]) for r in rs)
+            agree = common_prefix(rs[0]["text"], ref_text)
+            ttft, pre, dec = (med(size, config, k) for k in
+                              ("ttft_s", "prefill_tok_s", "decode_tok_s"))
+            rows.append([rs[0]["prompt_tokens"], config, bl.fmt(ttft), f"{pre:.0f}",
+                         bl.fmt(pre / ref["prefill_tok_s"]), f"{dec:.1f}",
+                         bl.fmt(dec / ref["decode_tok_s"]), f"{peak / 2**20:.0f}",
+                         bl.fmt(peak / ref_peak), f"{rss / 2**20:.0f}",
+                         f"{agree}/{len(ref_text)}",
+                         f"{bl.median(r['_load'][0] for r in rs):.1f}",
+                         f"{max(r['_others'] for r in rs):.2f}"])
+    return bl.table(["prompt tokens", "run", "TTFT s", "prefill tok/s", "x mlx-lm",
+                     "decode tok/s", "x mlx-lm", "peak MLX MiB/rank", "x mlx-lm",
+                     "peak RSS MiB/process", "chars = mlx-lm", "load avg",
+                     "others' cores (max)"], rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -264,57 +323,8 @@ def main():
 
     runs: dict = {}
     if not args.only_memory:
-        prompts = {}
-        for size in args.sizes:
-            text, actual = make_prompt(tokenizer, size, seed=size)
-            path = prompts_dir / f"prompt_{size}.txt"
-            path.write_text(text)
-            prompts[size] = (str(path), actual)
-        configs = ["mlx-lm"] + [f"spmd-cp N={n}" for n in args.ranks]
-        if args.cluster_rate:
-            configs.append(TCP_CONFIG)
-            subprocess.run([str(CLUSTER), "up", "2", "--rate", args.cluster_rate], check=True)
-        runs = {(s, c): [] for s in args.sizes for c in configs}
-        try:
-            measure(args, configs, prompts, runs)
-        finally:
-            if args.cluster_rate:
-                subprocess.run([str(CLUSTER), "down"], capture_output=True)
-
-        def med(size, config, key):
-            return bl.median(r[key] for r in runs[(size, config)])
-
-        out.append("Prompts: random English-like text cut to the given number of tokens "
-                   "(no chat template), 32 greedy tokens. Median over rounds "
-                   f"({args.rounds} below {args.long_at} tokens, {args.rounds_long} from there on; configurations "
-                   "alternate within a round). Peak MLX memory: the largest rank's. Peak RSS: "
-                   "the largest process's VmHWM (includes the model load).\n")
-        if args.cluster_rate:
-            out.append(f"{TCP_CONFIG}: 2 simulated hosts, links capped at {args.cluster_rate}, "
-                       "both hosts on this machine's 2 cores, 1 BLAS thread per rank.\n")
-        rows = []
-        for size in args.sizes:
-            ref = {k: med(size, "mlx-lm", k) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s")}
-            ref_text = runs[(size, "mlx-lm")][0]["text"]
-            for config in configs:
-                rs = runs[(size, config)]
-                peak = bl.median(max(r["peak_mem_bytes"]) for r in rs)
-                rss = bl.median(max(r["_rss_peaks"] or [0]) for r in rs)
-                ref_peak = bl.median(max(r["peak_mem_bytes"]) for r in runs[(size, "mlx-lm")])
-                agree = common_prefix(rs[0]["text"], ref_text)
-                ttft, pre, dec = (med(size, config, k) for k in
-                                  ("ttft_s", "prefill_tok_s", "decode_tok_s"))
-                rows.append([rs[0]["prompt_tokens"], config, bl.fmt(ttft), f"{pre:.0f}",
-                             bl.fmt(pre / ref["prefill_tok_s"]), f"{dec:.1f}",
-                             bl.fmt(dec / ref["decode_tok_s"]), f"{peak / 2**20:.0f}",
-                             bl.fmt(peak / ref_peak), f"{rss / 2**20:.0f}",
-                             f"{agree}/{len(ref_text)}",
-                             f"{bl.median(r['_load'][0] for r in rs):.1f}",
-                             f"{max(r['_others'] for r in rs):.2f}"])
-        out.append(bl.table(["prompt tokens", "run", "TTFT s", "prefill tok/s", "x mlx-lm",
-                             "decode tok/s", "x mlx-lm", "peak MLX MiB/rank", "x mlx-lm",
-                             "peak RSS MiB/process", "chars = mlx-lm", "load avg",
-                             "others' cores (max)"], rows))
+        speed_text, runs = speed_section(args, tokenizer, prompts_dir)
+        out.append(speed_text)
     mem_text, mem_data = "", {}
     if not args.skip_memory:
         mem_text, mem_data = memory_section(args, shape, weights, prompts_dir)

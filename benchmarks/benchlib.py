@@ -1,5 +1,9 @@
-"""Shared helpers of the benchmark drivers (standard library only; no MLX, no MPI).
+"""Shared helpers of the benchmark drivers and workers.
 
+Standard library only at import (drivers import it before any re-exec); MLX and MPI are
+imported inside ``worker_main`` alone.
+
+- ``worker_main(work)``: the entry of every benchmark worker run under mpiexec;
 - ``machine()``: the machine description every figure is published with;
 - ``run_json(cmd)``: run a command (usually ``mpiexec ...``), sample the memory of its
   process tree while it runs, and return the JSON object its last stdout line holds,
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -289,6 +294,44 @@ def header(title: str, command: str) -> str:
             f"report written {time.strftime('%Y-%m-%d %H:%M:%S')}, load average then "
             f"{l1:.2f} / {l5:.2f} / {l15:.2f} (1/5/15 min; includes the benchmark's own "
             "ranks: see the per-run 'others' cores' for outside load)\n")
+
+
+# -- the worker side (under mpiexec) ------------------------------------------------------
+@dataclass
+class Worker:
+    """What every benchmark worker is handed: the communicator and the loaded model."""
+
+    comm: object  # spmd_cp.runtime.comm.Comm
+    loaded: object  # spmd_cp.models.loader.LoadedModel: .model (mlx-lm), .tokenizer
+    model: object  # the CPModel over loaded.model
+
+    @staticmethod
+    def random_ids(length: int, seed: int = 0):
+        """Random token ids (below 20000: ordinary text tokens of every model used here)."""
+        import numpy as np
+
+        return np.random.RandomState(seed).randint(3, 20000, size=length)
+
+
+def worker_main(work, model_path: str | None = None):
+    """Run ``work(Worker)`` on every rank as the spmd-cp entry point runs a command.
+
+    First the optimized-BLAS re-exec (before MPI starts), then spmd.run_main: a watchdog
+    bounds every blocking call and any rank's failure aborts the whole job non-zero,
+    so a broken benchmark never hangs. Exits with the job's code.
+    """
+    from spmd_cp.blas import ensure_fast_blas
+
+    ensure_fast_blas()
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.models.loader import default_model_path, load_model
+    from spmd_cp.runtime import spmd
+
+    def main(comm, _options):
+        loaded = load_model(model_path or default_model_path())
+        work(Worker(comm, loaded, CPModel(loaded.model)))
+
+    sys.exit(spmd.run_main(main, {}))
 
 
 def log(msg: str):

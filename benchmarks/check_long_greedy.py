@@ -13,27 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import benchlib
+
+ROOT = benchlib.ROOT
 DRIVER = ROOT / "tests" / "mpi_exact_driver.py"
 ALGOS = ("auto", "pass-kv", "pass-q", "allgather-kv")
 
 
 def run(ranks: int, configs: list[dict], model: str) -> list[dict]:
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep
-                           + os.environ["PATH"])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-        subprocess.run([mpiexec, "-n", str(ranks), sys.executable, str(DRIVER), model,
-                        json.dumps(configs), str(out)], check=True, env=env, timeout=7200)
+        cmd = benchlib.mpi_cmd(ranks, benchlib.PYTHON, DRIVER, model, json.dumps(configs), out)
+        subprocess.run(cmd, check=True, env=benchlib.bench_env(1), timeout=7200)
         return json.loads(out.read_text())["results"]
 
 
@@ -62,8 +59,6 @@ def main():
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import benchlib
     from spmd_cp.blas import ensure_fast_blas
     from spmd_cp.models.loader import default_model_path
 

@@ -15,10 +15,12 @@ block discarded), and the cache is cut back to the context after every block, so
 configuration always decodes at the same context length. ``--lm-head`` also times the
 LM head alone (final norm + vocabulary projection of one row, replicated).
 
-Rank 0 prints one JSON line: per configuration the median step time (the slowest
-rank's median), tokens/s, and every rank's median communication wait per step
-(``Comm.wait_seconds`` inside the step, i.e. time blocked in collectives, which includes
-waiting for a slower peer).
+Each step is one turn of spmd_cp.engine.generation.decode_tokens (the loop generate
+runs: the decode step, rank 0's argmax, the token's broadcast). Rank 0 prints one JSON
+line: per configuration the median step time (the slowest rank's median), tokens/s, and
+every rank's median communication wait per step (``Comm.wait_seconds`` inside the step
+and its broadcast, i.e. time blocked in collectives, which includes waiting for a slower
+peer).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import itertools
 import json
 import time
 
+import benchlib
 
-def main():
+
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--context", type=int, nargs="+", required=True)
@@ -40,67 +44,86 @@ def main():
     parser.add_argument("--merge", choices=["allgather", "allreduce"], nargs="+",
                         default=["allgather"])
     parser.add_argument("--lm-head", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def synthetic_cache(bench: benchlib.Worker, context: int):
+    """A cache of ``context`` tokens at head-tail positions holding random K/V."""
+    import mlx.core as mx
+
+    from spmd_cp.attention.partition import head_tail_positions
+    from spmd_cp.engine.cache import ShardedKVCache
+
+    comm, model = bench.comm, bench.model
+    rank_positions = head_tail_positions(context, comm.size)
+    attn = model.layers[0].self_attn
+    shape = (model.num_kv_heads, rank_positions[comm.rank].size,
+             attn.o_proj.weight.shape[1] // model.num_heads)
+    arrays = {f"layer.{index}.{part}": mx.random.normal(shape)
+              for index in range(model.num_layers) for part in ("keys", "values")}
+    mx.eval(list(arrays.values()))
+    shared = {"num_tokens": context, "token_ids": [0] * context, "decode_steps": 0,
+              "decode_owner": 0, "shard_sizes": [p.size for p in rank_positions]}
+    return ShardedKVCache.from_state(model.num_layers, comm.rank, rank_positions, arrays, shared)
+
+
+def time_block(engine, cache, tokens: int, skip: int):
+    """(seconds, comm wait) of each greedy step after the first ``skip``; the cache is
+    rolled back afterwards, so every block decodes at the same context."""
+    import mlx.core as mx
+
+    from spmd_cp.engine.generation import decode_tokens
+
+    comm, checkpoint = engine.comm, cache.checkpoint()
+    first = mx.array([0.0, 1.0])  # rank 0's "logits": the first token fed is id 1
+    steps = decode_tokens(engine, cache, first, mx.argmax, tokens + 1)
+    next(steps)  # sampled from ``first``: no step yet
+    times, waits = [], []
+    for step in range(tokens):
+        comm.barrier()
+        wait_before, start = comm.wait_seconds, time.perf_counter()
+        next(steps)
+        if step >= skip:
+            times.append(time.perf_counter() - start)
+            waits.append(comm.wait_seconds - wait_before)
+    cache.rollback(checkpoint)
+    return times, waits
+
+
+def lm_head_seconds(model) -> float:
+    """Median time of the LM head alone: final norm + vocabulary projection of one row."""
     import mlx.core as mx
     import numpy as np
-    from mpi4py import MPI
 
-    from spmd_cp.runtime.comm import Comm
+    hidden = mx.random.normal((1, model.norm.weight.shape[0]))
+    mx.eval(model.logits(hidden))
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        mx.eval(model.logits(hidden))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def work(bench: benchlib.Worker, args):
+    import numpy as np
+
     from spmd_cp.engine.engine import Engine
-    from spmd_cp.models.loader import default_model_path, load_model
-    from spmd_cp.engine.model import CPModel
-    from spmd_cp.attention.partition import head_tail_positions
 
-    comm = Comm(MPI.COMM_WORLD)
-    model = CPModel(load_model(args.model or default_model_path()).model)
+    comm, model = bench.comm, bench.model
     tps = args.tp if comm.size > 1 else ["off"]
     merges = args.merge if comm.size > 1 else ["allgather"]
     engines = {(tp, merge): Engine(model, comm, decode_merge=merge, decode_tp=tp)
                for tp, merge in itertools.product(tps, merges)}
-
-    attn = model.layers[0].self_attn
-    head_dim = attn.o_proj.weight.shape[1] // attn.n_heads
-    caches = {}
-    for context in args.context:
-        cache = next(iter(engines.values())).new_cache()
-        rank_positions = head_tail_positions(context, comm.size)
-        cache.add_positions(rank_positions, np.zeros(context, np.int64))
-        local = rank_positions[comm.rank].size
-        for layer in cache.layers:
-            shape = (attn.n_kv_heads, local, head_dim)
-            layer.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
-        mx.eval([layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers])
-        caches[context] = cache
-
+    caches = {context: synthetic_cache(bench, context) for context in args.context}
     steps = {key: ([], []) for key in itertools.product(args.context, tps, merges)}
     for _ in range(args.rounds):
         for context, (tp, merge) in itertools.product(args.context, engines):
-            engine, cache = engines[(tp, merge)], caches[context]
-            token = 1
-            for step in range(args.tokens):
-                comm.barrier()
-                wait_before = comm.wait_seconds
-                start = time.perf_counter()
-                logits = engine.decode_step(cache, token)
-                wait = comm.wait_seconds - wait_before
-                token = int(mx.argmax(logits)) if comm.rank == 0 else 0
-                token = comm.bcast_object(token)
-                if step >= args.skip:
-                    steps[(context, tp, merge)][0].append(time.perf_counter() - start)
-                    steps[(context, tp, merge)][1].append(wait)
-            cache.truncate(context)
-
-    lm_head_s = None
-    if args.lm_head:
-        hidden = mx.random.normal((1, model.norm.weight.shape[0]))
-        mx.eval(model.logits(hidden))
-        times = []
-        for _ in range(30):
-            start = time.perf_counter()
-            mx.eval(model.logits(hidden))
-            times.append(time.perf_counter() - start)
-        lm_head_s = float(np.median(times))
+            times, waits = time_block(engines[(tp, merge)], caches[context], args.tokens,
+                                      args.skip)
+            steps[(context, tp, merge)][0].extend(times)
+            steps[(context, tp, merge)][1].extend(waits)
+    lm_head_s = lm_head_seconds(model) if args.lm_head else None
 
     mine = {f"{c}|{t}|{m}": (float(np.median(s)), float(np.median(w)))
             for (c, t, m), (s, w) in steps.items()}
@@ -119,7 +142,5 @@ def main():
 
 
 if __name__ == "__main__":
-    from spmd_cp.blas import ensure_fast_blas
-
-    ensure_fast_blas()
-    main()
+    arguments = parse_args()
+    benchlib.worker_main(lambda bench: work(bench, arguments), arguments.model)

@@ -12,12 +12,9 @@ between them. With several ``--algo`` values they alternate (A B C A B C ...) fo
 without running a forward pass).
 
 ``--profile`` adds one extra prefill per algorithm with synchronisation points around
-every attention call and reports per rank where the time went: the rest of the layer
-(projections, MLP, norms), attention compute, and time blocked in communication
-(``Comm.wait_seconds``), plus how many attention scores the tiles computed against the
-number the causal mask keeps (work wasted on masked scores). ``--split-runs`` is an
-experiment, not the shipped code: it makes block attention tile each contiguous run of
-query and key positions separately (see docs/BENCHMARKS.md).
+every attention call (through the Engine's ``make_prefill_attention`` hook) and reports
+per rank where the time went: the rest of the layer (projections, MLP, norms), attention
+compute, and time blocked in communication (``Comm.wait_seconds``).
 
 Rank 0 prints one JSON line.
 """
@@ -29,67 +26,34 @@ import json
 import time
 from collections import defaultdict
 
-
-def split_runs_block_attention(original):
-    """block_attention that tiles every (query run, key run) pair separately.
-
-    Head-tail shards are two runs of positions (a head chunk and a tail chunk). A tile
-    that mixes both can never be skipped by the causal test, so its masked half is
-    computed for nothing. Splitting by runs keeps the skip exact and the result exact
-    (the partials merge like any other).
-    """
-    from spmd_cp.attention.block import merge_partials
-    from spmd_cp.engine.model import contiguous_runs
-
-    def attention(q, k, v, q_pos, k_pos, scale):
-        q_runs, k_runs = contiguous_runs(q_pos), contiguous_runs(k_pos)
-        if q.shape[1] <= 1 or len(q_runs) * len(k_runs) <= 1 or len(q_runs) > 8 or len(k_runs) > 8:
-            return original(q, k, v, q_pos, k_pos, scale)
-        import mlx.core as mx
-
-        outs, lses = [], []
-        for qa, qb, _ in q_runs:
-            qp = q_pos[qa:qb]
-            out = lse = None
-            for ka, kb, _ in k_runs:
-                kp = k_pos[ka:kb]
-                if kp.min() > qp.max():
-                    continue
-                o, s = original(q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], qp, kp, scale)
-                out, lse = (o, s) if out is None else merge_partials(out, lse, o, s)
-            if out is None:
-                out, lse = original(q[:, qa:qb], k[:, :0], v[:, :0], qp, k_pos[:0], scale)
-            outs.append(out)
-            lses.append(lse)
-        return mx.concatenate(outs, axis=1), mx.concatenate(lses, axis=1)
-
-    return attention
+import benchlib
 
 
-def install_profiler(comm, prof: dict):
-    """Wrap the engine's attention functions and the tile kernel with timers/counters."""
+def parse_args():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--new", type=int, required=True)
+    parser.add_argument("--cached", type=int, default=0)
+    parser.add_argument("--algo", nargs="+", default=["auto"])
+    parser.add_argument("--chunk", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="(old name) rounds, when --rounds is not given")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--warmup", action="store_true",
+                        help="one untimed prefill of 64 tokens per algorithm first")
+    parser.add_argument("--auto-choice", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    return parser.parse_args()
+
+
+def timed_prefill_attention(comm, prof: dict):
+    """attention.prefill_attention, its attend functions timed while ``prof["on"]``."""
     import mlx.core as mx
-    import numpy as np
 
-    import spmd_cp.attention.block as block
-    import spmd_cp.engine.engine as engine_module
+    from spmd_cp.attention import prefill_attention
 
-    original_tile = block._tile_attention
-    original_prefill_attention = engine_module.prefill_attention
-
-    def counting_tile(q, k, v, q_pos, k_pos, scale):
-        if prof["on"]:
-            scores = q.shape[0] * q.shape[1] * k.shape[1]
-            prof["scores"] += scores
-            if q_pos is None:  # a tile every query sees entirely (no mask computed)
-                prof["visible"] += scores
-            else:
-                qp, kp = np.asarray(q_pos), np.asarray(k_pos)
-                prof["visible"] += q.shape[0] * int((kp[None, :] <= qp[:, None]).sum())
-        return original_tile(q, k, v, q_pos, k_pos, scale)
-
-    def timed_prefill_attention(*args, **kwargs):
-        attend, algo, reason = original_prefill_attention(*args, **kwargs)
+    def make(*args):
+        attend, algo, reason = prefill_attention(*args)
 
         def timed(q, keys, values, q_pos, k_pos, scale):
             if not prof["on"]:
@@ -109,69 +73,73 @@ def install_profiler(comm, prof: dict):
 
         return timed, algo, reason
 
-    block._tile_attention = counting_tile
-    engine_module.prefill_attention = timed_prefill_attention
+    return make
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--new", type=int, required=True)
-    parser.add_argument("--cached", type=int, default=0)
-    parser.add_argument("--algo", nargs="+", default=["auto"])
-    parser.add_argument("--chunk", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="(old name) rounds, when --rounds is not given")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--warmup", action="store_true",
-                        help="one untimed prefill of 64 tokens per algorithm first")
-    parser.add_argument("--auto-choice", action="store_true")
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--split-runs", action="store_true")
-    args = parser.parse_args()
-    rounds = args.rounds or args.repeats
-
-    import mlx.core as mx
-    import numpy as np
-    from mpi4py import MPI
-
-    import spmd_cp.attention.gather as gather
-    import spmd_cp.attention.ring as ring
-    from spmd_cp.runtime.comm import Comm
+def auto_choice(bench: benchlib.Worker, cache, ids, args) -> dict:
+    """What --cp-algo auto picks for this call: the engine's calibration and rule, no
+    forward pass."""
+    from spmd_cp.attention import prefill_attention
+    from spmd_cp.attention.partition import head_tail_positions
     from spmd_cp.engine.engine import Engine
-    from spmd_cp.models.loader import default_model_path, load_model
-    from spmd_cp.engine.model import CPModel
 
-    if args.split_runs:
-        ring.block_attention = split_runs_block_attention(ring.block_attention)
-        gather.block_attention = split_runs_block_attention(gather.block_attention)
+    comm = bench.comm
+    new = args.new if args.chunk <= 0 else min(args.chunk, args.new)
+    rank_positions = head_tail_positions(new, comm.size, cache.num_tokens, cache.shard_sizes)
+    cache.add_positions(rank_positions, ids[args.cached:args.cached + new])
+    start = time.perf_counter()
+    measured = Engine(bench.model, comm, algo="auto").calibration()
+    calibrate_s = time.perf_counter() - start
+    _, algo, reason = prefill_attention("auto", comm, rank_positions, cache, bench.model,
+                                        measured)
+    cache.truncate(args.cached)
+    return {"algo": algo, "reason": reason, "calibrate_s": calibrate_s,
+            "measured": measured.__dict__ if measured is not None else None}
 
-    comm = Comm(MPI.COMM_WORLD)
-    model = CPModel(load_model(args.model or default_model_path()).model)
-    ids = np.random.RandomState(0).randint(3, 20000, size=args.cached + args.new)
-    engines = {a: Engine(model, comm, algo=a, prefill_chunk=args.chunk) for a in args.algo}
+
+def profiled(comm, prof: dict, prefill) -> list | None:
+    """Every rank's time split of one ``prefill()`` (rank 0; None elsewhere)."""
+    prof.clear()
+    prof["on"] = True
+    run = prefill()
+    prof["on"] = False
+    mine = {k: v for k, v in prof.items() if k != "on"}
+    mine.update(total_s=run["own"], wait_total_s=run["wait"])
+    return comm.gather_object(mine)
+
+
+def algo_entry(comm, runs: list[dict], profile) -> dict:
+    per_rank = comm.gather_object([(r["own"], r["wait"], r["sent"]) for r in runs])
+    entry = {"times_s": [r["time"] for r in runs], "chosen": runs[0]["chosen"],
+             "own_s": [[x[0] for x in rank] for rank in per_rank] if per_rank else None,
+             "wait_s": [[x[1] for x in rank] for rank in per_rank] if per_rank else None,
+             "comm_bytes": [rank[-1][2] for rank in per_rank] if per_rank else None}
+    if profile is not None:
+        entry["profile"] = profile
+    return entry
+
+
+def work(bench: benchlib.Worker, args):
+    import mlx.core as mx
+
+    from spmd_cp.engine.engine import Engine
+
+    comm, model = bench.comm, bench.model
+    rounds = args.rounds or args.repeats
+    ids = bench.random_ids(args.cached + args.new)
+    prof = defaultdict(float)
+    prof["on"] = False
+    make = timed_prefill_attention(comm, prof)
+    engines = {a: Engine(model, comm, algo=a, prefill_chunk=args.chunk,
+                         make_prefill_attention=make) for a in args.algo}
     cache = engines[args.algo[0]].new_cache()
     if args.cached:
         Engine(model, comm, algo="pass-kv").prefill(cache, ids[: args.cached])
 
     result = {"ranks": comm.size, "new": args.new, "cached": args.cached, "chunk": args.chunk,
-              "split_runs": args.split_runs, "results": {}}
-
+              "results": {}}
     if args.auto_choice:
-        from spmd_cp.attention import prefill_attention
-        from spmd_cp.attention.partition import head_tail_positions
-
-        auto = Engine(model, comm, algo="auto")
-        new = args.new if args.chunk <= 0 else min(args.chunk, args.new)
-        rank_positions = head_tail_positions(new, comm.size, cache.num_tokens, cache.shard_sizes)
-        cache.add_positions(rank_positions, ids[args.cached:args.cached + new])
-        start = time.perf_counter()
-        measured = auto._measured()
-        calibrate_s = time.perf_counter() - start
-        _, algo, reason = prefill_attention("auto", comm, rank_positions, cache, model, measured)
-        cache.truncate(args.cached)
-        result["auto"] = {"algo": algo, "reason": reason, "calibrate_s": calibrate_s,
-                          "measured": measured.__dict__ if measured is not None else None}
+        result["auto"] = auto_choice(bench, cache, ids, args)
 
     def one_prefill(algo, tokens):
         engine = engines[algo]
@@ -198,29 +166,10 @@ def main():
     peaks = comm.gather_object(int(mx.get_peak_memory()))
 
     profiles = {}
-    if args.profile:
-        prof = defaultdict(float)
-        prof["on"] = False
-        install_profiler(comm, prof)
-        for algo in args.algo:
-            prof.clear()
-            prof["on"] = True
-            run = one_prefill(algo, ids[args.cached:])
-            prof["on"] = False
-            mine = {k: v for k, v in prof.items() if k != "on"}
-            mine.update(total_s=run["own"], wait_total_s=run["wait"])
-            profiles[algo] = comm.gather_object(mine)
-
+    for algo in args.algo if args.profile else []:
+        profiles[algo] = profiled(comm, prof, lambda: one_prefill(algo, ids[args.cached:]))
     for algo in args.algo:
-        per_rank = comm.gather_object([(r["own"], r["wait"], r["sent"]) for r in runs[algo]])
-        entry = {"times_s": [r["time"] for r in runs[algo]],
-                 "chosen": runs[algo][0]["chosen"],
-                 "own_s": [[x[0] for x in rank] for rank in per_rank] if per_rank else None,
-                 "wait_s": [[x[1] for x in rank] for rank in per_rank] if per_rank else None,
-                 "comm_bytes": [rank[-1][2] for rank in per_rank] if per_rank else None}
-        if algo in profiles:
-            entry["profile"] = profiles[algo]
-        result["results"][algo] = entry
+        result["results"][algo] = algo_entry(comm, runs[algo], profiles.get(algo))
     result["peak_mem_bytes"] = peaks
     if comm.rank == 0:
         # Backward compatible with the one-algorithm format.
@@ -231,7 +180,5 @@ def main():
 
 
 if __name__ == "__main__":
-    from spmd_cp.blas import ensure_fast_blas
-
-    ensure_fast_blas()
-    main()
+    arguments = parse_args()
+    benchlib.worker_main(lambda bench: work(bench, arguments), arguments.model)

@@ -54,21 +54,16 @@ def rss_now() -> int:
     return bl.proc_status(os.getpid()).get("VmRSS", 0)
 
 
-def worker(args):
+def worker(bench: bl.Worker, args):
     import mlx.core as mx
     import numpy as np
-    from mpi4py import MPI
 
-    from spmd_cp.runtime.comm import Comm
     from spmd_cp.engine.engine import Engine
     from spmd_cp.config import SamplingConfig
     from spmd_cp.engine.generation import generate
-    from spmd_cp.models.loader import default_model_path, load_model
-    from spmd_cp.engine.model import CPModel
 
-    comm = Comm(MPI.COMM_WORLD)
-    loaded = load_model(default_model_path())
-    engine = Engine(CPModel(loaded.model), comm, algo="auto", decode_tp="auto")
+    comm, tokenizer = bench.comm, bench.loaded.tokenizer
+    engine = Engine(bench.model, comm, algo="auto", decode_tp="auto")
     rng = np.random.RandomState(0)
     options = SamplingConfig(max_tokens=args.max_tokens)
     records = []
@@ -77,10 +72,10 @@ def worker(args):
         ids = None
         if comm.rank == 0:
             words = [WORDS[i] for i in rng.randint(0, len(WORDS), size=rng.randint(12, 200))]
-            ids = np.asarray(loaded.tokenizer.encode(" ".join(words)), np.int64)[:256]
+            ids = np.asarray(tokenizer.encode(" ".join(words)), np.int64)[:256]
         ids = comm.bcast_object(ids)
         cache = engine.new_cache()
-        result = generate(engine, cache, ids, loaded.tokenizer, options)
+        result = generate(engine, cache, ids, tokenizer, options)
         del cache
         records.append((g, time.perf_counter() - start, rss_now(), int(mx.get_active_memory()),
                         int(mx.get_cache_memory()), len(result.tokens) if comm.rank == 0 else 0))
@@ -102,30 +97,8 @@ def leftovers(tag: str, pids) -> list[str]:
     return mine + [f"pid {p} alive" for p in alive]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--generations", type=int, default=200)
-    parser.add_argument("--jobs", type=int, default=20)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--warmup-jobs", type=int, default=2)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        from spmd_cp.blas import ensure_fast_blas
-
-        ensure_fast_blas()
-        worker(args)
-        return
-    command = "python benchmarks/soak.py " + shlex.join(sys.argv[1:])
-    tag = f"soak-{uuid.uuid4().hex[:10]}"
-    out = [bl.header(f"Soak: {args.generations} generations in one job, then a "
-                     f"{args.jobs}-job batch, N = {args.ranks}", command)]
-
-    # Part 1 ------------------------------------------------------------------------
+def generations(args, tag: str, out: list) -> dict:
+    """Part 1: --generations generations in one job; its table appended to ``out``."""
     cmd = bl.mpi_cmd(args.ranks, bl.PYTHON, __file__, "--worker", "--generations",
                      args.generations, "--max-tokens", args.max_tokens, "--tag", tag)
     t0 = time.perf_counter()
@@ -158,8 +131,11 @@ def main():
                          "active slope B/gen", "MLX cache MiB", "cache slope B/gen"], rows))
     out.append(f"\nleft after the job: {left1 or 'nothing'} (pgrep -af {tag}; the "
                f"{len(sampler1.seen)} sampled pids)")
+    return {"part1": part1, "part1_wall_s": wall1, "part1_leftovers": left1}
 
-    # Part 2 ------------------------------------------------------------------------
+
+def write_jobs(args, tag: str) -> tuple[Path, Path]:
+    """Part 2's job file (every other job with a shared prefix document) and its output."""
     work = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
     doc = work / "document.txt"
     rng = __import__("random").Random(1)
@@ -171,7 +147,28 @@ def main():
             if j % 2:
                 job["prefix_file"] = str(doc)
             f.write(json.dumps(job) + "\n")
-    output = work / "out.jsonl"
+    return work / "jobs.jsonl", work / "out.jsonl"
+
+
+def rss_per_job(args, sampler) -> list[list]:
+    """Each spmd-cp process's RSS regressed on the jobs finished (one row a process)."""
+    per_pid = {}
+    for t, rss, finished in sampler.series:
+        for pid, value in rss.items():
+            # Up to the last job's result: the exit afterwards frees memory (not a trend).
+            if "spmd-cp" in sampler.cmds.get(pid, "") and args.warmup_jobs <= finished < args.jobs:
+                per_pid.setdefault(pid, []).append((finished, value, t))
+    rows = []
+    for i, (pid, pts) in enumerate(sorted(per_pid.items())):
+        rows.append([i, pid, len(pts), f"{pts[0][1] / 2**20:.0f} -> {pts[-1][1] / 2**20:.0f}",
+                     f"{slope([p[0] for p in pts], [p[1] for p in pts]):,.0f}",
+                     f"{max(sampler.peak.get(pid, 0), 0) / 2**20:.0f}"])
+    return rows
+
+
+def batch(args, tag: str, out: list) -> dict:
+    """Part 2: an spmd-cp batch of --jobs jobs; its table appended to ``out``."""
+    jobs, output = write_jobs(args, tag)
 
     def done():
         try:
@@ -179,7 +176,7 @@ def main():
         except OSError:
             return 0
 
-    cmd = bl.mpi_cmd(args.ranks, bl.SPMD_CP, "batch", "--jobs", work / "jobs.jsonl", "--output",
+    cmd = bl.mpi_cmd(args.ranks, bl.SPMD_CP, "batch", "--jobs", jobs, "--output",
                      output, "--progress", "off", "--json")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -191,18 +188,7 @@ def main():
     errors = [r for r in results if "error" in r]
     time.sleep(1.0)
     left2 = leftovers(tag, sampler2.seen)
-    # RSS of each spmd-cp rank against jobs finished, from the first finished job on.
-    per_pid = {}
-    for t, rss, finished in sampler2.series:
-        for pid, value in rss.items():
-            # Up to the last job's result: the exit afterwards frees memory (not a trend).
-            if "spmd-cp" in sampler2.cmds.get(pid, "") and args.warmup_jobs <= finished < args.jobs:
-                per_pid.setdefault(pid, []).append((finished, value, t))
-    rows2 = []
-    for i, (pid, pts) in enumerate(sorted(per_pid.items())):
-        rows2.append([i, pid, len(pts), f"{pts[0][1] / 2**20:.0f} -> {pts[-1][1] / 2**20:.0f}",
-                      f"{slope([p[0] for p in pts], [p[1] for p in pts]):,.0f}",
-                      f"{max(sampler2.peak.get(pid, 0), 0) / 2**20:.0f}"])
+    rows2 = rss_per_job(args, sampler2)
     out.append(f"\n### Part 2: `spmd-cp batch`, {args.jobs} jobs (every other one with a "
                "shared 600-word prefix document), 8 tokens each\n")
     out.append(f"exit {proc.returncode}, {wall2:.0f} s wall, {len(results)} result lines, "
@@ -214,13 +200,33 @@ def main():
                          "RSS slope B/job", "peak RSS MiB"], rows2))
     out.append(f"\nleft after the job: {left2 or 'nothing'} (pgrep -af {tag}; the "
                f"{len(sampler2.seen)} sampled pids)")
+    return {"part2": {"returncode": proc.returncode, "wall_s": wall2, "results": results,
+                      "series": sampler2.series, "cmds": sampler2.cmds, "leftovers": left2,
+                      "stderr": stderr[-3000:]}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generations", type=int, default=200)
+    parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup-jobs", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        bl.worker_main(lambda bench: worker(bench, args))
+    command = "python benchmarks/soak.py " + shlex.join(sys.argv[1:])
+    tag = f"soak-{uuid.uuid4().hex[:10]}"
+    out = [bl.header(f"Soak: {args.generations} generations in one job, then a "
+                     f"{args.jobs}-job batch, N = {args.ranks}", command)]
+    saved = {"args": vars(args), "machine": bl.machine(), **generations(args, tag, out),
+             **batch(args, tag, out)}
     text = "\n".join(out)
-    bl.save("soak", {"args": vars(args), "machine": bl.machine(), "part1": part1,
-                     "part1_wall_s": wall1, "part1_leftovers": left1,
-                     "part2": {"returncode": proc.returncode, "wall_s": wall2,
-                               "results": results, "series": sampler2.series,
-                               "cmds": sampler2.cmds, "leftovers": left2,
-                               "stderr": stderr[-3000:]}}, text)
+    bl.save("soak", saved, text)
     print(text)
 
 
