@@ -244,9 +244,9 @@ def speed_section(args, tokenizer, prompts_dir: Path) -> tuple[str, dict]:
             subprocess.run([str(CLUSTER), "down"], capture_output=True)
     out = ["Prompts: random English-like text cut to the given number of tokens "
            "(no chat template), 32 greedy tokens. Median over rounds "
-           f"({args.rounds} below {args.long_at} tokens, {args.rounds_long} from there on; configurations "
-           "alternate within a round). Peak MLX memory: the largest rank's. Peak RSS: "
-           "the largest process's VmHWM (includes the model load).\n"]
+           f"({args.rounds} below {args.long_at} tokens, {args.rounds_long} from there on; "
+           "configurations alternate within a round). Peak MLX memory: the largest rank's. "
+           "Peak RSS: the largest process's VmHWM (includes the model load).\n"]
     if args.cluster_rate:
         out.append(f"{TCP_CONFIG}: 2 simulated hosts, links capped at {args.cluster_rate}, "
                    "both hosts on this machine's 2 cores, 1 BLAS thread per rank.\n")

@@ -95,6 +95,39 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
         np.testing.assert_array_equal(keys_a, keys_b)
 
 
+def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
+    """state()/from_state() (what prompt caches save and load) keep the K/V, positions,
+    token ids and decode placement: the next decode step gives the same logits; and a
+    checkpoint rolled back to undoes a decode step entirely."""
+    from mpi4py import MPI
+
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.models.loader import load_model
+
+    loaded = load_model(tiny_models["llama"])
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), kv_interleave=3)
+    cache = engine.new_cache()
+    engine.prefill(cache, np.array(loaded.tokenizer.encode(DOCUMENT))[:40])
+    for token in (5, 6):
+        engine.decode_step(cache, token)
+    arrays, shared = cache.state()
+    positions = [np.array(arrays["positions"])]
+    restored = ShardedKVCache.from_state(engine.model.num_layers, 0, positions, arrays, shared)
+    assert restored.checkpoint() == cache.checkpoint() == (42, 2, 0)
+    assert restored.token_ids.tolist() == cache.token_ids.tolist()
+    checkpoint = cache.checkpoint()
+    expected = np.array(engine.decode_step(cache, 7))
+    np.testing.assert_array_equal(np.array(engine.decode_step(restored, 7)), expected)
+    cache.rollback(checkpoint)
+    assert cache.checkpoint() == checkpoint and cache.positions.size == 42
+    np.testing.assert_array_equal(np.array(engine.decode_step(cache, 7)), expected)
+    with pytest.raises(ValueError, match="shard sizes"):
+        ShardedKVCache.from_state(engine.model.num_layers, 0, [np.arange(41)], arrays, shared)
+
+
 def test_sampled_decode_and_stop_strings_equal_on_one_and_two_ranks(files, tmp_path):
     """Sampled tokens (rank 0's random stream), the stop, and the cache left behind (the
     token that ends the generation is never fed) must not depend on the rank count."""
