@@ -37,11 +37,17 @@ class Launch:
 def run_ranks(n: int, argv: list[str], timeout: float = 180, env: dict | None = None,
               stdin: str | None = None, check: bool = True) -> Launch:
     """Run ``argv`` on ``n`` real MPI ranks; fail with the ranks' stderr on timeout."""
+    assert MPIEXEC, "mpiexec not found (pip install mpich)"
+    return run_process([MPIEXEC, "-n", str(n), *argv], timeout, env, stdin, check)
+
+
+def run_process(cmd: list[str], timeout: float = 180, env: dict | None = None,
+                stdin: str | None = None, check: bool = True) -> Launch:
+    """Run ``cmd`` (a launcher, or a program started without one: an MPI singleton) with
+    the ranks' environment; fail with its stderr on timeout."""
     import time
 
-    assert MPIEXEC, "mpiexec not found (pip install mpich)"
     full_env = {**os.environ, **RANK_ENV, **(env or {})}
-    cmd = [MPIEXEC, "-n", str(n), *argv]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
