@@ -44,7 +44,9 @@ def test_save_cache_replaces_planted_symlinks_and_leaves_their_targets_alone(tin
     outside = tmp_path / "created-outside"
     (cache / "rank-1-of-2.safetensors").symlink_to(outside)  # dangling: would create it
     model = ["--model", tiny_models["llama"], "--max-tokens", "2"]
-    run_cli(2, ["generate", "--prompt", "Hello", "--save-cache", str(cache), *model])
+    # --overwrite: the CLI refuses a directory already holding shard names without it.
+    run_cli(2, ["generate", "--prompt", "Hello", "--save-cache", str(cache), "--overwrite",
+                *model])
 
     assert [victim.read_text() for victim in victims] == ["precious\n"] * 2
     assert not outside.exists()
