@@ -37,11 +37,17 @@ class Launch:
 def run_ranks(n: int, argv: list[str], timeout: float = 180, env: dict | None = None,
               stdin: str | None = None, check: bool = True) -> Launch:
     """Run ``argv`` on ``n`` real MPI ranks; fail with the ranks' stderr on timeout."""
+    assert MPIEXEC, "mpiexec not found (pip install mpich)"
+    return run_process([MPIEXEC, "-n", str(n), *argv], timeout, env, stdin, check)
+
+
+def run_process(cmd: list[str], timeout: float = 180, env: dict | None = None,
+                stdin: str | None = None, check: bool = True) -> Launch:
+    """Run ``cmd`` (a launcher, or a program started without one: an MPI singleton) with
+    the ranks' environment; fail with its stderr on timeout."""
     import time
 
-    assert MPIEXEC, "mpiexec not found (pip install mpich)"
     full_env = {**os.environ, **RANK_ENV, **(env or {})}
-    cmd = [MPIEXEC, "-n", str(n), *argv]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -70,11 +76,17 @@ def embedded_model() -> str:
     return default_model_path()
 
 
-def write_tiny_model(path: Path, model_type: str, seed: int = 0) -> Path:
+def write_tiny_model(path: Path, model_type: str, seed: int = 0,
+                     extra_config: dict | None = None) -> Path:
     """A random GQA model (8 query heads, 2 KV heads) saved in MLX format, with the
-    embedded model's tokenizer so the CLI can run it like any downloaded model."""
+    embedded model's tokenizer so the CLI can run it like any downloaded model.
+
+    ``extra_config`` is merged into config.json (e.g. a ``rope_scaling`` variant)."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import MODEL_REMAPPING
 
     from spmd_cp.models.gguf import build_tokenizer, default_model_path
 
@@ -86,7 +98,9 @@ def write_tiny_model(path: Path, model_type: str, seed: int = 0) -> Path:
     }
     if model_type == "qwen2":
         config["attention_bias"] = True  # mlx-lm's qwen2 always has q/k/v biases
-    module = __import__(f"mlx_lm.models.{model_type}", fromlist=["Model", "ModelArgs"])
+    config.update(extra_config or {})
+    # mlx-lm runs some model types with another's code (mistral -> llama), as its loader does.
+    module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger-than-default weights so attention is far from uniform and errors show.
@@ -107,3 +121,22 @@ def tiny_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny_models")
     return {kind: str(write_tiny_model(root / kind, kind, seed))
             for seed, kind in enumerate(("llama", "qwen3"))}
+
+
+# Llama 3's frequency-dependent RoPE scaling. With head_dim 16 and theta 1e4 the rotary
+# wavelengths run from 6 to 19,869 positions: against these bounds (1024 / low factor and
+# 1024 / high factor) some are kept, one is smoothed and the longest are divided by factor.
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="session")
+def tiny_variant_models(tmp_path_factory) -> dict:
+    """The other supported families: qwen2 (q/k/v biases, untied head), mistral (run by
+    mlx-lm's llama code) and llama with Llama 3 RoPE scaling."""
+    root = tmp_path_factory.mktemp("tiny_variants")
+    variants = {"qwen2": ("qwen2", {"tie_word_embeddings": False}),
+                "mistral": ("mistral", {"tie_word_embeddings": False}),
+                "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING})}
+    return {name: str(write_tiny_model(root / name, kind, seed, extra))
+            for seed, (name, (kind, extra)) in enumerate(variants.items(), start=10)}

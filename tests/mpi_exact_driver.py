@@ -53,6 +53,7 @@ def run_config(comm, model, config, model_bytes):
         "pos": records.pos if records else None,
         "greedy": tokens,
         "algos": sorted(set(engine.algos_used)),
+        "tp_used": engine.decode_tp == "on" and engine.tp_decoder is not None,
         "kv_bytes_prefill": kv_after_prefill,
         "kv_bytes_final": comm.allgather_object(cache.nbytes),
         "shard_sizes": cache.shard_sizes,

@@ -181,3 +181,16 @@ def test_decode_merges_tensor_parallel_and_interleaved_placement(n, tiny_models,
         total = sum(result["shard_sizes"])
         for size in result["shard_sizes"]:
             assert abs(size - total / n) <= k, result["shard_sizes"]
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "mistral", "llama3-rope"])
+def test_other_families_match_mlx_lm_with_tensor_parallel_decode(variant, tiny_variant_models,
+                                                                 tmp_path):
+    """qwen2's q/k/v biases (split by heads in the tensor-parallel decode step), mistral
+    and Llama 3 RoPE scaling on 2 ranks, prefill and decode, against mlx-lm's forward."""
+    path = tiny_variant_models[variant]
+    configs = [{"algo": algo, "chunk": chunk, "length": 23, "decode": 6, "seed": 23, "tp": tp}
+               for algo, chunk in (("pass-kv", 0), ("pass-q", 7)) for tp in ("off", "on")]
+    results = run_driver(2, path, configs, tmp_path)
+    assert [r["tp_used"] for r in results] == [c["tp"] == "on" for c in configs]
+    check_against_reference(results, path, 2)

@@ -209,15 +209,14 @@ def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 def doctor(**options):
     """Check that all ranks agree (versions, model checksum) and measure link and compute."""
-    from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
-
     from ..runtime import spmd
     from ..runtime.comm import Comm
 
-    comm = Comm(MPI.COMM_WORLD)
+    comm = Comm(spmd.import_mpi().COMM_WORLD)
     spmd.setup_logging(comm)
     outcome = {}
-    code = spmd.run(comm, doctor_command, options, outcome)
+    code = (spmd.run(comm, spmd.check_launcher)  # a launcher of another MPI: exit 2
+            or spmd.run(comm, doctor_command, options, outcome))
     sys.exit(code or outcome.get("exit_code", 0))
 
 

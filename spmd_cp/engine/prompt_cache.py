@@ -13,6 +13,11 @@ Layout of a cache directory for N ranks:
 Every rank writes and reads only its own shard: the cache is never gathered. Loading
 refuses, with one clear line, a cache from another model, another rank count, a
 missing or corrupt shard.
+
+Every file is written under a fresh name created by this process (O_CREAT | O_EXCL |
+O_NOFOLLOW) and renamed into place: a symlink planted in the directory under a final or
+a temporary name is replaced, never written through, so nothing outside the directory
+is touched (issue 17).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,11 +45,38 @@ def shard_name(rank: int, size: int) -> str:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
+        return _sha256_of(f)
+
+
+def _sha256_of(f) -> str:
+    digest = hashlib.sha256()
+    while chunk := f.read(1 << 22):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def _write_new_file(path: Path, write) -> str:
+    """Write ``path`` through a file this process creates and rename it into place.
+
+    ``write(f)`` fills the binary file object. mkstemp opens with O_CREAT | O_EXCL |
+    O_NOFOLLOW, so a planted symlink is never followed; rename(2) replaces a link at
+    ``path`` itself, not its target. Returns the sha256 of the bytes written.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the cache from a shared group
+        with os.fdopen(fd, "w+b") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            f.seek(0)
+            digest = _sha256_of(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest
 
 
 def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum: str,
@@ -57,9 +90,8 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
             out.mkdir(parents=True, exist_ok=True)
             if comm.rank == 0:
                 (out / META).unlink(missing_ok=True)  # incomplete until rewritten
-            path = out / shard_name(comm.rank, comm.size)
-            mx.save_safetensors(str(path), arrays)
-            return _sha256(path)
+            return _write_new_file(out / shard_name(comm.rank, comm.size),
+                                   lambda f: mx.save_safetensors(f, arrays))
         except OSError as error:
             raise UserError(f"cannot write prompt cache {directory}: {error}") from None
 
@@ -68,10 +100,8 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
     def write_meta():
         meta = {"format": FORMAT, "model_checksum": model_checksum, "cp_size": comm.size,
                 **shared, "shard_sha256": digests, "conversation": conversation}
-        tmp = out / f"{META}.tmp"
         try:
-            tmp.write_text(json.dumps(meta))
-            os.replace(tmp, out / META)
+            _write_new_file(out / META, lambda f: f.write(json.dumps(meta).encode()))
         except OSError as error:
             raise UserError(f"cannot write prompt cache {directory}: {error}") from None
 

@@ -20,7 +20,14 @@ import mlx.nn as nn
 from ..runtime.paths import cache_dir
 from .checksum import model_checksum
 from ..errors import UserError
+from .gguf_header import read_gguf_tensors
+from .safetensors_header import check_safetensors
 from .shape import SUPPORTED_MODEL_TYPES, ModelShape
+
+# What reading damaged or foreign model files raises, in mlx-lm and MLX's loaders: such a
+# failure is the files' fault, reported as a UserError naming them (issue 17).
+LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError)
+MAX_ERROR_CHARS = 300  # of a loader's message in that one line
 
 
 @dataclass
@@ -56,7 +63,8 @@ def default_model_path() -> str:
 
 
 def check_model_path(path: str) -> Path:
-    """Fail fast, before any heavy work, on a path that cannot be a model."""
+    """Fail fast, before any heavy work, on a path that cannot be a model: also on a file
+    cut short or not of its format (every tensor must lie inside its file)."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"model not found: {path}")
@@ -65,27 +73,48 @@ def check_model_path(path: str) -> Path:
             raise UserError(f"model file is not GGUF: {path} (pass a .gguf file or an MLX/HF directory)")
         if not _readable(p):
             raise UserError(f"model file is not readable: {path}")
+        _check_file(p, read_gguf_tensors)
         return p
     if not (p / "config.json").is_file():
         raise UserError(f"model directory has no config.json: {path}")
-    model_type = _read_json(p / "config.json", path).get("model_type")
+    config = _read_json(p / "config.json", path)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"unsupported model architecture {model_type!r} in {path} "
                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    for weights in sorted(p.glob("*.safetensors")):
+        _check_file(weights, check_safetensors)
     return p
 
 
+def _check_file(file: Path, check):
+    try:
+        check(str(file))
+    except (OSError, ValueError) as error:
+        raise UserError(f"model file {file} is unusable: {error}") from None
+
+
 def load_model(path: str, keep_quantized: bool = False) -> LoadedModel:
+    """Check, then load a model; any failure to read its files is a UserError naming them."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
+    try:
+        return _load(p, keep_quantized, checksum)
+    except LOAD_ERRORS as error:
+        what = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+        what = " ".join(what.split())  # one line (mlx-lm lists missing weights one a line)
+        if len(what) > MAX_ERROR_CHARS:
+            what = what[:MAX_ERROR_CHARS] + "..."
+        raise UserError(f"cannot load model {path}: {what}") from None
+
+
+def _load(p: Path, keep_quantized: bool, checksum: str) -> LoadedModel:
+    path = str(p)
     if p.is_file():
         from .gguf import load_gguf
 
-        try:
-            model, tokenizer, config = load_gguf(str(p), keep_quantized=keep_quantized,
-                                                 float32_cache=float32_cache_path(checksum))
-        except ValueError as error:
-            raise UserError(f"{path}: {error}") from None
+        model, tokenizer, config = load_gguf(str(p), keep_quantized=keep_quantized,
+                                             float32_cache=float32_cache_path(checksum))
     else:
         from mlx_lm.utils import load_model as mlx_lm_load_model
         from mlx_lm.utils import load_tokenizer

@@ -17,6 +17,7 @@ import traceback
 
 from .comm import Comm
 from ..errors import UserError
+from .launcher import check_launch
 from .trace import Tracer
 from .watchdog import EXIT_INTERRUPTED, Watchdog
 
@@ -95,11 +96,28 @@ def software_versions() -> dict:
     return versions
 
 
+def import_mpi():
+    """mpi4py.MPI, which initialises MPI: only after the BLAS re-exec in cli.main.
+
+    Without mpi4py's several-line warning about a launcher of another MPI:
+    ``check_launcher`` turns the case that matters into one line and exit 2.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
+        from mpi4py import MPI
+    return MPI
+
+
+def check_launcher(comm: Comm):
+    """Refuse a launcher of another MPI (runtime/launcher.py), before any work."""
+    check_launch(comm.size, import_mpi().Get_library_version())
+
+
 def run_main(main, options: dict) -> int:
     """Set up MPI, the communicator and its watchdog, then ``run`` ``main(comm, options)``."""
-    from mpi4py import MPI  # initialises MPI: only after the BLAS re-exec in cli.main
-
-    world = MPI.COMM_WORLD
+    world = import_mpi().COMM_WORLD
     watchdog = Watchdog(world.Get_rank(), world.Get_size(), world.Abort, STARTUP_TIMEOUT_S)
     watchdog.start(world)
     comm = Comm(world, watchdog)
@@ -109,6 +127,7 @@ def run_main(main, options: dict) -> int:
         comm.tracer.align(comm)
 
     def main_then_trace(comm, options):
+        check_launcher(comm)
         main(comm, options)
         if comm.tracer is not None:
             comm.tracer.write(comm, options["trace"])
@@ -129,7 +148,7 @@ def run(comm: Comm, main, *args, **kwargs) -> int:
         main(comm, *args, **kwargs)
         return 0
     except UserError as error:
-        if comm.rank == 0:
+        if comm.rank == 0 and getattr(error, "shown", True):
             print(f"spmd-cp: error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

@@ -1,0 +1,136 @@
+"""`describe_blas()`: the BLAS that MLX's CPU matmuls call in this process, asked from the
+dynamic loader and the library itself. Standard library only."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+import sys
+
+from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
+                        candidate_paths, preloaded_libraries)
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _global_cblas_provider() -> str | None:
+    """Library that provides `cblas_sgemm` in the global scope (LD_PRELOAD or the program).
+
+    The loader searches the global scope before a dlopen'ed module's own dependencies, so
+    when this is set it is what libmlx.so calls, whatever libblas libmlx.so links.
+    """
+    try:
+        main = ctypes.CDLL(None)
+        if not hasattr(main, "cblas_sgemm"):
+            return None
+        addr = ctypes.cast(main.cblas_sgemm, ctypes.c_void_p)
+        dladdr = getattr(main, "dladdr", None) or ctypes.CDLL("libdl.so.2").dladdr
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        info = _DlInfo()
+        if dladdr(addr, ctypes.byref(info)) and info.dli_fname:
+            return os.fsdecode(info.dli_fname)
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def mapped_blas_libraries() -> list[str]:
+    """BLAS-like shared libraries mapped in this process, from /proc/self/maps."""
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if path.startswith("/") and path not in found and blas_kind(path):
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def _library_threads(path: str, kind: str) -> tuple[int | None, str | None, str | None]:
+    """(threads, threading model, version) asked from a loaded library itself."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None, None, None
+    if kind == "openblas" and hasattr(lib, "openblas_get_num_threads"):
+        parallel = {0: "serial", 1: "pthreads", 2: "OpenMP"}.get(lib.openblas_get_parallel())
+        version = None
+        if hasattr(lib, "openblas_get_config"):
+            lib.openblas_get_config.restype = ctypes.c_char_p
+            config = (lib.openblas_get_config() or b"").decode(errors="replace").split()
+            version = config[1] if len(config) > 1 else None
+        return lib.openblas_get_num_threads(), parallel, version
+    if kind == "mkl" and hasattr(lib, "MKL_Get_Max_Threads"):
+        return lib.MKL_Get_Max_Threads(), None, None
+    if kind == "blis" and hasattr(lib, "bli_thread_get_num_threads"):
+        return lib.bli_thread_get_num_threads(), None, None
+    return None, None, None
+
+
+_NAMES = {"openblas": "OpenBLAS", "mkl": "Intel MKL", "blis": "BLIS", "atlas": "ATLAS",
+          "reference": "reference netlib"}
+
+
+def describe_blas() -> dict:
+    """The BLAS that MLX's CPU matmuls call in this process, for a start-up log line.
+
+    Returns a dict with `kind` (openblas, mkl, blis, reference, accelerate, unknown), `name`,
+    `path`, `threads`, `fast`, `source` ("LD_PRELOAD", "linked", or "not loaded yet" when
+    MLX has not been imported), `mapped` (all BLAS-like libraries mapped) and `line` (also
+    under `summary`), e.g. "BLAS: OpenBLAS 0.3.21 (pthreads) /usr/lib/.../libopenblas.so.0,
+    1 thread per rank" or "BLAS: reference netlib (slow: apt-get install libopenblas0-pthread)".
+    """
+    if sys.platform == "darwin":
+        return {"kind": "accelerate", "name": "Apple Accelerate", "path": None, "threads": None,
+                "fast": True, "source": "linked", "mapped": [], "line": "BLAS: Apple Accelerate",
+                "summary": "BLAS: Apple Accelerate"}
+    mapped = mapped_blas_libraries()
+    path, source = _global_cblas_provider(), "LD_PRELOAD"
+    if path is None:
+        source = "linked"
+        linked = [p for p in mapped if blas_kind(p) not in ("numpy-private", None)]
+        path = linked[0] if linked else None
+    if path is None:
+        source = "not loaded yet"
+        preload = [p for p in preloaded_libraries() if blas_kind(p) in FAST_KINDS]
+        bundled = []
+        spec = importlib.util.find_spec("mlx")
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            bundled += sorted(glob.glob(os.path.join(os.path.dirname(root), "mlx*.libs",
+                                                     "libblas*.so*")))
+        path = (preload or bundled or [None])[0]
+    kind = (blas_kind(path) if path else None) or "unknown"
+    loaded = path and os.path.realpath(path) in {os.path.realpath(m) for m in mapped}
+    threads, parallel, version = _library_threads(path, kind) if loaded else (None, None, None)
+    if kind == "reference":
+        threads = 1
+    elif threads is None:
+        var = next((v for v in THREAD_VARS.get(kind, ()) if os.environ.get(v)), None)
+        threads = int(os.environ[var]) if var and os.environ[var].isdigit() else None
+    name = _NAMES.get(kind, "unknown BLAS")
+    if parallel:
+        name += f" {version} ({parallel})" if version else f" ({parallel})"
+    fast = kind in FAST_KINDS
+    if fast:
+        count = f"{threads} thread{'s' if threads != 1 else ''} per rank" if threads else ""
+        line = f"BLAS: {name} {path}" + (f", {count}" if count else "")
+    elif kind == "reference":
+        if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:
+            why = f"slow: {ENV_CHOICE}={os.environ[ENV_CHOICE]}"
+        elif candidate_paths():
+            why = f"slow: spmd_cp.blas.ensure_fast_blas() would preload {candidate_paths()[0]}"
+        else:
+            why = f"slow: {INSTALL_HINT}"
+        line = f"BLAS: {name} ({why})"
+    else:
+        line = f"BLAS: {name} {path or ''}".rstrip()
+    return {"kind": kind, "name": name, "path": path, "threads": threads, "fast": fast,
+            "source": source, "mapped": mapped, "line": line, "summary": line}
