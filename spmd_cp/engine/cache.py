@@ -18,13 +18,16 @@ class LayerKV:
 
     step = 256
 
-    def __init__(self):
+    def __init__(self, dtype: mx.Dtype | None = None):
         self.keys = None
         self.values = None
         self.offset = 0
+        self.dtype = dtype  # what appends are stored as (None: as they arrive)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (NKV, n, d) keys/values; return the whole local shard including them."""
+        if self.dtype is not None:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
         n = keys.shape[1]
         if n == 0:
             return self.fetch() if self.keys is not None else (keys, values)
@@ -63,8 +66,11 @@ class LayerKV:
 class ShardedKVCache:
     """All layers' local K/V plus the global positions they hold."""
 
-    def __init__(self, num_layers: int, cp_rank: int, cp_size: int):
-        self.layers = [LayerKV() for _ in range(num_layers)]
+    def __init__(self, num_layers: int, cp_rank: int, cp_size: int,
+                 dtype: mx.Dtype | None = None):
+        # dtype: the KV dtype (engine.model.kv_dtype_for: float32 on the CPU path, the
+        # model's on a GPU); every rank must hold the same, it fixes the messages' layout.
+        self.layers = [LayerKV(dtype) for _ in range(num_layers)]
         self.cp_rank = cp_rank
         self.cp_size = cp_size
         # Every rank's cached positions, in cache order. Partitioning is deterministic,
