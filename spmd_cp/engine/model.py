@@ -9,12 +9,14 @@ Everything except attention is position-wise and runs unchanged on the local row
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
@@ -82,6 +84,11 @@ def kv_dtype_for(model: nn.Module) -> mx.Dtype:
     layer = inner.layers[0]
     hidden = inner.embed_tokens(mx.array([[0]], mx.int32))
     return layer.self_attn.k_proj(layer.input_layernorm(hidden)).dtype
+
+
+def kv_model_shape(loaded) -> ModelShape:
+    """A LoadedModel's shape with the KV dtype's element size (the memory forecast's)."""
+    return dataclasses.replace(loaded.shape, elem_bytes=kv_dtype_for(loaded.model).size)
 
 
 class CPModel:
