@@ -162,9 +162,11 @@ def block_lse(q, k, q_pos: np.ndarray, k_pos: np.ndarray, scale: float) -> mx.ar
     """The log-sum-exp alone, (NH, Tq) float32: ``block_attention``'s lse without the
     value products, for a fused kernel's output that comes without one (fused.py).
 
-    Scores are computed in float32 from the inputs (half-precision scores would round a
-    score of 10 by 0.02, an error the merge weights would carry), tile by tile, so the
-    float32 copy of the keys never exists whole.
+    Scores are computed in float32 from the inputs (bfloat16 scores would round a score
+    of 10 by up to 0.03, an error the merge weights would carry), tile by tile, so the
+    float32 copy of the keys never exists whole. Where MLX runs float32 matmuls as TF32
+    (MLX_ENABLE_TF32, on by default on GPUs that have it), half-precision inputs still
+    give exact products: their mantissas fit TF32's 10 bits, and the sums stay float32.
     """
     num_heads, tq, d = q.shape
     if tq == 0 or k.shape[1] == 0:
