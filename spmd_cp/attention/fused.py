@@ -72,6 +72,10 @@ def fused_output(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: f
     plan = causal_run_plan(q_pos, k_pos)
     if plan is None:
         return block_attention(q, keys, values, q_pos, k_pos, scale)[0].astype(q.dtype)
+    return _planned_output(q, keys, values, plan, scale)
+
+
+def _planned_output(q, keys, values, plan, scale: float):
     if not plan:
         return mx.zeros(q.shape, q.dtype)
     parts = [_run_attention(q[:, a:b], keys, values, stop, mask, scale)
@@ -85,9 +89,10 @@ def fused_partial(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: 
     A row that sees no key gets out 0 and lse -inf (the fused kernel would average
     nothing into NaN, so such runs never reach it).
     """
-    if causal_run_plan(q_pos, k_pos) is None:
+    plan = causal_run_plan(q_pos, k_pos)
+    if plan is None:
         return block_attention(q, keys, values, q_pos, k_pos, scale)
-    out = fused_output(q, keys, values, q_pos, k_pos, scale).astype(mx.float32)
+    out = _planned_output(q, keys, values, plan, scale).astype(mx.float32)
     lse = block_lse(q, keys, q_pos, k_pos, scale)
     return mx.where((lse == NEG_INF)[..., None], 0.0, out), lse
 
