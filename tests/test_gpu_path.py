@@ -127,7 +127,7 @@ def test_bf16_model_keeps_a_bf16_cache_and_mlx_lm_precision(n, half_models, docu
         where = f"N={n} {algo}"
         np.testing.assert_array_equal(tokens, ids[1:], err_msg=where)
         assert summary["kv_dtype"] == "bfloat16" and summary["compute_path"] == "gpu"
-        assert summary["backend"] == "cpu" and summary["warmup_s"] > 0
+        assert summary["backend"] in ("cpu", "metal", "cuda") and summary["warmup_s"] > 0
         assert sum(summary["kv_cache_bytes"]) == per_token * len(ids), where
         assert_within_half_precision(logprob, half, full, n == 1 or algo == "allgather-kv",
                                      where)
