@@ -101,13 +101,30 @@ def tile_ranges(positions: np.ndarray, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _tile_pairs(tq: int, num_heads: int, q_pos: np.ndarray, k_pos: np.ndarray):
+    """Per query tile (q0, q1): the key tiles (k0, k1, masked) it must see.
+
+    Each (query tile, key tile) pair is classified from its position ranges (numpy: no
+    device sync): entirely in the future -> skipped; entirely visible -> no mask
+    (``masked`` False); otherwise masked. Only tiles on the diagonal pay for scores the
+    causal mask throws away.
+    """
+    # Prefill: small square tiles, so diagonal tiles waste little. A short query block
+    # (decode: one row) gets long key tiles instead.
+    q_tile = min(tq, PREFILL_TILE)
+    k_tile = PREFILL_TILE if tq > PREFILL_TILE // 4 else SCORE_TILE_ELEMENTS // (num_heads * tq)
+    k_ranges = [(a, b, k_pos[a:b].min(), k_pos[a:b].max()) for a, b in tile_ranges(k_pos, k_tile)]
+    for q0, q1 in tile_ranges(q_pos, q_tile):
+        q_min, q_max = q_pos[q0:q1].min(), q_pos[q0:q1].max()
+        yield q0, q1, [(k0, k1, k_max > q_min) for k0, k1, k_min, k_max in k_ranges
+                       if k_min <= q_max]
+
+
 def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float):
     """Causal attention of queries at ``q_pos`` over keys at ``k_pos``, as (out, lse).
 
-    Tiled (at most ``SCORE_TILE_ELEMENTS`` scores at once). Each (query tile, key tile)
-    pair is classified from its position ranges (numpy: no device sync): entirely in the
-    future -> skipped; entirely visible -> computed without a mask; otherwise masked. Only
-    tiles on the diagonal pay for scores the causal mask throws away.
+    Tiled (at most ``SCORE_TILE_ELEMENTS`` scores at once), in float32 whatever the
+    inputs' dtype; tiles entirely in the future are skipped (``_tile_pairs``).
     """
     num_heads, tq, d = q.shape
     q = q.astype(mx.float32)
@@ -117,22 +134,12 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float)
     lse = mx.full((num_heads, tq), NEG_INF, mx.float32)
     if tq == 0 or k.shape[1] == 0:
         return out, lse
-
-    # Prefill: small square tiles, so diagonal tiles waste little. A short query block
-    # (decode: one row) gets long key tiles instead.
-    q_tile = min(tq, PREFILL_TILE)
-    k_tile = PREFILL_TILE if tq > PREFILL_TILE // 4 else SCORE_TILE_ELEMENTS // (num_heads * tq)
-    k_ranges = [(a, b, k_pos[a:b].min(), k_pos[a:b].max()) for a, b in tile_ranges(k_pos, k_tile)]
     q_parts = []
-    for q0, q1 in tile_ranges(q_pos, q_tile):
+    for q0, q1, key_tiles in _tile_pairs(tq, num_heads, q_pos, k_pos):
         qp = q_pos[q0:q1]
-        q_min, q_max = qp.min(), qp.max()
         q_out, q_lse = out[:, q0:q1], lse[:, q0:q1]  # empty partial until a tile lands
         merged_any = False
-        for k0, k1, k_min, k_max in k_ranges:
-            if k_min > q_max:
-                continue  # every key is in every query's future
-            masked = k_max > q_min
+        for k0, k1, masked in key_tiles:
             t_out, t_lse = _tile_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1],
                                            qp if masked else None,
                                            k_pos[k0:k1] if masked else None, scale)
@@ -140,9 +147,75 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float)
                 q_out, q_lse = merge_partials(q_out, q_lse, t_out, t_lse)
             else:
                 q_out, q_lse, merged_any = t_out, t_lse, True
-        q_parts.append((q0, q_out, q_lse))
+        q_parts.append((q_out, q_lse))
+    return _concatenate_rows(q_parts)
+
+
+def _concatenate_rows(q_parts):
+    """Tiles follow q's index order, so concatenating them restores it."""
     if len(q_parts) == 1:
-        return q_parts[0][1], q_parts[0][2]
-    # Tiles follow q's index order, so concatenating them restores it.
-    return (mx.concatenate([p[1] for p in q_parts], axis=1),
-            mx.concatenate([p[2] for p in q_parts], axis=1))
+        return q_parts[0]
+    return tuple(mx.concatenate([p[i] for p in q_parts], axis=1) for i in range(2))
+
+
+def block_lse(q, k, q_pos: np.ndarray, k_pos: np.ndarray, scale: float) -> mx.array:
+    """The log-sum-exp alone, (NH, Tq) float32: ``block_attention``'s lse without the
+    value products, for a fused kernel's output that comes without one (fused.py).
+
+    Scores are computed in float32 from the inputs (bfloat16 scores would round a score
+    of 10 by up to 0.03, an error the merge weights would carry), tile by tile, so the
+    float32 copy of the keys never exists whole. Where MLX runs float32 matmuls as TF32
+    (MLX_ENABLE_TF32, on by default on GPUs that have it), half-precision inputs still
+    give exact products: their mantissas fit TF32's 10 bits, and the sums stay float32.
+    """
+    num_heads, tq, d = q.shape
+    if tq == 0 or k.shape[1] == 0:
+        return mx.full((num_heads, tq), NEG_INF, mx.float32)
+    num_kv = k.shape[0]
+    groups = num_heads // num_kv
+    q = q.astype(mx.float32) * scale
+    parts = []
+    for q0, q1, key_tiles in _tile_pairs(tq, num_heads, q_pos, k_pos):
+        rows = groups * (q1 - q0)
+        q_tile = q[:, q0:q1].reshape(num_kv, rows, d)
+        tile_lses = []
+        for k0, k1, masked in key_tiles:
+            scores = q_tile @ k[:, k0:k1].astype(mx.float32).swapaxes(-1, -2)  # (NKV, rows, Tk)
+            if masked:
+                visible = mx.array(k_pos[k0:k1])[None, :] <= mx.array(q_pos[q0:q1])[:, None]
+                scores = mx.where(visible, scores.reshape(num_kv, groups, q1 - q0, k1 - k0),
+                                  NEG_INF).reshape(num_kv, rows, k1 - k0)
+            tile_lses.append(mx.logsumexp(scores, axis=-1))
+        if not tile_lses:  # every key is in these queries' future
+            lse = mx.full((num_kv, rows), NEG_INF, mx.float32)
+        elif len(tile_lses) == 1:
+            lse = tile_lses[0]
+        else:
+            lse = mx.logsumexp(mx.stack(tile_lses), axis=0)
+        parts.append(lse.reshape(num_heads, q1 - q0))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def lse_width(dtype: mx.Dtype) -> int:
+    """Elements of ``dtype`` that carry one float32 lse inside a packed partial."""
+    return max(4 // dtype.size, 1)
+
+
+def pack_partial(out: mx.array, lse: mx.array, dtype: mx.Dtype) -> mx.array:
+    """(NH, n, d) out and (NH, n) lse as one (NH, n, d + lse_width) message of ``dtype``.
+
+    The output travels in ``dtype`` (the KV dtype: half precision on a GPU); the lse keeps
+    all 32 bits, its float32 bit pattern viewed as ``dtype`` elements: a log-sum-exp of 10
+    rounded to bfloat16 would be off by 0.03 and scale every weight of the merge by 3%.
+    """
+    lse = lse.astype(mx.float32)[..., None]
+    lse = lse.view(dtype) if dtype.size < 4 else lse.astype(dtype)
+    return mx.concatenate([out.astype(dtype), lse], axis=-1)
+
+
+def unpack_partial(packed: mx.array, head_dim: int):
+    """Inverse of ``pack_partial``: float32 (out, lse), ready for a float32 merge."""
+    out, lse = packed[..., :head_dim], packed[..., head_dim:]
+    if lse.shape[-1] > 1:
+        lse = mx.contiguous(lse).view(mx.float32)
+    return out.astype(mx.float32), lse[..., 0].astype(mx.float32)

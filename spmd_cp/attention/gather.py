@@ -4,7 +4,11 @@ The simplest exact forms. Prefill: every rank receives every rank's K/V shard fo
 layer, attends its own queries to all of it, and drops it before the next layer; bytes
 sent per rank per layer: (N-1) * 2 * S_local * NKV * d * e. Decode: the new token's
 query is replicated, each rank attends it to its own shard, and the (out, lse) partials
-meet in one Allgather of NH * (d + 1) floats per rank per layer.
+meet in one Allgather of NH * (d + 1) floats per rank per layer (in the KV dtype on the
+GPU path, the lse's 32 bits riding along: block.pack_partial).
+
+With fused attention (attention/fused.py; the GPU path) the gathered K/V are put in
+position order and every query run is one fused call: no log-sum-exp anywhere.
 """
 
 from __future__ import annotations
@@ -13,20 +17,27 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from .block import block_attention, merge_stacked
+from ..runtime.device import use_fused_attention
+from .block import block_attention, merge_stacked, pack_partial, unpack_partial
+from .fused import decode_partial, fused_output, in_position_order
 
 
-def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray]):
+def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
+                           fused: bool | None = None):
     """Prefill attention that gathers the whole layer's K/V on every rank.
 
     ``rank_positions``: every rank's cached positions (the cache's), which fix the order
-    of the gathered keys.
+    of the gathered keys. ``fused``: None follows runtime.device.use_fused_attention.
     """
     all_pos = np.concatenate(rank_positions)
+    fused = use_fused_attention() if fused is None else fused
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         all_keys = comm.allgather_rows(keys, axis=1)
         all_values = comm.allgather_rows(values, axis=1)
+        if fused:
+            all_keys, all_values, positions = in_position_order(all_keys, all_values, all_pos)
+            return fused_output(q, all_keys, all_values, q_pos, positions, scale)
         out, _ = block_attention(q, all_keys, all_values, q_pos, all_pos, scale)
         return out
 
@@ -42,32 +53,43 @@ DECODE_MERGES = ("allgather", "allreduce")
 FUSED_DECODE_MAX_KEYS = 2048
 
 
-def decode_attention(comm: Comm, merge: str = "allgather"):
+def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = None):
     """Attention of one replicated query over the sharded cache, merged across ranks.
 
     ``allgather``: one Allgather of every rank's (out, lse), then the local exact merge.
     ``allreduce`` (Tree Attention, arXiv 2408.04093): an Allreduce of the max lse, then an
     Allreduce-sum of the rescaled outputs and their weights: two smaller collectives
-    whose size does not grow with N.
+    whose size does not grow with N. Its sums stay float32 whatever the KV dtype.
+    ``fused``: None follows runtime.device.use_fused_attention.
     """
+    fused = use_fused_attention() if fused is None else fused
 
     def attend(q, keys, values, q_pos, k_pos, scale):
-        if comm.size == 1 and keys.shape[1] <= FUSED_DECODE_MAX_KEYS:
-            # The decode query sees every cached key: no mask.
-            q, keys, values = (x.astype(mx.float32)[None] for x in (q, keys, values))
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)[0]
-        out, lse = block_attention(q, keys, values, q_pos, k_pos, scale)  # (NH,1,d), (NH,1)
         if comm.size == 1:
-            return out
+            return single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused)
+        if fused:
+            out, lse = decode_partial(q, keys, values, q_pos, k_pos, scale)
+        else:
+            out, lse = block_attention(q, keys, values, q_pos, k_pos, scale)  # (NH,1,d), (NH,1)
         if merge == "allreduce":
             lse_max = comm.allreduce(lse, "max")
             weight = mx.exp(lse - mx.where(lse_max == float("-inf"), 0.0, lse_max))[..., None]
             summed = comm.allreduce(mx.concatenate([weight * out, weight], axis=-1), "sum")
             total = summed[..., -1:]
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
-        packed = mx.concatenate([out, lse[..., None]], axis=-1)  # (NH, 1, d+1)
-        partials = comm.allgather_stack(packed)  # (N, NH, 1, d+1)
-        merged, _ = merge_stacked(partials[..., :-1], partials[..., -1])
+        partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
+        merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))
         return merged
 
     return attend
+
+
+def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):
+    """One rank: nothing to merge, so no lse. The decode query sees every cached key."""
+    if fused:
+        return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None],
+                                                    scale=scale)[0]
+    if keys.shape[1] <= FUSED_DECODE_MAX_KEYS:
+        q, keys, values = (x.astype(mx.float32)[None] for x in (q, keys, values))
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)[0]
+    return block_attention(q, keys, values, q_pos, k_pos, scale)[0]

@@ -10,6 +10,11 @@ to its stationary local K/V (cached prefix included) and keeps the partial for i
 owner; one Alltoallv returns the partials home, where they are merged. Ring bytes per
 rank per layer: (N-1) * T/N * NH * d * e; Alltoallv: (N-1) * T/N * NH * (d+1) * e.
 Cheaper than pass-KV when few new tokens attend to a long cached prefix.
+
+Messages travel in the KV dtype (half precision on the GPU path; the partials' lse keeps
+its 32 bits: block.pack_partial) and every merge accumulates in float32. With fused
+attention (the GPU path) each partial is fused.fused_partial, and one rank, which merges
+nothing, is a plain fused causal attention.
 """
 
 from __future__ import annotations
@@ -18,12 +23,36 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from .block import block_attention, merge_partials, merge_stacked
+from ..runtime.device import use_fused_attention
+from .block import (block_attention, lse_width, merge_partials, merge_stacked, pack_partial,
+                    unpack_partial)
+from .fused import fused_output, fused_partial
 
 
-def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray]):
+def _partial_attention(fused: bool | None):
+    """The (out, lse) function of one block: fused on the GPU path (None: the policy)."""
+    if fused is None:
+        fused = use_fused_attention()
+    return fused_partial if fused else block_attention
+
+
+def _single_rank(partial):
+    """One rank merges nothing: with the fused partial, skip the lse too."""
+
+    def attend(q, keys, values, q_pos, k_pos, scale):
+        if partial is fused_partial:
+            return fused_output(q, keys, values, q_pos, k_pos, scale)
+        return block_attention(q, keys, values, q_pos, k_pos, scale)[0]
+
+    return attend
+
+
+def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray], fused: bool | None = None):
     """Ring attention passing K/V. ``cached_positions``: every rank's cache positions."""
     size, rank = comm.size, comm.rank
+    partial = _partial_attention(fused)
+    if size == 1:
+        return _single_rank(partial)
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         block = mx.stack([keys, values])  # (2, NKV, S_owner, d): one message per step
@@ -36,8 +65,8 @@ def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray]):
                 incoming = (owner - 1) % size
                 shape = (2, keys.shape[0], cached_positions[incoming].size, keys.shape[2])
                 transfer = comm.sendrecv_start(block, comm.ring_next, comm.ring_prev, shape)
-            part_out, part_lse = block_attention(q, block[0], block[1], q_pos,
-                                                 cached_positions[owner], scale)
+            part_out, part_lse = partial(q, block[0], block[1], q_pos,
+                                         cached_positions[owner], scale)
             if out is None:
                 out, lse = part_out, part_lse
             else:
@@ -50,9 +79,12 @@ def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray]):
     return attend
 
 
-def pass_q_attention(comm: Comm, query_positions: list[np.ndarray]):
+def pass_q_attention(comm: Comm, query_positions: list[np.ndarray], fused: bool | None = None):
     """Ring attention passing Q. ``query_positions``: every rank's new (query) positions."""
     size, rank = comm.size, comm.rank
+    partial = _partial_attention(fused)
+    if size == 1:
+        return _single_rank(partial)
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         num_heads, _, head_dim = q.shape
@@ -64,16 +96,16 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray]):
                 incoming = (owner - 1) % size
                 shape = (num_heads, query_positions[incoming].size, head_dim)
                 transfer = comm.sendrecv_start(visitor, comm.ring_next, comm.ring_prev, shape)
-            out, lse = block_attention(visitor, keys, values, query_positions[owner],
-                                       k_pos, scale)
-            partials[owner] = mx.concatenate([out, lse[..., None]], axis=-1)
+            out, lse = partial(visitor, keys, values, query_positions[owner], k_pos, scale)
+            partials[owner] = pack_partial(out, lse, keys.dtype)
             mx.eval(partials[owner])
             if transfer is not None:
                 visitor, owner = transfer.wait(), incoming
         n_local = query_positions[rank].size
-        returned = comm.alltoallv_arrays(partials, [(num_heads, n_local, head_dim + 1)] * size)
-        stacked = mx.stack(returned)  # (N, NH, n, d+1): my queries against every shard
-        out, _ = merge_stacked(stacked[..., :-1], stacked[..., -1])
+        width = head_dim + lse_width(keys.dtype)
+        returned = comm.alltoallv_arrays(partials, [(num_heads, n_local, width)] * size)
+        stacked = mx.stack(returned)  # (N, NH, n, d+w): my queries against every shard
+        out, _ = merge_stacked(*unpack_partial(stacked, head_dim))
         return out
 
     return attend

@@ -43,6 +43,7 @@ COMPARED = (
     ("mpi4py", "mpi4py version"),
     ("mpi_library", "MPI library"),
     ("python", "Python version"),
+    ("compute_path", "compute path"),  # fixes the KV dtype: the messages' layout
 )
 
 # A rank this much slower at attention than the fastest one holds up every ring step
@@ -102,6 +103,7 @@ def local_report() -> dict:
     from mpi4py import MPI
 
     from ..blas import describe_blas, usable_cpus
+    from ..runtime.device import BackendInfo
 
     blas = describe_blas()
     return {
@@ -114,7 +116,7 @@ def local_report() -> dict:
         "mpi4py": mpi4py.__version__,
         "spmd_cp": _version("spmd-cp"),
         "mpi_library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
-        "device": str(mx.default_device()),
+        **BackendInfo.current().as_dict(),  # backend, device (with the GPU's name), path
         "cpus": usable_cpus(),
         "blas": blas["name"],
         "blas_kind": blas["kind"],
@@ -286,11 +288,11 @@ def doctor_command(comm, options: dict, outcome: dict):
                         "`spmd-cp doctor --recalibrate`")
     crossover = None
     if reports[0]["model_error"] is None:
-        import mlx.core as mx
+        from ..runtime.device import on_gpu_path
 
-        # K/V element size on the wire: float32 on the CPU path (the loader dequantizes),
-        # the model's half precision on a GPU (spmd_cp.model.CPModel.elem_bytes).
-        elem_bytes = 4 if mx.default_device() == mx.cpu else 2
+        # K/V element size on the wire (engine.model.kv_dtype_for, without loading the
+        # model): float32 on the CPU path, the model's half precision on the GPU path.
+        elem_bytes = 2 if on_gpu_path() else 4
         try:
             heads = head_counts(model_path)
         except (OSError, ValueError, KeyError, TypeError) as failure:
@@ -331,8 +333,8 @@ def print_report(s: dict):
     out.append("")
     labels = dict(COMPARED)
     out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
-    for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "device",
-                "model_path", "model_checksum"):
+    for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "backend",
+                "device", "compute_path", "model_path", "model_checksum"):
         values = s[key]
         mark = "" if len(set(values)) == 1 else "   (differs)"
         label = labels.get(key, key).replace(" version", "")

@@ -44,6 +44,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
 
     from ..engine.generation import generate as generate_tokens
     from ..engine.prompt_cache import save_cache
+    from ..engine.startup import startup_fields, warm_up
     from ..runtime import spmd
     from . import steps
     from .stream import AnswerStream
@@ -60,6 +61,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     cache.truncate(reused)
     steps.log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
                    len(prompt_ids), reused, comm.size)
+    warmup_s = warm_up(engine)
     mx.reset_peak_memory()
     answer = AnswerStream(steps.log) if comm.rank == 0 else None
     with answer or nullcontext():
@@ -71,7 +73,8 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
                    steps.extend_conversation(conversation, prompt_text, text))
     metrics = steps.rank_metrics(comm, cache, steps.model_nbytes(loaded.model))
     if comm.rank == 0:
-        report(comm, run, engine, result, len(prompt_ids), reused, metrics)
+        report(comm, run, engine, result, len(prompt_ids), reused,
+               {**startup_fields(engine, warmup_s), **metrics})
 
 
 def validate(run: RunConfig, args: GenerateConfig):
@@ -108,7 +111,8 @@ def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
 
     if meta is None:
         return engine.new_cache(), new_conversation(args.system)
-    cache = load_cache(comm, args.load_cache, meta, loaded.checksum, engine.model.num_layers)
+    cache = load_cache(comm, args.load_cache, meta, loaded.checksum, engine.model.num_layers,
+                       engine.model.kv_dtype)
     log.info("prompt cache %s: %d tokens", args.load_cache, cache.num_tokens)
     return cache, meta["conversation"]
 

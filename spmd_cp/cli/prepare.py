@@ -82,6 +82,7 @@ class Preparer:
         import numpy as np
 
         from ..engine.forecast import check_fits
+        from ..engine.model import kv_model_shape
         from .steps import forecast_algo, new_conversation, prompt_text_for
 
         # The same text generate builds (chat template, stripped user turn).
@@ -96,7 +97,7 @@ class Preparer:
         # The memory forecast generate checks, per job: one huge job must not take the
         # whole batch down with it.
         try:
-            check_fits(self.loaded.shape, self.weights_bytes,
+            check_fits(kv_model_shape(self.loaded), self.weights_bytes,
                        int(ids.size) + self.sampling(job).max_tokens,
                        self.run.prefill_chunk or int(ids.size), self.ranks,
                        self.memory_limit, forecast_algo(self.run))

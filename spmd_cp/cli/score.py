@@ -31,6 +31,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
     import mlx.core as mx
 
+    from ..engine.startup import startup_fields, warm_up
     from ..runtime import spmd
     from . import steps
 
@@ -39,6 +40,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     ids = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()
+    warmup_s = warm_up(engine)
     mx.reset_peak_memory()
     start = time.perf_counter()
     _, records = engine.prefill(cache, ids, score=True)
@@ -46,7 +48,8 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     metrics = steps.rank_metrics(comm, cache, steps.model_nbytes(loaded.model))
     if comm.rank == 0:
         write_records(args.output, records)
-        report(comm, run, engine, records, len(ids), elapsed, metrics)
+        report(comm, run, engine, records, len(ids), elapsed,
+               {**startup_fields(engine, warmup_s), **metrics})
 
 
 def validate(run: RunConfig, args: ScoreConfig) -> str:

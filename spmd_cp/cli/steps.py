@@ -19,7 +19,8 @@ from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
 from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
-from ..engine.model import CPModel
+from ..engine.model import CPModel, kv_model_shape
+from ..engine.startup import require_same_path
 from ..errors import UserError
 from ..models.checksum import model_checksum, model_files
 from ..models.loader import check_model_path, default_model_path, load_model
@@ -86,6 +87,7 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
     Each rank checks its own copy (it may be missing or differ on one host).
     """
     spmd.require_same(comm, "package versions", spmd.software_versions())
+    require_same_path(comm)
     path = run.model_path or spmd.on_root(comm, default_model_path)
     spmd.everywhere(comm, check_model_path, path)
     checksum = spmd.everywhere(comm, model_checksum, path)
@@ -145,7 +147,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
                  score: bool = False):
     """Refuse before prefill when the forecast per rank exceeds --memory-limit."""
     limit = memory_limit(run)
-    need = check_fits(loaded.shape, model_nbytes(loaded.model), total_tokens,
+    need = check_fits(kv_model_shape(loaded), model_nbytes(loaded.model), total_tokens,
                       run.prefill_chunk or new_tokens, comm.size, limit, forecast_algo(run),
                       score)
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB) of %.2f GB allowed",

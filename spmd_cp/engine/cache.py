@@ -22,13 +22,16 @@ class LayerKV:
 
     step = 256
 
-    def __init__(self):
+    def __init__(self, dtype: mx.Dtype | None = None):
         self.keys = None
         self.values = None
         self.offset = 0
+        self.dtype = dtype  # what appends are stored as (None: as they arrive)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (NKV, n, d) keys/values; return the whole local shard including them."""
+        if self.dtype is not None:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
         n = keys.shape[1]
         if n == 0:
             return self.fetch() if self.keys is not None else (keys, values)
@@ -75,8 +78,11 @@ class Checkpoint(NamedTuple):
 class ShardedKVCache:
     """All layers' local K/V plus the global positions they hold."""
 
-    def __init__(self, num_layers: int, cp_rank: int, cp_size: int):
-        self.layers = [LayerKV() for _ in range(num_layers)]
+    def __init__(self, num_layers: int, cp_rank: int, cp_size: int,
+                 dtype: mx.Dtype | None = None):
+        # dtype: the KV dtype (engine.model.kv_dtype_for: float32 on the CPU path, the
+        # model's on a GPU); every rank must hold the same, it fixes the messages' layout.
+        self.layers = [LayerKV(dtype) for _ in range(num_layers)]
         self.cp_rank = cp_rank
         self.cp_size = cp_size
         # Every rank's cached positions, in cache order. Partitioning is deterministic,
@@ -166,12 +172,13 @@ class ShardedKVCache:
 
     @classmethod
     def from_state(cls, num_layers: int, cp_rank: int, rank_positions: list[np.ndarray],
-                   arrays: dict, shared: dict) -> "ShardedKVCache":
-        """The cache ``state()`` described, given every rank's "positions" array.
+                   arrays: dict, shared: dict, dtype: mx.Dtype | None = None) -> "ShardedKVCache":
+        """The cache ``state()`` described, given every rank's "positions" array
+        (``dtype``: the KV dtype new entries are stored as, as in ``__init__``).
 
         Raises ValueError when the positions disagree with the shared facts.
         """
-        cache = cls(num_layers, cp_rank, len(rank_positions))
+        cache = cls(num_layers, cp_rank, len(rank_positions), dtype)
         cache.add_positions([np.asarray(p, np.int64) for p in rank_positions],
                             np.asarray(shared["token_ids"], np.int64))
         if (cache.shard_sizes != list(shared["shard_sizes"])

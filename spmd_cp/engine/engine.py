@@ -91,7 +91,8 @@ class Engine:
         return self.measured
 
     def new_cache(self) -> ShardedKVCache:
-        return ShardedKVCache(self.model.num_layers, self.comm.rank, self.comm.size)
+        return ShardedKVCache(self.model.num_layers, self.comm.rank, self.comm.size,
+                              self.model.kv_dtype)
 
     # -- prefill -----------------------------------------------------------------
     def prefill(self, cache: ShardedKVCache, token_ids: np.ndarray, score: bool = False,

@@ -41,12 +41,14 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
                         chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
                         score: bool = False) -> Forecast:
     """Peak bytes on the busiest rank for a context of ``total_tokens`` prefilled in
-    chunks of ``chunk_tokens`` on ``cp_size`` ranks."""
+    chunks of ``chunk_tokens`` on ``cp_size`` ranks. ``shape.elem_bytes`` is the KV
+    dtype's size (engine.model.kv_dtype_for), which activations share: 4 on the CPU
+    path, the model's 2 on a GPU."""
     e = shape.elem_bytes
     kv_tokens = math.ceil(total_tokens / cp_size) + 1
     kv = kv_tokens * shape.kv_bytes_per_token
     rows = math.ceil(chunk_tokens / cp_size) + 1
-    per_row = 4 * (4 * shape.hidden + 3 * shape.intermediate
+    per_row = e * (4 * shape.hidden + 3 * shape.intermediate
                    + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2)
     tile = min(SCORE_TILE_ELEMENTS, shape.num_heads * rows * kv_tokens * cp_size)
     attention = 3 * tile * 4

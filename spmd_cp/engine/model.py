@@ -9,13 +9,16 @@ Everything except attention is position-wise and runs unchanged on the local row
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..models.shape import ModelShape
 from .cache import ShardedKVCache
+from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 
 # attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale) -> (NH, n, d)
@@ -64,9 +67,28 @@ def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
     if store:
         return layer_kv.update_and_fetch(k, v)
     keys, values = layer_kv.fetch()
-    if keys is None:  # nothing cached here yet: an empty shard of the right shape
-        return k[:, :0], v[:, :0]
+    if keys is None:  # nothing cached here yet: an empty shard of the right shape and dtype
+        dtype = layer_kv.dtype or k.dtype
+        return k[:, :0].astype(dtype), v[:, :0].astype(dtype)
     return keys, values
+
+
+def kv_dtype_for(model: nn.Module) -> mx.Dtype:
+    """The KV dtype: float32 on the CPU path (half-precision arithmetic is slow there and
+    the tiled attention computes in float32 anyway), else the dtype the model computes
+    its keys in (bfloat16 / float16 for half-precision and quantized models), found by
+    projecting one token through the first layer."""
+    if not on_gpu_path():
+        return mx.float32
+    inner = model.model
+    layer = inner.layers[0]
+    hidden = inner.embed_tokens(mx.array([[0]], mx.int32))
+    return layer.self_attn.k_proj(layer.input_layernorm(hidden)).dtype
+
+
+def kv_model_shape(loaded) -> ModelShape:
+    """A LoadedModel's shape with the KV dtype's element size (the memory forecast's)."""
+    return dataclasses.replace(loaded.shape, elem_bytes=kv_dtype_for(loaded.model).size)
 
 
 class CPModel:
@@ -83,10 +105,9 @@ class CPModel:
         self.num_heads = attn.n_heads
         self.num_kv_heads = attn.n_kv_heads
         self.num_layers = len(self.layers)
-        self.elem_bytes = 4  # K/V travel as float32 on the CPU path; 2 for half precision
-        weight = getattr(attn.k_proj, "weight", None)
-        if weight is not None and weight.dtype in (mx.float16, mx.bfloat16):
-            self.elem_bytes = 2
+        # The KV cache's, ring messages' and decode partials' dtype (see kv_dtype_for).
+        self.kv_dtype = kv_dtype_for(model)
+        self.elem_bytes = self.kv_dtype.size
 
     def _qkv(self, attn, x: mx.array, runs):
         """Projections, Qwen3's q/k norms and RoPE: (H, n, d) each."""
@@ -128,6 +149,7 @@ class CPModel:
                 q, k, v = self._qkv(attn, layer.input_layernorm(h), runs)
                 keys, values = local_shard(layer_kv, k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale)
+                out = out.astype(q.dtype)  # float32 partials must not widen the residual
                 out = out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2])
                 h = h + attn.o_proj(out)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))

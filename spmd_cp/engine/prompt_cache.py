@@ -126,8 +126,9 @@ def read_meta(directory: str) -> dict:
 
 
 def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
-               num_layers: int) -> ShardedKVCache:
-    """Every rank loads its own shard of a cache written for the same model and N."""
+               num_layers: int, dtype=None) -> ShardedKVCache:
+    """Every rank loads its own shard of a cache written for the same model and N
+    (``dtype``: the KV dtype of the engine that continues it)."""
     if meta["model_checksum"] != model_checksum:
         raise UserError(f"prompt cache {directory} was made with another model "
                         f"(checksum {meta['model_checksum'][:12]}..., this model "
@@ -150,7 +151,8 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
     arrays = spmd.everywhere(comm, read_shard)
     positions = comm.allgather_object(np.asarray(arrays["positions"], np.int64))
     try:
-        return ShardedKVCache.from_state(num_layers, comm.rank, positions, arrays, meta)
+        return ShardedKVCache.from_state(num_layers, comm.rank, positions, arrays, meta,
+                                         dtype)
     except ValueError as error:
         raise UserError(f"prompt cache {directory} is corrupt ({error})") from None
 

@@ -1,0 +1,59 @@
+"""What a run reports about its MLX backend, and the warm-up that keeps compile time out
+of the timed prefill.
+
+On a GPU the first call of every kernel shape compiles it: on an H100 through MLX's
+CUDA backend a first 2K-token score took 22-26 s and about 1 s after. On the GPU path a
+tiny prefill and one decode step run first, on a throwaway cache, and the ``--json``
+summaries report that time as ``warmup_s`` apart from ``ttft_s`` / ``prefill_s``. On
+the CPU nothing is compiled: no warm-up, ``warmup_s`` is 0 and the timings are as
+before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..runtime.comm import Comm
+from ..runtime.device import BackendInfo, on_gpu_path
+from .engine import Engine
+
+WARMUP_TOKENS_PER_RANK = 4  # every rank gets query rows in both head-tail chunks
+
+
+def require_same_path(comm: Comm):
+    """Every rank must take the same compute path: it fixes the KV dtype, and with it
+    the layout of every ring message and decode partial."""
+    from ..runtime.spmd import require_same
+
+    require_same(comm, "compute path (MLX backend, or SPMD_CP_PATH)", BackendInfo.current().path)
+
+
+def startup_fields(engine: Engine, warmup_s: float) -> dict:
+    """A summary's ``warmup_s`` and this rank's ``backend``, ``device``, ``compute_path``
+    and ``kv_dtype``."""
+    dtype = str(engine.model.kv_dtype).removeprefix("mlx.core.")
+    return {"warmup_s": round(warmup_s, 6), **BackendInfo.current().as_dict(),
+            "kv_dtype": dtype}
+
+
+def warm_up(engine: Engine, enabled: bool | None = None) -> float:
+    """Seconds spent compiling: a tiny prefill and one decode step through the same
+    attention and dtype as the real work, on a throwaway cache (on every rank: the
+    collectives run too). None: only on the GPU path. Communication bytes are not counted.
+    """
+    if not (on_gpu_path() if enabled is None else enabled):
+        return 0.0
+    comm = engine.comm
+    sent_before = comm.bytes_sent
+    start = time.perf_counter()
+    # A twin engine: the real one keeps its algorithm log, probes and calibration state.
+    twin = Engine(engine.model, comm, algo="pass-kv" if engine.algo == "auto" else engine.algo,
+                  decode_merge=engine.decode_merge)
+    cache = twin.new_cache()
+    twin.prefill(cache, np.zeros(WARMUP_TOKENS_PER_RANK * comm.size, np.int64))
+    twin.decode_step(cache, 0)
+    comm.barrier()
+    comm.bytes_sent = sent_before
+    return time.perf_counter() - start

@@ -1,0 +1,169 @@
+"""The GPU path (fused attention, model-dtype KV cache and messages) run on the CPU with
+SPMD_CP_PATH=gpu, through real MPI ranks, against mlx-lm's unmodified forward.
+
+On the CPU, MLX's attention "kernel" is a fallback that computes half-precision scores
+in half precision (a GPU's fused kernel keeps them in float32), so a half-precision
+model's ring partials here carry more rounding than they would on a GPU. The bars:
+paths that merge nothing (one rank, all-gather) equal mlx-lm's bf16 forward; the rings
+are no further from the float32 evaluation of the same weights than mlx-lm's own bf16
+forward is. The issue's GPU bar (max |dlogprob| <= 2e-3 on a 1B model) needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TESTS, run_cli, run_ranks
+from test_cp_exact import ALGOS, check_against_reference, configs_for, lengths_for
+
+GPU_PATH = {"SPMD_CP_PATH": "gpu"}
+RING_ALGOS = ("pass-kv", "pass-q", "allgather-kv")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_fused_attention_matches_mlx_lm(n, tiny_models, tmp_path):
+    """float32 models: every algorithm, chunked prefill, both decode merges."""
+    configs = configs_for(n, ALGOS, lengths_for(n), decode=4)
+    configs += [{"algo": "pass-kv", "chunk": 0, "length": 29, "decode": 4, "seed": 3,
+                 "merge": "allreduce"}]
+    for path in tiny_models.values():
+        out = tmp_path / "results.json"
+        run_ranks(n, [sys.executable, str(TESTS / "mpi_exact_driver.py"), path,
+                      json.dumps(configs), str(out)], timeout=400, env=GPU_PATH)
+        check_against_reference(json.loads(out.read_text())["results"], path, n)
+
+
+def derive_model(src: str, dst: Path, bits: int | None = None) -> str:
+    """A bfloat16 copy of a tiny test model (weights at mlx-lm's initial scale, so that
+    rounding is not amplified as in the deliberately peaked originals), optionally
+    quantized to ``bits``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import load_model, quantize_model
+
+    model, config = load_model(Path(src))
+    model.update(tree_unflatten([(k, v / 3 if v.ndim == 2 and "embed" not in k else v)
+                                 for k, v in tree_flatten(model.parameters())]))
+    model.set_dtype(mx.bfloat16)
+    if bits:
+        model, config = quantize_model(model, config, group_size=32, bits=bits)
+    dst.mkdir(parents=True)
+    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                 if k != "model_file"}))
+    for f in Path(src).iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, dst / f.name)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def half_models(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("half_models")
+    return {"bf16": derive_model(tiny_models["llama"], root / "bf16"),
+            "q4": derive_model(tiny_models["llama"], root / "q4", bits=4)}
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and then it ran to the door of the house".split()
+    path = tmp_path_factory.mktemp("doc") / "doc.txt"
+    path.write_text(" ".join(rng.choice(words, 150)))
+    return path
+
+
+def mlx_lm_logprobs(model_path: str, text: str):
+    """(token ids, logprobs of mlx-lm's forward in the model's dtype, the same in float32)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from spmd_cp.models.loader import load_model as load_with_tokenizer
+
+    ids = np.asarray(load_with_tokenizer(model_path, keep_quantized=True).tokenizer.encode(text))
+    model, _ = load_model(Path(model_path))
+    result = []
+    for dtype in (None, mx.float32):
+        if dtype is not None:
+            model.set_dtype(dtype)
+        logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+        logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        result.append(logprobs[np.arange(len(ids) - 1), ids[1:]])
+    return ids, result[0], result[1]
+
+
+def score(n: int, model: str, document: Path, out: Path, algo: str, env: dict):
+    summary = run_cli(n, ["score", "--model", model, "--keep-quantized", "--text-file",
+                          str(document), "--output", str(out), "--cp-algo", algo, "--json"],
+                      env=env).last_json()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return (summary, np.array([r["token"] for r in records]),
+            np.array([r["logprob"] for r in records]))
+
+
+def assert_within_half_precision(logprob, half, full, exact: bool, where: str):
+    """``exact``: equal to mlx-lm's half-precision forward; otherwise no further from its
+    float32 evaluation than mlx-lm's own half-precision forward (plus 2e-3)."""
+    if exact:
+        np.testing.assert_allclose(logprob, half, rtol=0, atol=1e-5, err_msg=where)
+    else:
+        bound = 1.5 * np.abs(half - full).max() + 2e-3
+        assert np.abs(logprob - full).max() <= bound, where
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_bf16_model_keeps_a_bf16_cache_and_mlx_lm_precision(n, half_models, document, tmp_path):
+    ids, half, full = mlx_lm_logprobs(half_models["bf16"], document.read_text())
+    per_token = 2 * 3 * 2 * 16 * 2  # K and V, 3 layers, 2 KV heads, head dim 16, 2 bytes
+    for algo in RING_ALGOS if n > 1 else ("pass-kv",):
+        summary, tokens, logprob = score(n, half_models["bf16"], document,
+                                         tmp_path / f"{algo}.jsonl", algo, GPU_PATH)
+        where = f"N={n} {algo}"
+        np.testing.assert_array_equal(tokens, ids[1:], err_msg=where)
+        assert summary["kv_dtype"] == "bfloat16" and summary["compute_path"] == "gpu"
+        assert summary["backend"] in ("cpu", "metal", "cuda") and summary["warmup_s"] > 0
+        assert sum(summary["kv_cache_bytes"]) == per_token * len(ids), where
+        assert_within_half_precision(logprob, half, full, n == 1 or algo == "allgather-kv",
+                                     where)
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_quantized_model_on_two_ranks(path, half_models, document, tmp_path):
+    """--keep-quantized 4-bit weights through every algorithm, on either path."""
+    env = {"SPMD_CP_PATH": path}
+    ids, half, full = mlx_lm_logprobs(half_models["q4"], document.read_text())
+    one, _, single = score(1, half_models["q4"], document, tmp_path / "one.jsonl", "pass-kv", env)
+    assert one["kv_dtype"] == ("bfloat16" if path == "gpu" else "float32")
+    assert (one["warmup_s"] > 0) == (path == "gpu")
+    assert_within_half_precision(single, half, full, path == "gpu", f"{path} N=1")
+    for algo in RING_ALGOS:
+        _, _, logprob = score(2, half_models["q4"], document, tmp_path / f"{algo}.jsonl", algo,
+                              env)
+        where = f"{path} N=2 {algo}"
+        if algo == "allgather-kv":  # merges nothing: the same sums as one rank
+            np.testing.assert_allclose(logprob, single, rtol=0, atol=1e-5, err_msg=where)
+        else:
+            assert_within_half_precision(logprob, half, full, False, where)
+
+
+def test_kv_dtype_and_forecast_follow_the_path(half_models, monkeypatch):
+    import mlx.core as mx
+
+    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.engine.model import kv_dtype_for, kv_model_shape
+    from spmd_cp.models.loader import load_model
+
+    loaded = load_model(half_models["bf16"], keep_quantized=True)
+    forecasts = {}
+    for path, dtype in (("cpu", mx.float32), ("gpu", mx.bfloat16)):
+        monkeypatch.setenv("SPMD_CP_PATH", path)
+        assert kv_dtype_for(loaded.model) == dtype
+        forecasts[path] = forecast_rank_bytes(kv_model_shape(loaded), 0, 4096, 4096, 2)
+    assert forecasts["gpu"].kv * 2 == forecasts["cpu"].kv
+    assert forecasts["gpu"].kv == (4096 // 2 + 1) * 2 * 3 * 2 * 16 * 2
