@@ -235,7 +235,7 @@ class Engine:
         if self.decode_tp == "off":
             return False
         if self.tp_decoder is None:
-            if not supports_tensor_parallel(self.model):
+            if not supports_tensor_parallel(self.model, self.comm):
                 self.decode_tp = "off"
                 return False
             self.tp_decoder = TensorParallelDecoder(self.model, self.comm)

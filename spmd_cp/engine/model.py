@@ -5,6 +5,11 @@ is local. Under CP a rank holds scattered global positions and attention needs t
 other ranks, so this module re-threads the same submodules (norms, projections, RoPE,
 MLP, embedding, head) through one loop in which attention is a function handed in.
 Everything except attention is position-wise and runs unchanged on the local rows.
+
+The loop is written once. Who computes the projections and the MLP is a per-layer
+strategy: ``ReplicatedLayer`` (mlx-lm's modules on this rank's rows) or tp_decode's
+``LayerSlice`` (this rank's slices of the weights plus the collectives that complete
+them), so an architecture detail added here holds for both.
 """
 
 from __future__ import annotations
@@ -91,6 +96,24 @@ def kv_model_shape(loaded) -> ModelShape:
     return dataclasses.replace(loaded.shape, elem_bytes=kv_dtype_for(loaded.model).size)
 
 
+class ReplicatedLayer:
+    """Every projection of one layer computed in full, on this rank's rows."""
+
+    def __init__(self, layer):
+        self.attn, self.feed_forward = layer.self_attn, layer.mlp
+
+    def qkv(self, x: mx.array):
+        """(1, n, D) -> q (1, n, NH*d), k, v (1, n, NKV*d)."""
+        return self.attn.q_proj(x), self.attn.k_proj(x), self.attn.v_proj(x)
+
+    def output(self, out: mx.array) -> mx.array:
+        """Attention output (1, n, NH*d) -> (1, n, D)."""
+        return self.attn.o_proj(out)
+
+    def mlp(self, x: mx.array) -> mx.array:
+        return self.feed_forward(x)
+
+
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
@@ -98,6 +121,7 @@ class CPModel:
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
+        self.replicated = [ReplicatedLayer(layer) for layer in self.layers]
         self.norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.lm_head = head if head is not None else inner.embed_tokens.as_linear
@@ -109,10 +133,6 @@ class CPModel:
         self.kv_dtype = kv_dtype_for(model)
         self.elem_bytes = self.kv_dtype.size
 
-    def _qkv(self, attn, x: mx.array, runs):
-        """Projections, Qwen3's q/k norms and RoPE: (H, n, d) each."""
-        return heads_with_rope(attn, attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), runs)
-
     def forward(
         self,
         token_ids: np.ndarray,
@@ -122,6 +142,7 @@ class CPModel:
         store: bool = True,
         on_layer=None,
         tracer=None,
+        projections=None,
     ) -> mx.array:
         """Hidden states (n, D) of ``token_ids`` at global ``positions``, before the final norm.
 
@@ -133,6 +154,8 @@ class CPModel:
             attend: the CP attention for this call (see ``attention/``).
             on_layer: optional callback(layer_index) for the watchdog and fault injection.
             tracer: a trace.Tracer to time each layer (evaluated before its span closes).
+            projections: per layer, who computes q/k/v, o and the MLP (``qkv``, ``output``,
+                ``mlp``); default ``self.replicated``, tensor-parallel decode passes slices.
         """
         runs = contiguous_runs(positions)
         if isinstance(token_ids, mx.array):
@@ -141,18 +164,19 @@ class CPModel:
             ids = mx.array(token_ids, mx.int32)
         h = self.embed_tokens(ids[None])  # (1, n, D)
         n = h.shape[1]
-        for index, (layer, layer_kv) in enumerate(zip(self.layers, cache.layers)):
+        layers = zip(self.layers, projections or self.replicated, cache.layers)
+        for index, (layer, project, layer_kv) in enumerate(layers):
             if on_layer is not None:
                 on_layer(index)
             with span(tracer, f"layer {index}", "layer"):
                 attn = layer.self_attn
-                q, k, v = self._qkv(attn, layer.input_layernorm(h), runs)
+                q, k, v = heads_with_rope(attn, *project.qkv(layer.input_layernorm(h)), runs)
                 keys, values = local_shard(layer_kv, k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale)
                 out = out.astype(q.dtype)  # float32 partials must not widen the residual
                 out = out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2])
-                h = h + attn.o_proj(out)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + project.output(out)
+                h = h + project.mlp(layer.post_attention_layernorm(h))
                 if tracer is not None:
                     mx.eval(h)
         return h[0]

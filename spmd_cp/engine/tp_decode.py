@@ -13,10 +13,15 @@ already holds all of them. So each rank computes a 1/N slice of every matmul:
 Four small collectives per layer (about (NH + 2 NKV) d + NH (d+1) + 2 D floats) replace
 (N-1)/N of the weight reads: it pays when the link latency times 4 L is well below the
 time to read (N-1)/N of the weights, which the engine measures (``--decode-tp auto``).
-Results equal the replicated step up to float summation order.
+Quantized weights are sliced packed (weight_slices.py): columns of Wo and Wdown only on
+group boundaries. Results equal the replicated step up to float summation order. The
+layer loop itself is CPModel.forward's, with ``LayerSlice`` as its projections.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,46 +29,123 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from ..runtime.comm import Comm
-from .model import CPModel, heads_with_rope, local_shard
-from ..runtime.trace import span
+from .model import CPModel
+from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges
+
+log = logging.getLogger("spmd_cp")
 
 
-def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges covering [0, total), sizes differing by at most one."""
-    bounds = np.linspace(0, total, parts + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+def _matrix(parent: nn.Module, name: str) -> WeightMatrix:
+    module = getattr(parent, name, None)
+    if module is None:  # an MLP other than mlx-lm's SwiGLU gate/up/down
+        raise TypeError(f"{name} is missing")
+    try:
+        return WeightMatrix.of(module)
+    except TypeError as error:
+        raise TypeError(f"{name} is {error}") from None
 
 
-def supports_tensor_parallel(model: CPModel) -> bool:
-    """Slicing needs plain (dequantized) Linear layers; quantized ones run replicated."""
-    layer = model.layers[0]
-    modules = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj]
-    return all(type(m) is nn.Linear for m in modules)
+def _split(name: str, total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    try:
+        return split_ranges(total, parts, align)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's matrices and each rank's share of them (no weights copied yet)."""
+
+    qkv: list  # WeightMatrix of q_proj, k_proj, v_proj: stacked by rows, column-parallel
+    o: WeightMatrix
+    gate: WeightMatrix
+    up: WeightMatrix
+    down: WeightMatrix
+    qkv_ranges: list  # per rank: outputs of [Wq; Wk; Wv]
+    o_ranges: list  # per rank: inputs of Wo (whole groups)
+    hidden_ranges: list  # per rank: rows of Wgate and Wup = inputs of Wdown (whole groups)
+
+    @classmethod
+    def of(cls, layer, size: int) -> LayerPlan:
+        """TypeError or ValueError, naming the matrix, where ``size`` ranks cannot share it."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [_matrix(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
+        o, down = _matrix(attn, "o_proj"), _matrix(mlp, "down_proj")
+        return cls(qkv, o, _matrix(mlp, "gate_proj"), _matrix(mlp, "up_proj"), down,
+                   _split("q/k/v outputs", sum(m.out_width for m in qkv), size),
+                   _split("o_proj inputs", o.in_width, size, o.in_align),
+                   _split("down_proj inputs", down.in_width, size, down.in_align))
 
 
 class LayerSlice:
-    """One rank's slices of one transformer layer's matrices (made contiguous once)."""
+    """One rank's slices of one layer's matrices, completed by collectives: the
+    projections of ``CPModel.forward`` (``qkv``, ``output``, ``mlp``) split across ranks."""
 
-    def __init__(self, layer, rank: int, size: int):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv_w = mx.concatenate([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        self.qkv_sizes = [b - a for a, b in split_ranges(qkv_w.shape[0], size)]
-        a, b = split_ranges(qkv_w.shape[0], size)[rank]
-        self.qkv_w = mx.contiguous(qkv_w[a:b])
-        self.qkv_b = None
-        if "bias" in attn.q_proj:
-            qkv_b = mx.concatenate([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-            self.qkv_b = qkv_b[a:b]
-        self.q_width, self.k_width = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-        a, b = split_ranges(attn.o_proj.weight.shape[1], size)[rank]
-        self.o_cols = (a, b)
-        self.o_w = mx.contiguous(attn.o_proj.weight[:, a:b])
-        self.o_b = attn.o_proj.bias if "bias" in attn.o_proj and rank == 0 else None
-        a, b = split_ranges(mlp.gate_proj.weight.shape[0], size)[rank]
-        self.gate_w = mx.contiguous(mlp.gate_proj.weight[a:b])
-        self.up_w = mx.contiguous(mlp.up_proj.weight[a:b])
-        self.down_w = mx.contiguous(mlp.down_proj.weight[:, a:b])
-        mx.eval(self.qkv_w, self.o_w, self.gate_w, self.up_w, self.down_w)
+    def __init__(self, layer, comm: Comm):
+        plan, rank = LayerPlan.of(layer, comm.size), comm.rank
+        self.comm = comm
+        self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
+        self.q_width, self.k_width = plan.qkv[0].out_width, plan.qkv[1].out_width
+        parts = column_slice(plan.qkv, *plan.qkv_ranges[rank])
+        self.qkv_parts = [m.materialized() for m in parts]
+        self.o_inputs = plan.o_ranges[rank]
+        self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
+        a, b = plan.hidden_ranges[rank]
+        self.gate, self.up = plan.gate.rows(a, b).materialized(), plan.up.rows(a, b).materialized()
+        self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
+
+    def qkv(self, x: mx.array):
+        qkv = apply_all(self.qkv_parts, x)  # this rank's outputs of [Wq; Wk; Wv]
+        qkv = self.comm.allgather_rows(qkv, axis=-1, counts=self.qkv_sizes)
+        q_end, k_end = self.q_width, self.q_width + self.k_width
+        return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+
+    def output(self, out: mx.array) -> mx.array:
+        a, b = self.o_inputs
+        return self.comm.allreduce(self.o(out[..., a:b]), "sum")
+
+    def mlp(self, x: mx.array) -> mx.array:
+        act = swiglu(self.gate(x), self.up(x))
+        return self.comm.allreduce(self.down(act), "sum")
+
+
+def _head(model: CPModel) -> WeightMatrix:
+    """The LM head's matrix: its own, or the tied embedding's (vocab, D)."""
+    head = model.lm_head
+    return WeightMatrix.of(head if isinstance(head, nn.Module) else model.embed_tokens)
+
+
+def slicing_obstacle(model: CPModel, size: int) -> str | None:
+    """Why the weights cannot be split over ``size`` ranks, or None when they can."""
+    for index, layer in enumerate(model.layers):  # quantization may differ per layer
+        try:
+            LayerPlan.of(layer, size)
+        except (TypeError, ValueError) as error:
+            return f"layer {index}: {error}"
+    try:
+        _split("vocabulary", _head(model).out_width, size)
+    except (TypeError, ValueError) as error:
+        return f"LM head: {error}"
+    return None
+
+
+def supports_tensor_parallel(model: CPModel, comm: Comm) -> bool:
+    """Whether decode can split the weights over ``comm``; says why not (rank 0's log)."""
+    reason = slicing_obstacle(model, comm.size)
+    if reason is not None and comm.rank == 0:
+        log.info("decode: replicated (the weights cannot be split over %d ranks: %s)",
+                 comm.size, reason)
+    return reason is None
+
+
+def describe_weights(model: CPModel) -> str:
+    """'float32', '4-bit quantized' or '4/8-bit quantized': what the slices are cut from."""
+    layer = model.layers[0]
+    modules = [layer.self_attn.q_proj, layer.mlp.down_proj, model.embed_tokens, model.lm_head]
+    bits = sorted({m.bits for m in modules if hasattr(m, "bits")})
+    if bits:
+        return "/".join(str(b) for b in bits) + "-bit quantized"
+    return str(layer.self_attn.q_proj.weight.dtype).replace("mlx.core.", "")
 
 
 class TensorParallelDecoder:
@@ -71,52 +153,23 @@ class TensorParallelDecoder:
 
     def __init__(self, model: CPModel, comm: Comm):
         self.model, self.comm = model, comm
-        self.slices = [LayerSlice(layer, comm.rank, comm.size) for layer in model.layers]
-        head = model.lm_head
-        head_w = head.weight if isinstance(head, nn.Module) else model.embed_tokens.weight
-        ranges = split_ranges(head_w.shape[0], comm.size)
+        self.layers = [LayerSlice(layer, comm) for layer in model.layers]
+        head = _head(model)
+        ranges = split_ranges(head.out_width, comm.size)
         self.vocab_sizes = [b - a for a, b in ranges]
-        a, b = ranges[comm.rank]
-        self.head_w = mx.contiguous(head_w[a:b])
-        mx.eval(self.head_w)
+        self.head = head.rows(*ranges[comm.rank]).materialized()
+        if comm.rank == 0:
+            log.info("decode: tensor-parallel slices of the %s weights over %d ranks ready",
+                     describe_weights(model), comm.size)
 
     def forward(self, token: int, position: np.ndarray, cache, attend, store: bool,
                 on_layer=None, tracer=None) -> mx.array:
         """Hidden state (1, D) of ``token`` at ``position`` (every rank, replicated)."""
-        comm = self.comm
-        runs = [(0, 1, int(position[0]))]
-        h = self.model.embed_tokens(mx.array([[token]], mx.int32))  # (1, 1, D)
-        for index, (layer, part, layer_kv) in enumerate(zip(self.model.layers, self.slices,
-                                                            cache.layers)):
-            if on_layer is not None:
-                on_layer(index)
-            with span(tracer, f"layer {index}", "layer"):
-                attn = layer.self_attn
-                x = layer.input_layernorm(h)
-                qkv = x @ part.qkv_w.T
-                if part.qkv_b is not None:
-                    qkv = qkv + part.qkv_b
-                qkv = comm.allgather_rows(qkv, axis=-1, counts=part.qkv_sizes)
-                q_end, k_end = part.q_width, part.q_width + part.k_width
-                q, k, v = heads_with_rope(attn, qkv[..., :q_end], qkv[..., q_end:k_end],
-                                          qkv[..., k_end:], runs)
-                keys, values = local_shard(layer_kv, k, v, store)
-                out = attend(q, keys, values, position, cache.positions, attn.scale)
-                out = out.transpose(1, 0, 2).reshape(1, 1, -1)
-                a, b = part.o_cols
-                o = out[..., a:b] @ part.o_w.T
-                if part.o_b is not None:
-                    o = o + part.o_b
-                h = h + comm.allreduce(o, "sum")
-                x = layer.post_attention_layernorm(h)
-                act = swiglu(x @ part.gate_w.T, x @ part.up_w.T)
-                h = h + comm.allreduce(act @ part.down_w.T, "sum")
-                if tracer is not None:
-                    mx.eval(h)
-        return h[0]
+        return self.model.forward(np.array([token]), position, cache, attend, store,
+                                  on_layer, tracer, projections=self.layers)
 
     def logits(self, hidden: mx.array) -> mx.array | None:
         """Full-vocabulary logits (1, V) on rank 0 from each rank's vocabulary slice."""
-        local = (self.model.norm(hidden) @ self.head_w.T).astype(mx.float32)  # (1, V/N)
+        local = self.head(self.model.norm(hidden)).astype(mx.float32)  # (1, V/N)
         gathered = self.comm.gather_rows(local[0], self.vocab_sizes, root=0)
         return gathered[None] if gathered is not None else None
