@@ -47,33 +47,46 @@ def _single_rank(partial):
     return attend
 
 
+def ring_pass(comm: Comm, payload: mx.array, shape_of):
+    """Yield ``(owner, payload)`` for the N steps of a ring: step s holds the payload that
+    rank ``rank - s`` started with. The next payload's Sendrecv (to ``ring_next``, from
+    ``ring_prev``, which forwards what it holds: that of ``owner - 1``, shaped
+    ``shape_of(owner - 1)``) is in flight while the caller computes on this one; the
+    caller evaluates its work before asking for the next step."""
+    owner = comm.rank
+    for step in range(comm.size):
+        transfer = None
+        if step < comm.size - 1:
+            incoming = (owner - 1) % comm.size
+            transfer = comm.sendrecv_start(payload, comm.ring_next, comm.ring_prev,
+                                           shape_of(incoming))
+        yield owner, payload
+        if transfer is not None:
+            payload, owner = transfer.wait(), incoming
+
+
 def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray], fused: bool | None = None):
     """Ring attention passing K/V. ``cached_positions``: every rank's cache positions."""
-    size, rank = comm.size, comm.rank
+    size = comm.size
     partial = _partial_attention(fused)
     if size == 1:
         return _single_rank(partial)
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         block = mx.stack([keys, values])  # (2, NKV, S_owner, d): one message per step
-        owner = rank  # whose shard ``block`` is
+
+        def shape_of(owner):
+            return (2, keys.shape[0], cached_positions[owner].size, keys.shape[2])
+
         out = lse = None
-        for step in range(size):
-            transfer = None
-            if step < size - 1:
-                # ring_prev forwards the shard it holds now: that of owner - 1.
-                incoming = (owner - 1) % size
-                shape = (2, keys.shape[0], cached_positions[incoming].size, keys.shape[2])
-                transfer = comm.sendrecv_start(block, comm.ring_next, comm.ring_prev, shape)
-            part_out, part_lse = partial(q, block[0], block[1], q_pos,
+        for owner, shard in ring_pass(comm, block, shape_of):
+            part_out, part_lse = partial(q, shard[0], shard[1], q_pos,
                                          cached_positions[owner], scale)
             if out is None:
                 out, lse = part_out, part_lse
             else:
                 out, lse = merge_partials(out, lse, part_out, part_lse)
-            mx.eval(out, lse)  # compute now, while the transfer is in flight
-            if transfer is not None:
-                block, owner = transfer.wait(), incoming
+            mx.eval(out, lse)  # compute now, while the next transfer is in flight
         return out
 
     return attend
@@ -88,19 +101,15 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray], fused: bool 
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         num_heads, _, head_dim = q.shape
-        visitor, owner = q, rank
         partials = [None] * size  # partials[o]: owner o's queries against my K/V
-        for step in range(size):
-            transfer = None
-            if step < size - 1:
-                incoming = (owner - 1) % size
-                shape = (num_heads, query_positions[incoming].size, head_dim)
-                transfer = comm.sendrecv_start(visitor, comm.ring_next, comm.ring_prev, shape)
+
+        def shape_of(owner):
+            return (num_heads, query_positions[owner].size, head_dim)
+
+        for owner, visitor in ring_pass(comm, q, shape_of):
             out, lse = partial(visitor, keys, values, query_positions[owner], k_pos, scale)
             partials[owner] = pack_partial(out, lse, keys.dtype)
-            mx.eval(partials[owner])
-            if transfer is not None:
-                visitor, owner = transfer.wait(), incoming
+            mx.eval(partials[owner])  # compute now, while the next transfer is in flight
         n_local = query_positions[rank].size
         width = head_dim + lse_width(keys.dtype)
         returned = comm.alltoallv_arrays(partials, [(num_heads, n_local, width)] * size)
