@@ -7,7 +7,7 @@ this rank's queries and this rank's cached shard in, this rank's attention outpu
 from __future__ import annotations
 
 from .block import block_attention, merge_partials, merge_stacked
-from .choose import LinkAndCompute, choose_prefill_algo
+from .choose import LinkAndCompute, choose_prefill_algo, estimate_layer_seconds
 from .gather import allgather_kv_attention, decode_attention
 from .ring import pass_kv_attention, pass_q_attention
 
@@ -26,9 +26,10 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
     reason = "requested"
     if algo == "auto":
         new_tokens = sum(p.size for p in new_positions)
+        head_dim = getattr(model.layers[0].self_attn, "head_dim", None) or 64
         algo, reason = choose_prefill_algo(new_tokens, cache.num_tokens - new_tokens, comm.size,
                                            model.num_heads, model.num_kv_heads,
-                                           model.elem_bytes, measured)
+                                           model.elem_bytes, measured, head_dim)
     if algo == "pass-kv":
         return pass_kv_attention(comm, cache.rank_positions), algo, reason
     if algo == "pass-q":
@@ -39,4 +40,5 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
 
 
 __all__ = ["block_attention", "merge_partials", "merge_stacked", "prefill_attention",
-           "decode_attention", "choose_prefill_algo", "LinkAndCompute", "PREFILL_ALGOS"]
+           "decode_attention", "choose_prefill_algo", "estimate_layer_seconds", "LinkAndCompute",
+           "PREFILL_ALGOS"]

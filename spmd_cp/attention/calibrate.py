@@ -1,7 +1,15 @@
-"""Measure, on the actual ranks, the two numbers the auto algorithm choice needs.
+"""Measure, on the actual ranks, the numbers the auto choices need (slowest rank wins).
 
-- attention FLOP/s: block attention of a representative tile on every rank (slowest wins);
-- ring bandwidth and latency: a Sendrecv around the ring (slowest link wins).
+For ``--cp-algo auto`` (choose.py):
+- attention FLOP/s: block attention of a representative tile on every rank;
+- ring bandwidth: a bulk Sendrecv around the ring;
+- ring latency: one ring step of a tiny array as the ring algorithms take it (the
+  communication thread, the wire conversions), not only the link's;
+- copy rate: bytes/s of the host copies around every transfer (a fresh wire buffer in,
+  an MLX array out).
+For ``--decode-tp auto`` (engine.py), with every rank working at once as in decode:
+- weight streaming rate: bytes/s of a matrix-vector product over a large matrix;
+- one small collective as the split decode step issues it (evaluate, Allreduce, convert).
 
 Measured once per set of hosts and rank count and cached on disk, so later runs pay
 nothing; ``spmd-cp doctor --recalibrate`` measures again.
@@ -9,10 +17,12 @@ nothing; ``spmd-cp doctor --recalibrate`` measures again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,8 +31,7 @@ import numpy as np
 from .block import block_attention
 from .choose import LinkAndCompute
 from ..runtime.paths import cache_dir
-from ..runtime.comm import Comm
-
+from ..runtime.comm import Comm, from_wire, to_wire
 
 
 def measure_attention_flops(num_heads=8, num_kv_heads=2, head_dim=64, tq=256, tk=1024,
@@ -43,28 +52,96 @@ def measure_attention_flops(num_heads=8, num_kv_heads=2, head_dim=64, tq=256, tk
 
 
 def measure_ring(comm: Comm, nbytes=8 << 20, repeats=3) -> tuple[float, float]:
-    """(bytes/s per direction, one-step latency in s) of a ring Sendrecv; slowest rank's."""
+    """(bytes/s per direction, one ring step's latency in s); slowest rank's.
+
+    The bandwidth is the raw Sendrecv's; the latency is a tiny array's trip through
+    ``Comm.sendrecv_start`` (thread hand-off and wire conversions included): that fixed
+    cost is what every ring step of pass-KV and pass-Q pays.
+    """
     if comm.size == 1:
         return float("inf"), 0.0
-    results = []
-    for size in (8, nbytes):
-        send = np.ones(size // 4, np.float32)
-        recv = np.empty_like(send)
-        comm.barrier()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            comm.mpi.Sendrecv(send, comm.ring_next, 0, recv, comm.ring_prev, 0)
-            best = min(best, time.perf_counter() - start)
-        results.append(max(comm.allgather_object(best)))
-    latency, bulk = results
-    return nbytes / max(bulk - latency, 1e-9), latency
+    send_to, recv_from = comm.ring_next, comm.ring_prev
+    small = mx.ones((8,), mx.float32)
+    comm.sendrecv_start(small, send_to, recv_from, (8,)).wait()  # starts the thread
+    send = np.ones(nbytes // 4, np.float32)
+    recv = np.empty_like(send)
+    times = {"latency": float("inf"), "bulk": float("inf")}
+    comm.barrier()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(comm.sendrecv_start(small, send_to, recv_from, (8,)).wait())
+        times["latency"] = min(times["latency"], time.perf_counter() - start)
+        start = time.perf_counter()
+        comm.mpi.Sendrecv(send, send_to, 0, recv, recv_from, 0)
+        times["bulk"] = min(times["bulk"], time.perf_counter() - start)
+    latency, bulk = (max(comm.allgather_object(times[k])) for k in ("latency", "bulk"))
+    return nbytes / max(bulk, 1e-9), latency
+
+
+def measure_copy(nbytes=8 << 20, repeats=3) -> float:
+    """Bytes/s of one host copy as transfers make them (into a fresh buffer, pages
+    faulted in as they would be for a received message)."""
+    source = mx.ones((nbytes // 4,), mx.float32)
+    mx.eval(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(from_wire(to_wire(source) + 0, mx.float32))  # numpy copy, then MLX's
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def measure_stream(comm: Comm, nbytes=64 << 20, repeats=3) -> float:
+    """Bytes/s a matrix-vector product reads weights at, every rank at once (slowest)."""
+    cols = 1024
+    weight = mx.ones((nbytes // (4 * cols), cols))  # values do not change the read rate
+    x = mx.ones((1, cols))
+    mx.eval(weight, x, x @ weight.T)
+    best = float("inf")
+    comm.barrier()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(x @ weight.T)
+        best = min(best, time.perf_counter() - start)
+    return min(comm.allgather_object(weight.nbytes / best))
+
+
+def measure_collective(comm: Comm, width=1024, repeats=20) -> float:
+    """Seconds of one small Allreduce of a freshly computed array (the best of
+    ``repeats``: a shared machine's other load must not settle in the cached figure)."""
+    if comm.size == 1:
+        return 0.0
+    x = mx.ones((1, width), mx.float32)
+    comm.allreduce(x * 1.0, "sum")
+    best = float("inf")
+    comm.barrier()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(comm.allreduce(x * 1.0, "sum"))
+        best = min(best, time.perf_counter() - start)
+    return max(comm.allgather_object(best))
+
+
+@contextmanager
+def uncounted(comm: Comm):
+    """Measurements are not the job's traffic: keep them out of ``comm_bytes`` and waits."""
+    sent, waited = comm.bytes_sent, comm.wait_seconds
+    try:
+        yield
+    finally:
+        comm.bytes_sent, comm.wait_seconds = sent, waited
 
 
 def calibration_file(comm: Comm) -> Path:
     hosts = comm.allgather_object(socket.gethostname())
     key = hashlib.sha256(json.dumps([hosts, comm.size]).encode()).hexdigest()[:16]
-    return cache_dir() / f"calibration-{key}.json"
+    # "v2": the fields of LinkAndCompute since the copy, stream and collective figures.
+    # Versions before them read calibration-<key>.json and fail on unknown fields, so
+    # the two formats keep apart (hosts running either version can share one cache).
+    return cache_dir() / f"calibration-v2-{key}.json"
+
+
+FIELDS = {f.name for f in dataclasses.fields(LinkAndCompute)}
 
 
 def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
@@ -76,12 +153,17 @@ def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
             cached = json.loads(path.read_text())
         except (OSError, ValueError):
             cached = None  # unreadable: measure again
+        if not isinstance(cached, dict) or set(cached) != FIELDS:
+            cached = None  # written by an older version: measure what it lacks
     cached = comm.bcast_object(cached)
     if cached is not None:
         return LinkAndCompute(**cached)
-    flops = min(comm.allgather_object(measure_attention_flops()))
-    bandwidth, latency = measure_ring(comm)
-    measured = LinkAndCompute(flops, bandwidth, latency)
+    with uncounted(comm):
+        flops = min(comm.allgather_object(measure_attention_flops()))
+        bandwidth, latency = measure_ring(comm)
+        copy = min(comm.allgather_object(measure_copy()))
+        measured = LinkAndCompute(flops, bandwidth, latency, copy, measure_stream(comm),
+                                  measure_collective(comm))
     if comm.rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,28 @@
-"""Which prefill algorithm: Algorithm 1 of Yang et al. 2024 (arXiv 2411.01783). Pure.
+"""Which prefill algorithm: Algorithm 1 of Yang et al. 2024 (arXiv 2411.01783), with costs. Pure.
 
 pass-KV moves (T + P) tokens' K/V around the ring, pass-Q moves the T new queries (and
-returns their partials). pass-KV wins when
+returns their partials). pass-KV wins outright when
 
     T / (T + P) >= 2 * NKV / NH            (the new tokens are a large share of the
                                             context: K/V of all is no bigger than Q of new)
- or T >= N * C * NKV * e / (2 * NH * BW)   (enough new tokens that the attention compute
-                                            hides the K/V transfer entirely)
 
-and pass-Q wins otherwise: a short follow-up on a long cached document. C is the
-attention FLOP rate and BW the ring bandwidth, both measured on the actual ranks.
+Below that share, Yang et al. pick pass-KV once T >= N * C * NKV * e / (2 * NH * BW), the
+point where attention compute hides the K/V transfer. Measured here that was wrong for
+short follow-ups on a cached document (pass-KV 1.03-1.17x pass-Q's time): a transfer
+that hides still costs the CPU its copies (stacking the shard, the wire buffers, the
+kernel's or MPI's own), and every ring step costs a fixed latency. So below the share
+threshold the two are compared by estimated time per layer (``estimate_layer_seconds``):
+
+    attention   A = 4 * NH * d * (T*P + T(T+1)/2) / (N * C)        (same for both)
+    pass-KV     A + max(0, (N-1)(lat + kv/BW) - A(N-1)/N) + 2(N-1) kv / copy
+    pass-Q      A + max(0, (N-1)(lat + q/BW) - A(N-1)/N) + t_call + o/BW + 2((N-1) q + o) / copy
+
+with kv = 2 (T+P)/N * NKV * d * e bytes per ring step, q = T/N * NH * d * e, and o =
+(N-1) T/N * NH * (d+1) * e the partials returned by the Alltoallv (which nothing hides).
+C (attention FLOP/s), BW and lat (ring bandwidth and one ring step's latency, the hand-off
+to the communication thread included), t_call (one blocking collective) and copy (bytes/s
+of a host copy) are measured on the actual ranks (calibrate.py). With no copy
+cost the comparison reduces to Yang et al.'s threshold when P is large.
 """
 
 from __future__ import annotations
@@ -21,11 +34,48 @@ from dataclasses import dataclass
 class LinkAndCompute:
     attention_flops: float  # attention FLOP/s of the slowest rank
     ring_bytes_per_s: float  # Sendrecv bytes/s per direction of the slowest ring link
-    ring_latency_s: float = 0.0
+    ring_latency_s: float = 0.0  # one ring step of a tiny message, software included
+    copy_bytes_per_s: float = float("inf")  # host copy into / out of a wire buffer
+    # For --decode-tp auto (engine.py): weight bytes/s a matrix-vector product streams
+    # (all ranks at once, as in decode), and one small collective as decode issues it.
+    stream_bytes_per_s: float = 0.0
+    collective_s: float = 0.0
+
+
+def estimate_layer_seconds(new_tokens: int, cached_tokens: int, cp_size: int, num_heads: int,
+                           num_kv_heads: int, elem_bytes: int, measured: LinkAndCompute,
+                           head_dim: int = 64) -> dict:
+    """Estimated seconds per layer of pass-kv and pass-q on the slowest rank (see above):
+    ``attention``, what each algorithm adds to it (``extra``), and their sums."""
+    n, d, e = cp_size, head_dim, elem_bytes
+    t, total = new_tokens, new_tokens + cached_tokens
+    pairs = t * cached_tokens + t * (t + 1) / 2  # causal (query, key) pairs
+    attention = 4 * num_heads * d * pairs / (n * measured.attention_flops)
+    window = attention * (n - 1) / n  # compute the N-1 transfers can hide under
+    lat, bw, copy = measured.ring_latency_s, measured.ring_bytes_per_s, measured.copy_bytes_per_s
+    # The Alltoallv is a blocking call on the main thread: no hand-off to the ring thread.
+    call = measured.collective_s or lat
+    kv = 2 * total / n * num_kv_heads * d * e
+    q = t / n * num_heads * d * e
+    returned = (n - 1) * t / n * num_heads * (d + 1) * e
+    extra = {
+        "pass-kv": _unhidden((n - 1) * (lat + kv / bw), window) + 2 * (n - 1) * kv / copy,
+        "pass-q": (_unhidden((n - 1) * (lat + q / bw), window) + call + returned / bw
+                   + 2 * ((n - 1) * q + returned) / copy),
+    }
+    # The sums for reading; comparisons use ``extra``, which rounding cannot swallow.
+    return {"attention": attention, "extra": extra,
+            **{algo: attention + added for algo, added in extra.items()}}
+
+
+def _unhidden(transfer: float, window: float) -> float:
+    """Transfer time the compute window does not cover (none when equal up to rounding)."""
+    return 0.0 if transfer <= window * (1 + 1e-12) else transfer - window
 
 
 def choose_prefill_algo(new_tokens: int, cached_tokens: int, cp_size: int, num_heads: int,
-                        num_kv_heads: int, elem_bytes: int, measured: LinkAndCompute | None):
+                        num_kv_heads: int, elem_bytes: int, measured: LinkAndCompute | None,
+                        head_dim: int = 64):
     """Return (algorithm, reason) for one prefill call."""
     if cp_size == 1:
         return "pass-kv", "one rank: no communication either way"
@@ -36,11 +86,13 @@ def choose_prefill_algo(new_tokens: int, cached_tokens: int, cp_size: int, num_h
                            f" = {share:.3f} >= 2*NKV/NH = {threshold:.3f}")
     if measured is None:
         return "pass-q", f"T/(T+P) = {share:.3f} < 2*NKV/NH = {threshold:.3f} (no measurements)"
-    hide_at = (cp_size * measured.attention_flops * num_kv_heads * elem_bytes
-               / (2 * num_heads * measured.ring_bytes_per_s))
-    if new_tokens >= hide_at:
-        return "pass-kv", (f"T = {new_tokens} >= N*C*NKV*e/(2*NH*BW) = {hide_at:.0f}: the K/V "
-                           "transfer hides under attention compute")
-    return "pass-q", (f"T/(T+P) = {share:.3f} < {threshold:.3f} and T = {new_tokens} < "
-                      f"{hide_at:.0f} (C = {measured.attention_flops / 1e9:.1f} GFLOP/s, "
-                      f"BW = {measured.ring_bytes_per_s / 1e9:.2f} GB/s)")
+    times = estimate_layer_seconds(new_tokens, cached_tokens, cp_size, num_heads, num_kv_heads,
+                                   elem_bytes, measured, head_dim)
+    extra = times["extra"]
+    algo = "pass-kv" if extra["pass-kv"] <= extra["pass-q"] else "pass-q"  # a tie: Yang et al.
+    return algo, (f"T/(T+P) = {share:.3f} < {threshold:.3f}; estimated per layer pass-kv "
+                  f"{1e3 * times['pass-kv']:.2f} ms, pass-q {1e3 * times['pass-q']:.2f} ms "
+                  f"(C = {measured.attention_flops / 1e9:.1f} GFLOP/s, "
+                  f"BW = {measured.ring_bytes_per_s / 1e9:.2f} GB/s, "
+                  f"latency {1e6 * measured.ring_latency_s:.0f} us, "
+                  f"copy {measured.copy_bytes_per_s / 1e9:.1f} GB/s)")

@@ -266,10 +266,9 @@ def doctor_command(comm, options: dict, outcome: dict):
     cached = comm.bcast_object(cache_file.is_file() if comm.rank == 0 else None)
     start = time.perf_counter()
     measured = calibrate(comm, recalibrate=flags["recalibrate"])
+    links = ("ring_bytes_per_s", "ring_latency_s", "collective_s")  # null on one rank
     calibration = {
-        "attention_flops": measured.attention_flops,
-        "ring_bytes_per_s": measured.ring_bytes_per_s if comm.size > 1 else None,
-        "ring_latency_s": measured.ring_latency_s if comm.size > 1 else None,
+        **{k: (None if k in links and comm.size == 1 else v) for k, v in vars(measured).items()},
         "source": "cache" if cached and not flags["recalibrate"] else "measured",
         "seconds": round(time.perf_counter() - start, 3),
         "file": str(cache_file),
@@ -356,6 +355,9 @@ def print_report(s: dict):
         out.append(f"ring Sendrecv (rank r -> r+1, slowest link): "
                    f"{c['ring_bytes_per_s'] / 1e9:.3f} GB/s per direction, "
                    f"{c['ring_latency_s'] * 1e6:.0f} us per small step")
+        out.append(f"small collective (decode): {c['collective_s'] * 1e6:.0f} us")
+    out.append(f"weight reads {c['stream_bytes_per_s'] / 1e9:.1f} GB/s per rank (all ranks at "
+               f"once); host copies {c['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     out.append(f"attention (slowest rank): {_gflops(c['attention_flops'])}")
     if c["source"] == "cache":
         out.append(f"calibration: read from {c['file']} "
