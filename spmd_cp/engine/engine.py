@@ -9,7 +9,6 @@ prompt are ever gathered.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ from ..attention.calibrate import calibrate
 from ..runtime.comm import Comm
 from .model import CPModel
 from ..attention.partition import head_tail_positions, owner_of
+from .decode_choice import estimate_split, split_matrix_bytes
 from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
 from ..runtime.trace import span
 
@@ -69,11 +69,10 @@ class Engine:
         self.on_layer = on_layer
         self.kv_interleave = kv_interleave
         self.decode_merge = decode_merge
-        # "on", "off" or "auto" (measured in the first steps). One rank has nothing to
-        # split, and "auto" would otherwise keep timing every step for the engine's life.
+        # "on", "off" or "auto" (decided at the first decode step from calibrated
+        # measurements: decode_choice.py). One rank has nothing to split.
         self.decode_tp = decode_tp if comm.size > 1 else "off"
         self.tp_decoder = None
-        self._probe_times = []  # (split?, seconds) of the decode steps timed for "auto"
         self.algos_used = []
         self.measured = None
 
@@ -202,7 +201,6 @@ class Engine:
         cache.add_positions(rank_positions, [-1 if lazy else token])
         attend = decode_attention(self.comm, self.decode_merge)
         store, hook = self.comm.rank == owner, self._layer_hook("decode")
-        start = time.perf_counter()
         split = self._use_tensor_parallel()
         tracer = self.comm.tracer
         with span(tracer, "decode step", "decode", tensor_parallel=split):
@@ -218,19 +216,16 @@ class Engine:
                 logits = self.model.logits(hidden) if self.comm.rank == 0 else hidden
             if wait:
                 mx.eval(logits)
-        if self.decode_tp == "auto":
-            self._probe_times.append((split, time.perf_counter() - start))
         return logits[0] if self.comm.rank == 0 else None
 
-    # -- tensor-parallel decode: on, off, or measured ------------------------------------
-    PROBE_STEPS = 3  # decode steps timed in each mode before ``auto`` decides
-
+    # -- tensor-parallel decode: on, off, or decided from measurements -----------------
     def _use_tensor_parallel(self) -> bool:
         """Whether this decode step splits the weights' work across ranks (tp_decode.py).
 
-        ``auto`` times the engine's first PROBE_STEPS replicated steps, then PROBE_STEPS
-        split ones (the first of each discarded as warm-up), and rank 0 broadcasts the
-        faster; the choice then holds for the engine's life.
+        ``auto`` decides once, at the engine's first decode step, from the calibrated
+        weight read rate and collective cost (decode_choice.py; measured once per set of
+        hosts and cached on disk): no decode step is spent measuring, and the weight
+        slices are only built when the split is chosen.
         """
         if self.decode_tp == "off":
             return False
@@ -238,19 +233,17 @@ class Engine:
             if not supports_tensor_parallel(self.model, self.comm):
                 self.decode_tp = "off"
                 return False
+            if self.decode_tp == "auto":
+                if self.measured is None:
+                    self.measured = calibrate(self.comm)
+                estimate = estimate_split(split_matrix_bytes(self.model), self.comm.size,
+                                          self.model.num_layers,
+                                          self.measured.stream_bytes_per_s,
+                                          self.measured.collective_s)
+                self.decode_tp = "on" if estimate.split else "off"
+                log.info("decode: %s (%s)", "tensor-parallel" if estimate.split else
+                         "replicated", estimate.reason)
+                if not estimate.split:
+                    return False
             self.tp_decoder = TensorParallelDecoder(self.model, self.comm)
-        if self.decode_tp == "on":
-            return True
-        probe, step = self.PROBE_STEPS, len(self._probe_times)
-        if step == 2 * probe:
-            replicated = float(np.median([t for _, t in self._probe_times[1:probe]]))
-            split = float(np.median([t for _, t in self._probe_times[probe + 1:]]))
-            faster = split < replicated if self.comm.rank == 0 else None
-            self.decode_tp = "on" if self.comm.bcast_object(faster) else "off"
-            if self.decode_tp == "off":
-                self.tp_decoder = None  # release the weight slices (~2/N of the weights)
-            log.info("decode: %s (measured %.1f ms per step replicated, %.1f ms split)",
-                     "tensor-parallel" if self.decode_tp == "on" else "replicated",
-                     1e3 * replicated, 1e3 * split)
-            return self.decode_tp == "on"
-        return probe <= step < 2 * probe
+        return True

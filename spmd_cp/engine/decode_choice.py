@@ -1,0 +1,63 @@
+"""``--decode-tp auto``: split the decode step's weights across ranks or not. Pure.
+
+A decode step reads every weight matrix once: on a CPU (and on a small GPU model) that
+read is most of the step. The split step (tp_decode.py) has each rank read 1/N of every
+matrix and adds three small collectives per layer (the q/k/v Allgather, the Allreduces
+after the attention output and the MLP) plus one Gatherv of the logits. So
+
+    saved per step = (1 - 1/N) * W / stream        cost per step = (3 L + 1) * t_coll
+
+with W the bytes of the matrices the split divides, ``stream`` the weight bytes/s a
+matrix-vector product reads on every rank at once (ranks sharing a memory bus slow each
+other down, which the measurement includes) and t_coll one small collective as decode
+issues it (evaluate, MPI, convert back; on a GPU that includes the device sync). Both
+are measured once per set of hosts by calibrate.py and cached, so the decision costs no
+decode steps. It replaced timing the first steps of each mode: three replicated and
+three split steps (and building the slices either way) cost what the split gains over
+that many steps, and two timings per mode were too few to see past other load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+
+@dataclass(frozen=True)
+class SplitEstimate:
+    split: bool
+    saved_s: float  # weight-read time saved per step
+    cost_s: float  # time the added collectives take per step
+    reason: str
+
+
+def split_matrix_bytes(model) -> int:
+    """Bytes of the matrices the split step divides: every layer's projections and MLP,
+    and the vocabulary projection (the tied embedding if there is no separate head); a
+    quantized matrix counts its packed weights, scales and biases."""
+    modules = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    head = model.lm_head if isinstance(model.lm_head, nn.Module) else model.embed_tokens
+    return sum(v.nbytes for m in modules + [head] for _, v in tree_flatten(m.parameters()))
+
+
+def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_bytes_per_s: float,
+                   collective_s: float) -> SplitEstimate:
+    """Whether the split step pays on these ranks (see the module docstring)."""
+    if cp_size == 1:
+        return SplitEstimate(False, 0.0, 0.0, "one rank: nothing to split")
+    if stream_bytes_per_s <= 0:
+        return SplitEstimate(False, 0.0, 0.0, "no measurement of the weight read rate")
+    saved = (1 - 1 / cp_size) * weight_bytes / stream_bytes_per_s
+    cost = (3 * num_layers + 1) * collective_s
+    split = saved > cost
+    return SplitEstimate(split, saved, cost, (
+        f"estimated per step: {1e3 * saved:.1f} ms of weight reads saved, "
+        f"{1e3 * cost:.1f} ms in {3 * num_layers + 1} more collectives "
+        f"({weight_bytes / 1e6:.0f} MB of matrices at {stream_bytes_per_s / 1e9:.1f} GB/s; "
+        f"{1e6 * collective_s:.0f} us per collective)"))

@@ -1,0 +1,65 @@
+"""``--decode-tp auto``: the split decision from calibrated figures, pure and on real ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from spmd_cp.engine.decode_choice import estimate_split, split_matrix_bytes
+
+SMOLLM2_MATRICES = 538_060_032  # bytes; SmolLM2-135M in float32 (docs/BENCHMARKS.md)
+
+
+def test_split_pays_where_weight_reads_dominate_and_not_where_collectives_do():
+    # This machine's kind of figures: ~5 GB/s per rank, ~60 us per small collective.
+    cpu = estimate_split(SMOLLM2_MATRICES, 2, 30, 5e9, 60e-6)
+    assert cpu.split
+    assert cpu.saved_s == pytest.approx(0.5 * SMOLLM2_MATRICES / 5e9)
+    assert cpu.cost_s == pytest.approx(91 * 60e-6)
+    # A GPU streams the same weights 400x faster; a device sync per collective costs more.
+    gpu = estimate_split(SMOLLM2_MATRICES, 2, 30, 2e12, 100e-6)
+    assert not gpu.split and "91 more collectives" in gpu.reason
+    # More ranks save more of the read (1 - 1/N), at the same number of collectives.
+    assert estimate_split(SMOLLM2_MATRICES, 4, 30, 20e9, 150e-6).split
+    assert not estimate_split(SMOLLM2_MATRICES, 2, 30, 20e9, 150e-6).split
+    assert not estimate_split(SMOLLM2_MATRICES, 1, 30, 5e9, 60e-6).split
+    assert not estimate_split(SMOLLM2_MATRICES, 2, 30, 0.0, 60e-6).split  # not measured
+
+
+def test_split_matrix_bytes_counts_the_projections_mlp_and_head(tiny_models):
+    from mlx.utils import tree_flatten
+
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.models.loader import load_model
+
+    for kind, tied in (("llama", True), ("qwen3", False)):
+        model = load_model(tiny_models[kind]).model
+        params = dict(tree_flatten(model.parameters()))
+        split = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        expected = sum(v.nbytes for k, v in params.items() if k.split(".")[-2] in split)
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        assert ("lm_head.weight" in params) is not tied
+        assert split_matrix_bytes(CPModel(model)) == expected + params[head].nbytes
+
+
+def test_auto_follows_the_calibration_on_real_ranks(tiny_models, tmp_path):
+    """The engine reads the cached calibration at its first decode step and splits or
+    not as the figures say; the tokens equal one rank's either way."""
+    env = {"SPMD_CP_CACHE": str(tmp_path)}
+    args = ["generate", "--model", tiny_models["llama"], "--prompt", "The quick brown fox",
+            "--max-tokens", "6", "--json", "--no-chat-template"]
+    reference = run_cli(1, args, env=env).last_json()
+    first = run_cli(2, args, env=env)  # measures and caches the calibration
+    (path,) = tmp_path.glob("calibration-v2-*.json")
+    figures = json.loads(path.read_text())
+    assert set(figures) == {"attention_flops", "ring_bytes_per_s", "ring_latency_s",
+                            "copy_bytes_per_s", "stream_bytes_per_s", "collective_s"}
+    assert first.last_json()["text"] == reference["text"]
+    for collective_s, mode in ((10.0, "replicated"), (1e-9, "tensor-parallel")):
+        path.write_text(json.dumps({**figures, "stream_bytes_per_s": 1e6,
+                                    "collective_s": collective_s}))
+        run = run_cli(2, args, env=env)
+        assert f"decode: {mode} (estimated per step" in run.stderr
+        assert run.last_json()["text"] == reference["text"]
