@@ -214,12 +214,13 @@ QUIET_WAIT = float(os.environ.get("BENCH_QUIET_WAIT", "20"))
 
 def run_json(cmd: list[str], env: dict | None = None, timeout: float = 3600,
              sample_memory: bool = True, check: bool = True, cwd=None,
-             quiet_wait: float | None = None) -> dict:
+             quiet_wait: float | None = None, keep_stderr: bool = False) -> dict:
     """Run ``cmd``; return its last stdout line as JSON plus what was measured around it.
 
     Added keys: ``_wall_s``, ``_load`` (1-min load average before, after), ``_others``
     (cores other processes used during the run), ``_rss_peaks`` (peak RSS per python
-    process of the tree, bytes), ``_returncode``, ``_stderr`` (tail, on failure).
+    process of the tree, bytes), ``_returncode``, ``_stderr`` (tail, on failure or with
+    ``keep_stderr``).
     Before starting, waits up to ``quiet_wait`` s (default $BENCH_QUIET_WAIT, 20) for
     the other processes on the machine to go quiet; it does not wait longer than that.
     """
@@ -250,7 +251,7 @@ def run_json(cmd: list[str], env: dict | None = None, timeout: float = 3600,
                            f"{err[-4000:]}\n{out[-2000:]}")
     result.update(_wall_s=wall, _load=[load0, loadavg()[0]], _others=round(others, 2),
                   _rss_peaks=sampler.peaks() if sampler else [], _returncode=proc.returncode)
-    if proc.returncode != 0 or not lines:
+    if keep_stderr or proc.returncode != 0 or not lines:
         result["_stderr"] = err[-4000:]
     return result
 

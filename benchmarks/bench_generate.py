@@ -1,0 +1,159 @@
+"""The command users run, side by side: `spmd-cp generate --json` at N = 1, 2 (and 4).
+
+    python benchmarks/bench_generate.py                          # N = 1 2, 2 rounds
+    python benchmarks/bench_generate.py --ranks 1 2 4 --rounds 2 --tokens 64
+    python benchmarks/bench_generate.py --baseline /work/main/.venv/bin/spmd-cp  # + N=2 of it
+
+Every run is exactly
+
+    OPENBLAS_NUM_THREADS=1 mpiexec -n N spmd-cp generate --prompt-file PROMPT \\
+        --max-tokens 64 --json
+
+with default flags (`--cp-algo auto`, `--decode-tp auto`, greedy), one BLAS thread per
+rank. The prompt is the start of the GPL-3 text (/usr/share/common-licenses/GPL-3, cut
+at a paragraph so that the chat-templated prompt has about --prompt-tokens tokens;
+benchmarks/results/prompts/prompt_4096.txt where that file is missing). The rank counts
+alternate (1 2 1 2 ...) so that drift hits all alike; the 1-minute load average is read
+before each run and recorded with it. Before the measured runs, one short warm-up run per
+rank count fills a fresh calibration cache ($SPMD_CP_CACHE in a temporary directory), so
+every measured run reads the same calibration, as any run after a user's first does.
+
+Reported per run: prefill tok/s, decode tok/s (the JSON's fields), the decode mode
+`--decode-tp auto` chose and its reason; per rank count the medians, decode speed-up
+over N = 1 and prefill efficiency (prefill tok/s at N over N x that at 1). With
+--baseline, every round also runs N = 2 with another installation's spmd-cp (launched by
+the mpiexec next to it), e.g. the code before a change. Results:
+benchmarks/results/generate.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+GPL = Path("/usr/share/common-licenses/GPL-3")
+FALLBACK = bl.RESULTS / "prompts" / "prompt_4096.txt"
+
+
+def make_prompt(target_tokens: int, directory: Path) -> tuple[Path, str, int]:
+    """A prompt file of whole paragraphs whose chat-templated form has <= target tokens."""
+    from spmd_cp.models.loader import default_model_path, load_model
+
+    tokenizer = load_model(default_model_path()).tokenizer
+    source = GPL if GPL.is_file() else FALLBACK
+    paragraphs = source.read_text().split("\n\n")
+
+    def templated_tokens(text: str) -> int:
+        messages = [{"role": "user", "content": text.strip()}]
+        return len(tokenizer.encode(tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)))
+
+    text, tokens = "", 0
+    for paragraph in paragraphs:
+        candidate = text + paragraph + "\n\n"
+        count = templated_tokens(candidate)
+        if count > target_tokens:
+            break
+        text, tokens = candidate, count
+    path = directory / "prompt.txt"
+    path.write_text(text)
+    return path, str(source), tokens
+
+
+def decode_choice(stderr: str) -> str:
+    found = re.search(r"decode: (tensor-parallel|replicated) \((.*)\)", stderr or "")
+    return f"{found.group(1)} ({found.group(2)})" if found else "-"
+
+
+def launcher(spmd_cp: str, ranks: int) -> list:
+    """``mpiexec -n N spmd-cp``, with the mpiexec of that installation."""
+    return [str(Path(spmd_cp).with_name("mpiexec")), "-n", str(ranks), spmd_cp]
+
+
+def generate(ranks: int, prompt: Path, tokens: int, env: dict, spmd_cp: str = bl.SPMD_CP,
+             variant: str = "this") -> dict:
+    cmd = launcher(spmd_cp, ranks) + ["generate", "--prompt-file", str(prompt),
+                                      "--max-tokens", str(tokens), "--json"]
+    load = bl.loadavg()[0]
+    result = bl.run_json(cmd, env=env, keep_stderr=True)
+    result.update(_load_before=load, _variant=variant)
+    result["_decode_choice"] = decode_choice(result.pop("_stderr", ""))
+    bl.log(f"{variant} N={ranks}: prefill {result['prefill_tok_s']:.1f} tok/s, decode "
+           f"{result['decode_tok_s']:.2f} tok/s, load before {load:.2f}; "
+           f"{result['_decode_choice']}")
+    return result
+
+
+def summarize(runs: list[dict], configs: list[tuple]) -> list[list]:
+    base = {key: bl.median([r[key] for r in runs if r["ranks"] == 1 and r["_variant"] == "this"])
+            for key in ("prefill_tok_s", "decode_tok_s")}
+    rows = []
+    for variant, n in configs:
+        mine = [r for r in runs if r["ranks"] == n and r["_variant"] == variant]
+        prefill = bl.median([r["prefill_tok_s"] for r in mine])
+        decode = bl.median([r["decode_tok_s"] for r in mine])
+        rows.append([variant, n, len(mine), bl.fmt(prefill, 1), bl.fmt(decode, 2),
+                     f"{decode / base['decode_tok_s']:.2f}x",
+                     bl.fmt(prefill / (n * base["prefill_tok_s"]), 2),
+                     " / ".join(f"{r['_load_before']:.2f}" for r in mine)])
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="--max-tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--name", default="generate", help="results file name")
+    parser.add_argument("--baseline", help="another installation's spmd-cp: N = 2 of it too")
+    args = parser.parse_args()
+    command = "python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:])
+    if 1 not in args.ranks:
+        parser.error("--ranks must include 1 (the reference)")
+    with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
+        prompt, source, prompt_tokens = make_prompt(args.prompt_tokens, Path(tmp))
+        env = bl.bench_env(1, SPMD_CP_CACHE=os.path.join(tmp, "cache"))
+        started = time.strftime("%Y-%m-%d %H:%M")
+        configs = [("this", n, bl.SPMD_CP) for n in args.ranks]
+        if args.baseline:
+            configs.insert(args.ranks.index(1) + 1, ("baseline", 2, args.baseline))
+        for _, n, spmd_cp in configs:  # fills the calibration (and float32 weight) cache
+            bl.run_json(launcher(spmd_cp, n) + ["generate", "--prompt", "Hello",
+                                                "--max-tokens", "2", "--json"],
+                        env=env, quiet_wait=0)
+        runs = [generate(n, prompt, args.tokens, env, spmd_cp, variant)
+                for _ in range(args.rounds) for variant, n, spmd_cp in configs]
+    run_rows = [[i // len(configs) + 1, r["_variant"], r["ranks"], f"{r['_load_before']:.2f}",
+                 bl.fmt(r["ttft_s"], 1), bl.fmt(r["prefill_tok_s"], 1),
+                 bl.fmt(r["decode_tok_s"], 2), r["tokens"], r["algo"], r["_decode_choice"],
+                 bl.fmt(r["_others"], 2)] for i, r in enumerate(runs)]
+    markdown = "\n\n".join([
+        bl.header("spmd-cp generate --json, N ranks side by side", command),
+        f"started {started}; prompt: {prompt_tokens} tokens (chat template included) "
+        f"from {source}; {args.tokens} greedy tokens; OPENBLAS_NUM_THREADS=1; default flags"
+        + (f"; baseline: {args.baseline}" if args.baseline else ""),
+        bl.table(["code", "ranks", "runs", "prefill tok/s", "decode tok/s", "decode vs N=1",
+                  "prefill efficiency", "load avg before each run"],
+                 summarize(runs, [(v, n) for v, n, _ in configs])),
+        bl.table(["round", "code", "ranks", "load avg before", "TTFT s", "prefill tok/s",
+                  "decode tok/s", "tokens", "prefill algo", "--decode-tp auto chose",
+                  "others' cores"], run_rows)])
+    print(markdown)
+    bl.save(args.name, {"args": vars(args), "command": command, "machine": bl.machine(),
+                        "started": started, "prompt_source": source,
+                        "prompt_tokens": prompt_tokens, "runs": runs}, markdown)
+
+
+if __name__ == "__main__":
+    main()
