@@ -1,6 +1,6 @@
 """Regenerate every figure of docs/BENCHMARKS.md, one benchmark after the other.
 
-    python benchmarks/run_all.py                  # everything (~95 min on 2 idle cores)
+    python benchmarks/run_all.py                  # everything (~100 min on 2 idle cores)
     python benchmarks/run_all.py --only decode soak
     python benchmarks/run_all.py --skip network   # e.g. without root
 
@@ -41,6 +41,7 @@ STEPS = {
     "soak": [PY, HERE / "soak.py", "--generations", "200", "--jobs", "20"],
     "decode-overhead": [PY, HERE / "decode_overhead.py", "--context", "1024"],
     "decode-overhead-4k": [PY, HERE / "decode_overhead.py", "--context", "4096"],
+    "generate": [PY, HERE / "bench_generate.py", "--ranks", "1", "2", "4", "--rounds", "2"],
     "long-greedy": [PY, HERE / "check_long_greedy.py", "--lengths", "500", "3000", "--tokens",
                     "128", "--ranks", "1", "2", "3", "4"],
     "plot": [PY, HERE / "plot.py"],

@@ -88,7 +88,7 @@ class DecodeConfig(_Settings):
 
     kv_interleave: int = 1
     decode_merge: str = "allgather"
-    # auto: time replicated and split steps in the first decode steps, keep the faster.
+    # auto: split when the cached calibration says it pays (engine/decode_choice.py).
     decode_tp: str = "auto"
 
 
