@@ -139,7 +139,15 @@ def read_gguf_metadata(path: str, stop_when=None) -> dict:
 
 
 def read_gguf_tensors(path: str) -> tuple[dict, list[TensorInfo]]:
-    """(metadata, tensor infos) of a GGUF file whose every tensor lies inside the file.
+    """(metadata, tensor infos) of a GGUF file whose every tensor lies inside the file
+    (see ``read_gguf_layout``)."""
+    meta, infos, _ = read_gguf_layout(path)
+    return meta, infos
+
+
+def read_gguf_layout(path: str) -> tuple[dict, list[TensorInfo], int]:
+    """(metadata, tensor infos, byte offset of the tensor data) of a GGUF file whose every
+    tensor lies inside the file.
 
     Raises ValueError naming what is wrong: not GGUF, a header cut short, a tensor of an
     unknown type or one extending past the end (an incomplete download).
@@ -154,7 +162,7 @@ def read_gguf_tensors(path: str) -> tuple[dict, list[TensorInfo]]:
             raise ValueError(f"truncated: tensor {info.name!r} ({type_name}, "
                              f"{'x'.join(map(str, info.shape))}) ends at byte {end}, the file "
                              f"ends at byte {size} (incomplete download?)")
-    return meta, infos
+    return meta, infos, data_start
 
 
 def head_counts(path: str) -> tuple[int, int]:

@@ -1,0 +1,254 @@
+"""One rank's share of a model for layer-sharded weights (``--shard-weights``).
+
+Layer i belongs to rank i mod N; the embedding and an untied LM head are split by
+vocabulary rows. A rank reads only those tensors' bytes (tensor_files.py) and builds
+mlx-lm's model as a skeleton whose other parameters are empty placeholders, so no rank
+ever holds, even transiently, more than its share. engine/weights.py broadcasts each
+layer from its owner before it runs.
+
+Layers are kept "packed", as the file stores them (quantized triples stay quantized),
+and converted to the form the model computes with (``ComputeForm``) only when a layer
+is about to run: broadcasts carry the small packed form, and the conversion repeats
+loader.py's exactly, so results equal the replicated run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import UserError
+from .checksum import model_checksum
+from .loader import LoadedModel, _refuse_sliding_window, check_model_path
+from .tensor_files import GGUFFile, open_tensor_files
+
+
+@dataclass(frozen=True)
+class ComputeForm:
+    """How packed tensors become the module parameters (loader.load_model's rules)."""
+
+    dequantize: bool  # quantized triples -> dense weights
+    float32: bool  # floating tensors -> float32 (the CPU default)
+    group_size: int = 32
+
+    def convert(self, packed: dict) -> dict:
+        """Packed {name: array} -> the parameters the modules compute with."""
+        out = {}
+        for name, array in packed.items():
+            base = name[: -len(".weight")] if name.endswith(".weight") else None
+            if base is not None and f"{base}.scales" in packed:
+                if not self.dequantize:
+                    out[name] = array
+                    continue
+                scales, biases = packed[f"{base}.scales"], packed[f"{base}.biases"]
+                array = mx.dequantize(array, scales, biases, group_size=self.group_size,
+                                      bits=self.bits(array.shape, scales.shape))
+            elif name.endswith((".scales", ".biases")) and self.dequantize:
+                continue
+            if self.float32 and array.dtype != mx.float32 and mx.issubdtype(array.dtype,
+                                                                             mx.floating):
+                array = array.astype(mx.float32)  # (a no-op astype would still copy)
+            out[name] = array
+        return out
+
+    def bits(self, weight_shape, scales_shape) -> int:
+        return weight_shape[-1] * 32 // (scales_shape[-1] * self.group_size)
+
+
+@dataclass
+class RankShare:
+    """What one rank holds of a layer-sharded model besides the skeleton."""
+
+    rank: int
+    size: int
+    form: ComputeForm
+    layers: dict = field(default_factory=dict)  # owned index -> packed {relative name: array}
+    layer_specs: list = field(default_factory=list)  # every layer: {name: (shape, dtype)}
+    vocab_rows: tuple = (0, 0)
+
+    def owner(self, layer: int) -> int:
+        return layer % self.size
+
+    def owned_bytes(self) -> int:
+        return sum(a.nbytes for params in self.layers.values() for a in params.values())
+
+
+@dataclass
+class ShardedLoad(LoadedModel):
+    share: RankShare | None = None
+
+
+def vocab_rows(vocab: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous slice of the vocabulary (sizes differ by at most one)."""
+    bounds = np.linspace(0, vocab, size + 1).round().astype(int)
+    return int(bounds[rank]), int(bounds[rank + 1])
+
+
+def _layer_prefix(index: int) -> str:
+    return f"model.layers.{index}."
+
+
+def read_config(files, path: Path, tokenizer: bool = True) -> tuple[dict, object]:
+    """(HF-style config, tokenizer or None) from the file headers and tokenizer files."""
+    if isinstance(files, GGUFFile):
+        from .gguf import build_tokenizer, gguf_config
+
+        meta = dict(files.metadata)
+        meta["tokenizer.ggml.token_type"] = np.array(meta["tokenizer.ggml.token_type"])
+        try:
+            return gguf_config(meta, files.infos), build_tokenizer(meta) if tokenizer else None
+        except ValueError as error:
+            raise UserError(f"{path}: {error}") from None
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    config = load_config(path)
+    _refuse_sliding_window(config, str(path))
+    return config, load_tokenizer(path) if tokenizer else None
+
+
+def compute_form(files, config: dict, keep_quantized: bool) -> ComputeForm:
+    on_cpu = mx.default_device() == mx.cpu
+    if isinstance(files, GGUFFile):  # gguf.load_gguf dequantizes on every device
+        return ComputeForm(dequantize=not keep_quantized, float32=not keep_quantized)
+    group = (config.get("quantization") or {}).get("group_size", 64)
+    convert = on_cpu and not keep_quantized
+    return ComputeForm(dequantize=convert, float32=convert, group_size=group)
+
+
+def build_skeleton(config: dict, specs: dict, form: ComputeForm) -> nn.Module:
+    """mlx-lm's model with every parameter an empty placeholder (nothing materialized:
+    the constructor's random initial weights are lazy and are dropped unevaluated)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config=config)
+    model = model_class(args_class.from_dict(config))
+    if not form.dequantize:
+        bits = {name[: -len(".scales")]: form.bits(specs[name[:-7] + ".weight"][0], shape)
+                for name, (shape, _) in specs.items() if name.endswith(".scales")}
+        nn.quantize(model, class_predicate=lambda p, m: p in bits
+                    and {"group_size": form.group_size, "bits": bits[p]})
+    dtypes = {name: dtype for name, (_, dtype) in specs.items()}
+    placeholders = [(name, mx.zeros((0,), _compute_dtype(dtypes.get(name, a.dtype), form)))
+                    for name, a in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(placeholders))
+    return model
+
+
+def _compute_dtype(dtype, form: ComputeForm):
+    if form.float32 and mx.issubdtype(dtype, mx.floating):
+        return mx.float32
+    return dtype
+
+
+def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = False) -> ShardedLoad:
+    """Rank ``rank`` of ``size``: its layers, vocabulary rows and the final norm."""
+    p = check_model_path(path)
+    files = open_tensor_files(str(p))
+    config, tokenizer = read_config(files, p)
+    specs = files.specs()
+    form = compute_form(files, config, keep_quantized)
+    model = build_skeleton(config, specs, form)
+    share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
+    wanted = _wanted(files, model)
+    for index in range(config["num_hidden_layers"]):
+        prefix = _layer_prefix(index)
+        names = [n for n in specs if n.startswith(prefix)]
+        share.layer_specs.append({n[len(prefix):]: specs[n] for n in names})
+        if share.owner(index) == rank:
+            share.layers[index] = {n[len(prefix):]: a for n, a in
+                                   _read_all(files, [n for n in names if n in wanted]).items()}
+    # The vocabulary slices go into the skeleton's own embedding (and untied head) modules.
+    sliced = _read_all(files, [n for n in wanted if n.startswith(("model.embed_tokens.", "lm_head."))],
+                       rows=share.vocab_rows)
+    sliced.update(files.read("model.norm.weight"))
+    params = list(form.convert(sliced).items())
+    model.update(tree_unflatten(params))
+    mx.eval([a for params in share.layers.values() for a in params.values()],
+            [a for _, a in params])
+    model.eval()
+    return ShardedLoad(model, tokenizer, config, str(p), model_checksum(str(p)), share=share)
+
+
+def _wanted(files, model: nn.Module) -> set:
+    """The file's tensors the model uses (not e.g. a tied head's copy or rotary tables);
+    a quantized weight's scales and biases go with it even when it will be dequantized."""
+    modules = {name.rsplit(".", 1)[0] for name, _ in tree_flatten(model.parameters())}
+    return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules}
+
+
+def _read_all(files, names, rows=None) -> dict:
+    """Read each tensor once (a GGUF quantized weight brings its scales and biases)."""
+    readable = set(files.names) if isinstance(files, GGUFFile) else set(files.entries)
+    out = {}
+    for name in sorted(names):
+        if name in readable and name not in out:
+            out.update(files.read(name, rows=rows))
+    return out
+
+
+@dataclass
+class WeightLayout:
+    """Bytes of a model's weights by part, from the file headers (nothing read)."""
+
+    layers_packed: list  # per layer, as held and broadcast
+    layers_compute: list  # per layer, as the modules compute with it
+    vocab: int  # embedding and untied head, as computed with
+    other: int  # the final norm
+
+    @property
+    def replicated(self) -> int:
+        return sum(self.layers_compute) + self.vocab + self.other
+
+    def per_rank(self, ranks: int, prefetch: int) -> int:
+        """Peak weight bytes on the busiest of ``ranks`` ranks with layer sharding: its
+        own layers and vocabulary rows, the running layer and ``prefetch`` in flight,
+        and the running layer's converted copy when packed and computed forms differ."""
+        if ranks <= 1:
+            return self.replicated
+        owned = max(sum(self.layers_packed[r::ranks]) for r in range(ranks))
+        window = (prefetch + 1) * max(self.layers_packed)
+        if self.layers_compute != self.layers_packed:
+            window += max(self.layers_compute)
+        return owned + window + -(-self.vocab // ranks) + self.other
+
+
+def _compute_bytes(specs: dict, names, form: ComputeForm) -> int:
+    total = 0
+    for name in names:
+        shape, dtype = specs[name]
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and f"{base}.scales" in specs and form.dequantize:
+            scales_shape, scales_dtype = specs[f"{base}.scales"]
+            values = math.prod(shape) * 32 // form.bits(shape, scales_shape)
+            total += values * (4 if form.float32 else scales_dtype.size)
+        elif name.endswith((".scales", ".biases")) and form.dequantize:
+            continue
+        else:
+            total += math.prod(shape) * _compute_dtype(dtype, form).size
+    return total
+
+
+def weight_layout(path: str, keep_quantized: bool = False) -> WeightLayout:
+    """The ``WeightLayout`` of a model file or directory, as load_model would hold it."""
+    p = check_model_path(path)
+    files = open_tensor_files(str(p))
+    config, _ = read_config(files, p, tokenizer=False)
+    specs = files.specs()
+    form = compute_form(files, config, keep_quantized)
+    wanted = _wanted(files, build_skeleton(config, specs, form))
+    packed, compute = [], []
+    for index in range(config["num_hidden_layers"]):
+        names = [n for n in wanted if n.startswith(_layer_prefix(index))]
+        packed.append(sum(math.prod(specs[n][0]) * specs[n][1].size for n in names))
+        compute.append(_compute_bytes(specs, names, form))
+    vocab = [n for n in wanted if n.startswith(("model.embed_tokens.", "lm_head."))]
+    other = [n for n in wanted if not n.startswith(("model.layers.", "model.embed_tokens.",
+                                                    "lm_head."))]
+    return WeightLayout(packed, compute, _compute_bytes(specs, vocab, form),
+                        _compute_bytes(specs, other, form))

@@ -1,0 +1,171 @@
+"""Read chosen tensors, or chosen rows of them, from model files without reading the rest.
+
+A rank of a sharded run (engine/weights.py) holds only its own layers and its slice of
+the vocabulary, so it must never load the whole file, not even transiently: these
+readers find each tensor's byte range in the file's header and read only that range.
+
+Both present tensors under mlx-lm's parameter names in the form the file stores them
+("packed"): a GGUF Q4_0 / Q4_1 / Q8_0 tensor becomes the MLX affine triple (weight,
+scales, biases; group size 32) bit for bit as ``mx.load`` makes it, other GGUF tensors
+become float32 as ``gguf.convert_weights`` makes them; safetensors come as stored.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .gguf import GROUP_SIZE, _mlx_name
+from .gguf_header import read_gguf_layout
+
+# safetensors dtype -> (numpy dtype read from the file, MLX dtype it stands for)
+_SAFETENSORS_DTYPES = {
+    "F32": (np.float32, mx.float32), "F16": (np.float16, mx.float16),
+    "BF16": (np.uint16, mx.bfloat16), "U32": (np.uint32, mx.uint32),
+    "I32": (np.int32, mx.int32), "I64": (np.int64, mx.int64), "U8": (np.uint8, mx.uint8),
+    "I8": (np.int8, mx.int8),
+}  # fmt: skip
+
+GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 1, 2, 3, 8
+_GGML_BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}  # per 32 values
+
+
+def _read(path: str, offset: int, count: int, dtype) -> np.ndarray:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = np.fromfile(f, dtype=dtype, count=count)
+    if data.size != count:
+        raise ValueError(f"{path}: truncated tensor data")
+    return data
+
+
+def _rows(shape: tuple, rows) -> tuple[int, int]:
+    return (0, shape[0] if shape else 1) if rows is None else rows
+
+
+class SafetensorsFiles:
+    """Every ``*.safetensors`` file of an MLX / Hugging Face model directory."""
+
+    def __init__(self, directory: str):
+        self.entries = {}  # name -> (file, numpy dtype, MLX dtype, shape, data offset)
+        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {directory}")
+        for path in files:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ValueError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+                np_dtype, mx_dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                self.entries[name] = (path, np_dtype, mx_dtype, tuple(entry["shape"]),
+                                      8 + length + entry["data_offsets"][0])
+
+    def specs(self) -> dict:
+        """{name: (shape, MLX dtype)} of every tensor, from the headers alone."""
+        return {name: (e[3], e[2]) for name, e in self.entries.items()}
+
+    def read(self, name: str, rows=None) -> dict:
+        """{name: array}: the tensor, or rows [a, b) of its first axis."""
+        path, np_dtype, mx_dtype, shape, offset = self.entries[name]
+        a, b = _rows(shape, rows)
+        row = math.prod(shape[1:])
+        data = _read(path, offset + a * row * np.dtype(np_dtype).itemsize, (b - a) * row,
+                     np_dtype)
+        array = mx.array(data.reshape((b - a,) + shape[1:] if shape else ()))
+        return {name: array.view(mx_dtype) if mx_dtype == mx.bfloat16 else array}
+
+
+class GGUFFile:
+    """A GGUF file's tensors under mlx-lm names, quantized ones as MLX triples."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.metadata, infos, data_start = read_gguf_layout(path)
+        # shape in numpy order (GGUF lists the fastest dimension first); absolute offsets
+        self.infos = {i.name: _Tensor(tuple(reversed(i.shape)), i.ggml_type,
+                                      data_start + i.offset) for i in infos}
+        self.names = {_mlx_name(name): name for name in self.infos}  # mlx-lm -> GGUF name
+
+    def specs(self) -> dict:
+        """{mlx-lm name: (shape, MLX dtype)} of every tensor in the form ``read`` gives."""
+        specs = {}
+        for name, gguf_name in self.names.items():
+            info = self.infos[gguf_name]
+            if info.kind in _GGML_BLOCK_BYTES:
+                rows, cols = info.shape
+                bits = 8 if info.kind == GGML_Q8_0 else 4
+                base = name[: -len(".weight")]
+                specs[name] = ((rows, cols * bits // 32), mx.uint32)
+                specs[f"{base}.scales"] = ((rows, cols // GROUP_SIZE), mx.float16)
+                specs[f"{base}.biases"] = ((rows, cols // GROUP_SIZE), mx.float16)
+            else:
+                specs[name] = (info.shape, mx.float32)
+        return specs
+
+    def read(self, name: str, rows=None) -> dict:
+        """{name: array} (a triple for a quantized weight): the tensor or rows [a, b)."""
+        info = self.infos[self.names[name]]
+        a, b = _rows(info.shape, rows)
+        cols = math.prod(info.shape[1:])
+        if info.kind in (GGML_F32, GGML_F16):
+            np_dtype = np.float32 if info.kind == GGML_F32 else np.float16
+            data = _read(self.path, info.offset + a * cols * np.dtype(np_dtype).itemsize,
+                         (b - a) * cols, np_dtype)
+            shape = (b - a,) + info.shape[1:] if info.shape else ()
+            return {name: mx.array(data.reshape(shape)).astype(mx.float32)}
+        if info.kind not in _GGML_BLOCK_BYTES:
+            raise ValueError(f"GGUF tensor {self.names[name]} has unsupported type {info.kind}")
+        block = _GGML_BLOCK_BYTES[info.kind]
+        row_bytes = cols // 32 * block
+        raw = _read(self.path, info.offset + a * row_bytes, (b - a) * row_bytes, np.uint8)
+        weight, scales, biases = unpack_blocks(raw.reshape(b - a, cols // 32, block), info.kind)
+        base = name[: -len(".weight")]
+        return {name: mx.array(weight), f"{base}.scales": mx.array(scales),
+                f"{base}.biases": mx.array(biases)}
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    shape: tuple  # numpy order
+    kind: int  # GGML type
+    offset: int  # absolute, in the file
+
+
+def unpack_blocks(blocks: np.ndarray, kind: int):
+    """(rows, blocks, block bytes) GGML blocks -> MLX (weight uint32, scales, biases).
+
+    MLX packs value k of each group at bits ``bits * k`` of little-endian uint32 words;
+    GGML's Q4 blocks hold value j in the low nibble of byte j and value j + 16 in its
+    high nibble. Offsets: Q4_0 stores q - 8, Q8_0 signed bytes (MLX's are unsigned, so
+    +128); -8 d and -128 d are exact in float16.
+    """
+    rows, groups = blocks.shape[:2]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    if kind == GGML_Q8_0:
+        values = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return (values.reshape(rows, -1).view(np.uint32), d,
+                (d * np.float16(-128)).astype(np.float16))
+    qs = blocks[..., 4:] if kind == GGML_Q4_1 else blocks[..., 2:]
+    values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (rows, groups, 32)
+    packed = values[..., 0::2] | (values[..., 1::2] << 4)
+    weight = np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
+    if kind == GGML_Q4_1:
+        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        return weight, d, m
+    return weight, d, (d * np.float16(-8)).astype(np.float16)
+
+
+def open_tensor_files(path: str):
+    """The reader for a GGUF file or an MLX / HF model directory."""
+    return GGUFFile(path) if os.path.isfile(path) else SafetensorsFiles(path)
