@@ -127,7 +127,8 @@ class Engine:
                 mx.eval(hidden)
             if score:
                 parts = self.comm.gather_object(
-                    self._score_rows(hidden, positions, token_ids, begin, start))
+                    self._score_rows(hidden, positions, token_ids, begin, start,
+                                     rank_positions))
                 if records is not None:
                     records.extend(parts)
             if begin + chunk >= total:
@@ -139,7 +140,7 @@ class Engine:
             records.sort()
         return last_logits, records
 
-    def _score_rows(self, hidden, positions, token_ids, begin, start):
+    def _score_rows(self, hidden, positions, token_ids, begin, start, rank_positions):
         """Log-probabilities of the next token for this rank's rows of one chunk."""
         # Global position p predicts the token at p + 1; the prompt's offset in the
         # cache (start - begin) maps global positions back to indices of token_ids.
@@ -149,10 +150,15 @@ class Engine:
                   (("pos", np.int64), ("token", np.int64), ("logprob", np.float64),
                    ("argmax", np.int64))}
         pieces = []
-        for r0 in range(0, len(keep), SCORE_ROWS):
+        # Every rank runs as many rounds as the busiest (a vocabulary-parallel head is
+        # collective); a rank out of rows computes empty ones.
+        busiest = max(int(np.sum(p + 1 - offset < len(token_ids))) for p in rank_positions)
+        for r0 in range(0, busiest, SCORE_ROWS):
             rows = keep[r0:r0 + SCORE_ROWS]
             targets = token_ids[positions[rows] + 1 - offset]
             logits = self.model.logits(hidden[mx.array(rows)])
+            if rows.size == 0:  # joined the (maybe collective) head; nothing to score
+                continue
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
             argmax = mx.argmax(logits, axis=-1)
@@ -169,9 +175,11 @@ class Engine:
         """The last position's logits, moved to rank 0 from whichever rank owns it."""
         owner = owner_of(last_position, rank_positions)
         logits = None
+        row = np.flatnonzero(positions == last_position)[:1]  # empty off the owner
+        rows = self.model.logits(hidden[int(row[0]):int(row[0]) + 1] if row.size
+                                 else hidden[:0])  # every rank: the head may be collective
         if self.comm.rank == owner:
-            row = int(np.flatnonzero(positions == last_position)[0])
-            logits = self.model.logits(hidden[row:row + 1])[0]
+            logits = rows[0]
             mx.eval(logits)
         if owner == 0:
             return logits if self.comm.rank == 0 else None
@@ -212,8 +220,11 @@ class Engine:
                 ids = token.reshape(1) if lazy else np.array([token])
                 hidden = self.model.forward(ids, position, cache, attend,
                                             store=store, on_layer=hook, tracer=tracer)
-                # Ranks > 0 need no logits: evaluating finishes the layers' collectives.
-                logits = self.model.logits(hidden) if self.comm.rank == 0 else hidden
+                # Ranks > 0 need no logits (they join a vocabulary-parallel head with
+                # no rows); evaluating finishes the layers' collectives.
+                logits = self.model.logits(hidden if self.comm.rank == 0 else hidden[:0])
+                if self.comm.rank != 0:
+                    logits = (logits, hidden)
             if wait:
                 mx.eval(logits)
         return logits[0] if self.comm.rank == 0 else None

@@ -1,7 +1,8 @@
 """Memory forecast per rank, checked before prefill so a job that cannot fit is refused
 in seconds instead of being killed by the OOM killer an hour in. Pure arithmetic.
 
-Per rank: the weights (every rank holds all of them), the KV shard (every cached token
+Per rank: the weights (every rank holds all of them, or with --shard-weights its share
+and a window of other ranks' layers: models/partial_load.py WeightLayout), the KV shard (every cached token
 once, split N ways), and the activations of one prefill chunk: this rank's rows of the
 hidden state and MLP, one attention tile of scores (block.SCORE_TILE_ELEMENTS), and the
 K/V the algorithm holds besides the local shard (one travelling shard for the rings, the
@@ -14,6 +15,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from ..attention.block import SCORE_TILE_ELEMENTS
 from ..errors import UserError
@@ -79,21 +81,44 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * 1024 ** " kmgt".index(unit or " "))
 
 
-def check_fits(shape: ModelShape, weights_bytes: int, total_tokens: int, chunk_tokens: int,
-               cp_size: int, limit: int, algo: str, score: bool = False):
-    """Refuse, naming the smallest N or chunk that would fit, if the forecast exceeds
-    ``limit`` bytes per rank."""
-    need = forecast_rank_bytes(shape, weights_bytes, total_tokens, chunk_tokens, cp_size, algo,
-                               score)
+@dataclass
+class WeightPlan:
+    """Weight bytes per rank: ``replicated`` on every rank, or with ``--shard-weights``
+    (``sharded``) what the busiest of N ranks holds at peak (``sharded_at(N)``)."""
+
+    replicated: int
+    sharded_at: Callable[[int], int] | None = None
+    sharded: bool = False
+
+    def at(self, ranks: int) -> int:
+        return self.sharded_at(ranks) if self.sharded else self.replicated
+
+    def sharding_fits(self, shape: ModelShape, total_tokens: int, chunk_tokens: int,
+                      cp_size: int, limit: int, algo: str, score: bool) -> int | None:
+        """The fewest ranks (>= cp_size, >= 2) at which sharding the weights would fit."""
+        if self.sharded or self.sharded_at is None:
+            return None
+        return next((n for n in range(max(cp_size, 2), 4097) if forecast_rank_bytes(
+            shape, self.sharded_at(n), total_tokens, chunk_tokens, n, algo, score).total
+            <= limit), None)
+
+
+def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens: int,
+               chunk_tokens: int, cp_size: int, limit: int, algo: str, score: bool = False):
+    """Refuse, naming the smallest N or chunk (or --shard-weights) that would fit, if the
+    forecast exceeds ``limit`` bytes per rank."""
+    plan = weights_bytes if isinstance(weights_bytes, WeightPlan) else WeightPlan(weights_bytes)
+    need = forecast_rank_bytes(shape, plan.at(cp_size), total_tokens, chunk_tokens, cp_size,
+                               algo, score)
     if need.total <= limit:
         return need
     fits_n = next((n for n in range(cp_size + 1, 4097) if forecast_rank_bytes(
-        shape, weights_bytes, total_tokens, chunk_tokens, n, algo, score).total <= limit), None)
+        shape, plan.at(n), total_tokens, chunk_tokens, n, algo, score).total <= limit), None)
     fits_chunk = None
     chunk = chunk_tokens
     while chunk > 64:
         chunk //= 2
-        if forecast_rank_bytes(shape, weights_bytes, total_tokens, chunk, cp_size, algo,
+        if forecast_rank_bytes(shape, plan.at(cp_size), total_tokens, chunk, cp_size, algo,
                                score).total <= limit:
             fits_chunk = chunk
             break
@@ -102,6 +127,10 @@ def check_fits(shape: ModelShape, weights_bytes: int, total_tokens: int, chunk_t
         options.append(f"--prefill-chunk {fits_chunk}")
     if fits_n:
         options.append(f"at least {fits_n} ranks")
+    shard_n = plan.sharding_fits(shape, total_tokens, chunk_tokens, cp_size, limit, algo, score)
+    if shard_n:
+        options.append("--shard-weights on" + (f" at {shard_n} ranks" if shard_n > cp_size
+                                               else ""))
     gb = 2**30
     raise UserError(
         f"{total_tokens} tokens need about {need.total / gb:.2f} GB per rank on {cp_size} "

@@ -117,6 +117,8 @@ def _head(model: CPModel) -> WeightMatrix:
 
 def slicing_obstacle(model: CPModel, size: int) -> str | None:
     """Why the weights cannot be split over ``size`` ranks, or None when they can."""
+    if getattr(model.layers, "sharded", False):  # engine/weights.py; iterating would fetch
+        return "each rank holds only its own layers (--shard-weights)"
     for index, layer in enumerate(model.layers):  # quantization may differ per layer
         try:
             LayerPlan.of(layer, size)

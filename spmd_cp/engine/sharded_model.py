@@ -1,0 +1,38 @@
+"""The CP model of a layer-sharded run: mlx-lm's modules with the layers in a
+``LayerStore`` and a vocabulary-parallel embedding and head (``--shard-weights``)."""
+
+from __future__ import annotations
+
+from mlx.utils import tree_flatten
+
+from ..runtime.comm import Comm
+from .model import CPModel
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
+from .weights import LayerStore
+
+
+def build_cp_model(loaded, comm: Comm) -> CPModel:
+    """``CPModel`` of a loaded model; layer-sharded when it was loaded as one rank's share
+    (models/partial_load.py)."""
+    model = CPModel(loaded.model)
+    share = getattr(loaded, "share", None)
+    if share is None:
+        return model
+    inner = loaded.model.model
+    model.layers = LayerStore(list(inner.layers), share, comm)
+    model.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, share.vocab_rows, comm)
+    head = getattr(loaded.model, "lm_head", None)
+    project = head if head is not None else inner.embed_tokens.as_linear
+    model.lm_head = VocabParallelHead(project, share.vocab_rows, comm)
+    return model
+
+
+def weight_bytes(model: CPModel, loaded) -> int:
+    """Bytes of weights this rank holds at its peak: everything for a replicated model;
+    for a sharded one its layers, its vocabulary rows, the norms and the largest window
+    of other ranks' layers (and converted copies) the store held at once."""
+    held = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    store = model.layers
+    if isinstance(store, LayerStore):
+        held += store.share.owned_bytes() + store.peak_held_bytes
+    return held
