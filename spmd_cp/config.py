@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 
 DECODE_TP_MODES = ("auto", "on", "off")
+SHARD_WEIGHTS_MODES = ("auto", "on", "off")
 
 # Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
 # declaration both the generate/batch flags and batch's job lines are checked against.
@@ -58,6 +59,9 @@ class RunConfig(_Settings):
     # On the CPU dequantized float32 weights run much faster than quantized ones.
     keep_quantized: bool = False
     memory_limit: str | None = None  # None: this host's memory divided by its ranks
+    # Layer-sharded weights (docs/SHARDED_WEIGHTS.md); auto: when the replicated weights
+    # alone exceed memory_limit.
+    shard_weights: str = "auto"
     comm_timeout: float | None = None  # None: spmd.DEFAULT_COMM_TIMEOUT_S; 0 disables
     trace: str | None = None
     verbose: bool = False

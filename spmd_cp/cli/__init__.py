@@ -6,7 +6,8 @@ Every rank runs this same entry point:
     mpiexec -n 4 spmd-cp score --text-file doc.txt --output tokens.jsonl --json
 
 Rank 0 reads and tokenizes the prompt, samples, and alone writes to stdout; every rank
-holds the whole model and 1/N of the KV cache. One module per command (generate, score,
+holds the whole model (or, with --shard-weights, layers i mod N and 1/N of the
+vocabulary) and 1/N of the KV cache. One module per command (generate, score,
 batch, doctor); the steps they share are in steps.py. Importing this package must not
 initialise MPI: main() may still re-execute the process with a faster BLAS.
 """

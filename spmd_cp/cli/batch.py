@@ -100,7 +100,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             if work is None:
                 break
             run_group(engine, cache, loaded.tokenizer, work, root, kv_peak)
-        metrics = steps.rank_metrics(comm, cache, steps.model_nbytes(loaded.model))
+        metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
         # The cache ends truncated: report its largest size instead.
         peaks = comm.gather_object(kv_peak)
         if root is not None:

@@ -71,7 +71,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
         text = comm.bcast_object(result.text if comm.rank == 0 else None)
         save_cache(comm, cache, args.save_cache, loaded.checksum,
                    steps.extend_conversation(conversation, prompt_text, text))
-    metrics = steps.rank_metrics(comm, cache, steps.model_nbytes(loaded.model))
+    metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
     if comm.rank == 0:
         report(comm, run, engine, result, len(prompt_ids), reused,
                {**startup_fields(engine, warmup_s), **metrics})

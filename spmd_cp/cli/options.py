@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_TP_MODES, DecodeConfig, RunConfig, SamplingConfig, describe_range,
-                      in_range)
+from ..config import (DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig, RunConfig,
+                      SamplingConfig, describe_range, in_range)
 
 
 class RangeError(click.BadParameter):
@@ -53,6 +53,11 @@ def common_options(fn):
         click.option("--memory-limit", default=d("memory_limit"), metavar="SIZE",
                      help="Refuse jobs whose forecast exceeds this per rank, e.g. 2GB "
                           "(default: this host's memory / its ranks)."),
+        click.option("--shard-weights", type=click.Choice(SHARD_WEIGHTS_MODES),
+                     default=d("shard_weights"), show_default=True,
+                     help="Each rank holds only layers i mod N and 1/N of the vocabulary; a "
+                          "layer's owner broadcasts it just before it runs (auto: when the "
+                          "weights alone exceed --memory-limit)."),
         click.option("--comm-timeout", type=click.FloatRange(min=0), default=d("comm_timeout"),
                      help="Abort the job when a rank waits this many seconds for a peer during "
                           "prefill/decode (default 45; 0 disables)."),

@@ -48,6 +48,7 @@ class Preparer:
 
     def __init__(self, loaded, run: RunConfig, sampling: SamplingConfig, args: BatchConfig,
                  ranks: int):
+        from .sharding import weight_plan
         from .steps import memory_limit, model_nbytes
 
         self.loaded = loaded
@@ -57,7 +58,7 @@ class Preparer:
         self.ranks = ranks
         self.limit = run.max_context or loaded.max_context
         self.memory_limit = memory_limit(run)
-        self.weights_bytes = model_nbytes(loaded.model)
+        self.weights_bytes = weight_plan(loaded, model_nbytes(loaded.model), run.keep_quantized)
 
     def prompt_of(self, job: Job, documents: dict) -> str:
         if job.prompt_file is not None:

@@ -45,7 +45,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     start = time.perf_counter()
     _, records = engine.prefill(cache, ids, score=True)
     elapsed = time.perf_counter() - start
-    metrics = steps.rank_metrics(comm, cache, steps.model_nbytes(loaded.model))
+    metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
     if comm.rank == 0:
         write_records(args.output, records)
         report(comm, run, engine, records, len(ids), elapsed,

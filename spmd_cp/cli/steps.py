@@ -19,15 +19,18 @@ from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
 from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
-from ..engine.model import CPModel, kv_model_shape
+from ..engine.model import kv_model_shape
+from ..engine.sharded_model import build_cp_model, weight_bytes
 from ..engine.startup import require_same_path
 from ..errors import UserError
 from ..models.checksum import model_checksum, model_files
 from ..models.loader import check_model_path, default_model_path, load_model
+from ..models.partial_load import load_rank_share
 from ..runtime import spmd
 from ..runtime.comm import Comm
 from ..runtime.faults import layer_hook
 from .outputs import Output
+from .sharding import wants_sharding, weight_plan
 
 log = spmd.log
 
@@ -98,7 +101,13 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
 def load_checked_model(comm: Comm, run: RunConfig, path: str):
     """Load the model ``check_model`` accepted, on every rank."""
     start = time.perf_counter()
-    loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized)
+    if spmd.on_root(comm, wants_sharding, run, path, comm.size):
+        log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",
+                 comm.size, comm.size)
+        loaded = spmd.everywhere(comm, load_rank_share, path, comm.rank, comm.size,
+                                 run.keep_quantized)
+    else:
+        loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized)
     # From here on every rank is in lockstep: a long wait means a peer is gone.
     spmd.hot_phase(comm, run.comm_timeout)
     blas_info = describe_blas()
@@ -114,7 +123,10 @@ def resolve_model(comm: Comm, run: RunConfig):
 
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
-    return Engine(CPModel(loaded.model), comm, algo=run.cp_algo,
+    if getattr(loaded, "share", None) is not None and decode.decode_tp == "on":
+        raise UserError("--decode-tp on needs every layer on every rank; it cannot run with "
+                        "--shard-weights (use --decode-tp off or auto)")
+    return Engine(build_cp_model(loaded, comm), comm, algo=run.cp_algo,
                   prefill_chunk=run.prefill_chunk,
                   on_layer=layer_hook(comm.rank, comm.watchdog),
                   kv_interleave=decode.kv_interleave, decode_merge=decode.decode_merge,
@@ -147,7 +159,8 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
                  score: bool = False):
     """Refuse before prefill when the forecast per rank exceeds --memory-limit."""
     limit = memory_limit(run)
-    need = check_fits(kv_model_shape(loaded), model_nbytes(loaded.model), total_tokens,
+    weights = weight_plan(loaded, model_nbytes(loaded.model), run.keep_quantized)
+    need = check_fits(kv_model_shape(loaded), weights, total_tokens,
                       run.prefill_chunk or new_tokens, comm.size, limit, forecast_algo(run),
                       score)
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB) of %.2f GB allowed",
@@ -164,6 +177,11 @@ def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
     if comm.rank != 0:
         return {}
     return {name: [g[name] for g in gathered] for name in mine}
+
+
+def model_bytes(engine: Engine, loaded) -> int:
+    """The weights this rank held at its peak (``--json`` model_bytes)."""
+    return weight_bytes(engine.model, loaded)
 
 
 def model_nbytes(model) -> int:

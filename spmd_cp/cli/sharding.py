@@ -1,0 +1,39 @@
+"""``--shard-weights on|off|auto``: whether each rank loads only its share of the layers
+(models/partial_load.py, engine/weights.py), and the weight bytes the forecast counts."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ..engine.forecast import WeightPlan, default_memory_limit, parse_bytes
+from ..engine.weights import PREFETCH_LAYERS
+from ..config import RunConfig
+from ..models.partial_load import weight_layout
+
+
+def wants_sharding(run: RunConfig, path: str, ranks: int) -> bool:
+    """Rank 0's decision. ``auto`` shards when the replicated weights alone exceed the
+    per-rank memory limit; one rank has nothing to shard with."""
+    if run.shard_weights == "off" or ranks == 1:
+        return False
+    if run.shard_weights == "auto":
+        limit = parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
+        return layout_of(path, run.keep_quantized).replicated > limit
+    return True
+
+
+@lru_cache(maxsize=4)
+def layout_of(path: str, keep_quantized: bool):
+    return weight_layout(path, keep_quantized)
+
+
+def weight_plan(loaded, replicated_bytes: int, keep_quantized: bool) -> WeightPlan:
+    """What the memory forecast counts for this run's weights per rank."""
+    share = getattr(loaded, "share", None)
+    try:
+        layout = layout_of(loaded.path, keep_quantized)
+    except (OSError, ValueError, KeyError):  # the forecast then offers no sharding
+        return WeightPlan(replicated_bytes)
+    return WeightPlan(layout.replicated if share is not None else replicated_bytes,
+                      lambda ranks: layout.per_rank(ranks, PREFETCH_LAYERS),
+                      sharded=share is not None)
