@@ -1,0 +1,153 @@
+"""--shard-weights: each rank holds its layers (i mod N) and 1/N of the vocabulary, and
+the results equal the replicated run's.
+
+References: the replicated run at the same N (bitwise: the same math in the same
+order), the single-rank replicated run (the suite's CP tolerance), ``mx.load`` for the
+GGUF reader, the loaded model's own byte count for the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+ENV = {"SPMD_CP_WEIGHT_CACHE": "0"}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shard") / "text.txt"
+    path.write_text(" ".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(9)))
+    return str(path)
+
+
+def score(n, model, text_file, tmp_path, *flags):
+    out = tmp_path / f"score-{n}-{len(list(tmp_path.iterdir()))}.jsonl"
+    launch = run_cli(n, ["score", "--model", model, "--text-file", text_file, "--output",
+                         str(out), "--json", *flags], env=ENV)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return launch.last_json(), rows
+
+
+def generate(n, model, text_file, *flags, check=True):
+    return run_cli(n, ["generate", "--model", model, "--prompt-file", text_file,
+                       "--no-chat-template", "--max-tokens", "6", "--json", *flags],
+                   env=ENV, check=check)
+
+
+@pytest.mark.parametrize("kind, n", [("llama", 2), ("qwen3", 3)])  # tied, untied LM head
+def test_sharded_score_equals_replicated(tiny_models, text_file, tmp_path, kind, n):
+    model = tiny_models[kind]
+    _, single = score(1, model, text_file, tmp_path)
+    plain, replicated = score(n, model, text_file, tmp_path, "--shard-weights", "off")
+    trace = tmp_path / "trace.json"
+    summary, sharded = score(n, model, text_file, tmp_path, "--shard-weights", "on",
+                             "--trace", str(trace))
+    assert sharded == replicated, "sharded differs from replicated at the same N"
+    assert [r["pos"] for r in sharded] == [r["pos"] for r in single]
+    np.testing.assert_allclose([r["logprob"] for r in sharded],
+                               [r["logprob"] for r in single], **TOLERANCE)
+    # Every rank owns a layer and broadcast it: each sent more than attention alone.
+    assert all(s > p for s, p in zip(summary["comm_bytes"], plain["comm_bytes"]))
+    assert max(summary["model_bytes"]) < min(plain["model_bytes"])
+    # --trace shows every layer's broadcast, on every rank.
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    prefetched = {(e["pid"], e["name"]) for e in events if e["name"].startswith("prefetch")}
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    assert prefetched == {(r, f"prefetch layer {i}") for r in range(n) for i in range(layers)}
+
+
+def test_sharded_greedy_generation_equals_one_rank(tiny_models, text_file):
+    model = tiny_models["llama"]
+    expected = generate(1, model, text_file).last_json()
+    # Several prefill chunks: the store's passes follow each other (and prefetch across).
+    for n, chunk in ((2, "0"), (3, "0"), (2, "40")):
+        got = generate(n, model, text_file, "--shard-weights", "on", "--prefill-chunk",
+                       chunk).last_json()
+        assert got["text"] == expected["text"] and got["tokens"] == expected["tokens"], n
+
+
+def layer_and_total_bytes(model: str) -> tuple[int, int]:
+    from spmd_cp.models.partial_load import weight_layout
+
+    layout = weight_layout(model)
+    return max(layout.layers_compute), layout.replicated
+
+
+def test_memory_limit_shards_automatically_and_bounds_model_bytes(tiny_models, text_file):
+    from spmd_cp.engine.weights import PREFETCH_LAYERS
+
+    model = tiny_models["llama"]
+    layer, replicated = layer_and_total_bytes(model)
+    norm = 4 * 64
+    limit = ["--memory-limit", str(int(replicated * 0.95))]  # the weights alone do not fit
+    refused = generate(1, model, text_file, *limit, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "--shard-weights on at 2 ranks" in refused.stderr
+    expected = generate(1, model, text_file).last_json()
+    assert expected["model_bytes"] == [replicated]
+    for n in (2, 3):
+        got = generate(n, model, text_file, *limit).last_json()  # --shard-weights auto
+        assert got["text"] == expected["text"], n
+        # 1/N of everything, the window of K + 1 layers, and the final norm (one vector,
+        # which every rank keeps whole).
+        bound = replicated / n + (PREFETCH_LAYERS + 1) * layer + norm
+        assert all(b <= bound for b in got["model_bytes"]), (n, got["model_bytes"], bound)
+        assert max(got["model_bytes"]) < replicated
+
+
+def test_decode_tp_on_with_sharded_weights_is_refused(tiny_models, text_file):
+    result = generate(2, tiny_models["llama"], text_file, "--shard-weights", "on",
+                      "--decode-tp", "on", check=False)
+    assert result.returncode == 2
+    assert "--decode-tp on" in result.stderr and "--shard-weights" in result.stderr
+
+
+def test_gguf_reader_equals_mx_load(embedded_model):
+    import mlx.core as mx
+
+    from spmd_cp.models.gguf import _mlx_name
+    from spmd_cp.models.tensor_files import GGUFFile
+
+    reference = mx.load(embedded_model)
+    gguf = GGUFFile(embedded_model)
+    for gguf_name in ("blk.0.attn_q.weight", "token_embd.weight", "blk.29.ffn_down.weight",
+                      "output_norm.weight"):
+        ref = reference[gguf_name]
+        rows = (5, 77) if ref.ndim == 2 else None
+        got = gguf.read(_mlx_name(gguf_name), rows=rows)
+        base = gguf_name[: -len(".weight")]
+        for name, array in got.items():
+            want = reference[f"{base}.{name.rsplit('.', 1)[1]}"]
+            want = want[5:77] if rows else want.astype(mx.float32)
+            assert array.dtype == want.dtype and array.shape == want.shape, name
+            assert np.array_equal(np.array(array), np.array(want)), name
+
+
+def test_rank_share_reads_only_its_share(tiny_models):
+    """A rank's peak MLX memory while loading stays near its share, and the layout
+    counts what the replicated loader holds."""
+    from mlx.utils import tree_flatten
+
+    from spmd_cp.models.loader import load_model
+
+    model = tiny_models["qwen3"]
+    layer, replicated = layer_and_total_bytes(model)
+    loaded = load_model(model)
+    assert replicated == sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    code = ("import mlx.core as mx; from spmd_cp.models.partial_load import load_rank_share; "
+            f"s = load_rank_share({model!r}, 1, 3).share; "
+            "print(mx.get_peak_memory(), sorted(s.layers), s.vocab_rows)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split(maxsplit=1)
+    assert int(out[0]) <= replicated / 3 + layer
+    assert out[1].strip() == "[1] (16384, 32768)"
