@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from mlx.utils import tree_flatten
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..runtime.comm import Comm
 from .model import CPModel
@@ -14,11 +15,16 @@ from .weights import LayerStore
 def build_cp_model(loaded, comm: Comm) -> CPModel:
     """``CPModel`` of a loaded model; layer-sharded when it was loaded as one rank's share
     (models/partial_load.py)."""
-    model = CPModel(loaded.model)
     share = getattr(loaded, "share", None)
+    inner = loaded.model.model
+    if share is not None:
+        # CPModel finds the KV dtype by running layer 0 on the GPU path (kv_dtype_for):
+        # zeros of the layer's computed form stand in (lazy: never built on the CPU).
+        zeros = {n: mx.zeros(shape, dtype) for n, (shape, dtype) in share.layer_specs[0].items()}
+        inner.layers[0].update(tree_unflatten(list(share.form.convert(zeros).items())))
+    model = CPModel(loaded.model)
     if share is None:
         return model
-    inner = loaded.model.model
     model.layers = LayerStore(list(inner.layers), share, comm)
     model.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, share.vocab_rows, comm)
     head = getattr(loaded.model, "lm_head", None)
