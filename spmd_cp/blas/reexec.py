@@ -114,6 +114,12 @@ def ensure_fast_blas(argv: list[str] | None = None) -> str:
         _warn("MPI is already initialized: cannot switch to a faster BLAS now "
               f"(call spmd_cp.blas.ensure_fast_blas() before importing mpi4py.MPI; {path})")
         return "cannot-reexec"
+    _reexec_with(path, args)
+    return "cannot-reexec"
+
+
+def _reexec_with(path: str, args: list[str]):
+    """Preload ``path`` and exec this interpreter again; returns only if exec fails."""
     saved = dict(os.environ)
     os.environ.update(thread_env(path, default_threads()))
     os.environ["LD_PRELOAD"] = " ".join([path] + preloaded_libraries())
@@ -129,4 +135,3 @@ def ensure_fast_blas(argv: list[str] | None = None) -> str:
         os.environ.clear()
         os.environ.update(saved)
         _warn(f"re-exec with {path} failed ({e}); keeping the default BLAS")
-    return "cannot-reexec"

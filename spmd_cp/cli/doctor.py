@@ -27,6 +27,7 @@ import click
 
 from ..models.checksum import model_checksum
 from ..models.gguf_header import head_counts
+from .doctor_report import calibration_lines, rank_table
 from ..errors import UserError  # standard library only: importing this module (cli.py does,
 # before the BLAS re-exec) must not load MLX or MPI
 
@@ -224,18 +225,45 @@ def doctor(**options):
 
 def doctor_command(comm, options: dict, outcome: dict):
     """The body of `spmd-cp doctor` on every rank; sets ``outcome["exit_code"]``."""
-    from ..attention.calibrate import calibration_file, calibrate, measure_attention_flops
-    from ..models.loader import check_model_path, default_model_path
+    from ..attention.calibrate import measure_attention_flops
 
     # Rank 0's flags rule: in an MPMD launch ranks may have been given different ones, and
     # every rank must take part in the same collectives.
     flags = comm.bcast_object({"recalibrate": options["recalibrate"],
                                "as_json": options["as_json"]})
-
     report = local_report()
-    # Each rank checks its own copy (resolving the default itself: in an MPMD launch ranks
-    # may name different files, and a missing model must be reported, not deadlock).
-    model_path, error = options["model_path"], None
+    hosts = comm.allgather_object(report["host"])
+    report.update(check_model(comm, options["model_path"], hosts, report["host"]))
+    # Every rank's attention speed now, under the load the ranks put on their hosts together.
+    report["attention_flops"] = measure_attention_flops(repeats=2)
+    reports = comm.allgather_object(report)
+    measured, calibration = run_calibration(comm, flags["recalibrate"])
+    problems = find_mismatches(reports)
+    outcome["exit_code"] = EXIT_MISMATCH if problems else 0
+    if comm.rank != 0:
+        return
+    warnings = find_warnings(reports, [r["attention_flops"] for r in reports])
+    crossover = None
+    if calibration["source"] == "cache":
+        warnings.extend(stale_calibration(reports, measured))
+    if reports[0]["model_error"] is None:
+        crossover = describe_auto(reports[0]["model_path"], comm.size, measured, warnings)
+    summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
+               "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
+               **{key: [r[key] for r in reports] for key in reports[0]},
+               "calibration": calibration, "auto": crossover}
+    print_report(summary)
+    if flags["as_json"]:
+        print(json.dumps(summary), flush=True)
+
+
+def check_model(comm, model_path: str | None, hosts: list[str], host: str) -> dict:
+    """This rank's model path, checksum and error (every rank checks its own copy)."""
+    from ..models.loader import check_model_path, default_model_path
+
+    # Each rank resolves the default itself: in an MPMD launch ranks may name different
+    # files, and a missing model must be reported, not deadlock.
+    error = None
     try:
         model_path = model_path or default_model_path()
         check_model_path(model_path)
@@ -243,8 +271,7 @@ def doctor_command(comm, options: dict, outcome: dict):
         error = str(failure)
     # Ranks sharing a host hash one after the other: the first fills the on-disk cache, the
     # others then only stat() the file instead of reading it again at the same time.
-    hosts = comm.allgather_object(report["host"])
-    first_on_host = hosts.index(report["host"]) == comm.rank
+    first_on_host = hosts.index(host) == comm.rank
     checksum, hash_s = None, 0.0
     for turn in (True, False):
         if turn == first_on_host and error is None:
@@ -255,81 +282,60 @@ def doctor_command(comm, options: dict, outcome: dict):
                 error = str(failure)
             hash_s = time.perf_counter() - start
         comm.barrier()
-    report.update(model_path=model_path and os.path.abspath(model_path), model_checksum=checksum,
-                  model_error=error, checksum_s=round(hash_s, 3))
+    return {"model_path": model_path and os.path.abspath(model_path),
+            "model_checksum": checksum, "model_error": error, "checksum_s": round(hash_s, 3)}
 
-    # Every rank's attention speed now, under the load the ranks put on their hosts together.
-    report["attention_flops"] = measure_attention_flops(repeats=2)
-    reports = comm.allgather_object(report)
+
+def run_calibration(comm, recalibrate: bool):
+    """(the calibration auto decides with, its description for the report)."""
+    from ..attention.calibrate import calibration_file, calibrate
 
     cache_file = calibration_file(comm)
     cached = comm.bcast_object(cache_file.is_file() if comm.rank == 0 else None)
     start = time.perf_counter()
-    measured = calibrate(comm, recalibrate=flags["recalibrate"])
+    measured = calibrate(comm, recalibrate=recalibrate)
     links = ("ring_bytes_per_s", "ring_latency_s", "collective_s")  # null on one rank
     calibration = {
         **{k: (None if k in links and comm.size == 1 else v) for k, v in vars(measured).items()},
-        "source": "cache" if cached and not flags["recalibrate"] else "measured",
+        "source": "cache" if cached and not recalibrate else "measured",
         "seconds": round(time.perf_counter() - start, 3),
         "file": str(cache_file),
     }
-
-    problems = find_mismatches(reports)
-    outcome["exit_code"] = EXIT_MISMATCH if problems else 0
-    if comm.rank != 0:
-        return
-    flops = [r["attention_flops"] for r in reports]
-    warnings = find_warnings(reports, flops)
-    if calibration["source"] == "cache" and not (
-            1 / SLOW_RANK_FACTOR < min(flops) / measured.attention_flops < SLOW_RANK_FACTOR):
-        warnings.append(f"the cached attention FLOP/s ({measured.attention_flops / 1e9:.2f} G) "
-                        f"is far from today's ({min(flops) / 1e9:.2f} G): run "
-                        "`spmd-cp doctor --recalibrate`")
-    crossover = None
-    if reports[0]["model_error"] is None:
-        from ..runtime.device import on_gpu_path
-
-        # K/V element size on the wire (engine.model.kv_dtype_for, without loading the
-        # model): float32 on the CPU path, the model's half precision on the GPU path.
-        elem_bytes = 2 if on_gpu_path() else 4
-        try:
-            heads = head_counts(model_path)
-        except (OSError, ValueError, KeyError, TypeError) as failure:
-            warnings.append(f"cannot read the head counts of {model_path} ({failure!r}): "
-                            "no crossover")
-        else:
-            crossover = auto_crossover(*heads, elem_bytes, comm.size, measured)
-    summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
-               "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
-               **{key: [r[key] for r in reports] for key in reports[0]},
-               "calibration": calibration, "auto": crossover}
-    print_report(summary)
-    if flags["as_json"]:
-        print(json.dumps(summary), flush=True)
+    return measured, calibration
 
 
-# -- output --------------------------------------------------------------------------------
-def _gflops(rate: float) -> str:
-    return f"{rate / 1e9:.2f} GFLOP/s"
+def stale_calibration(reports: list[dict], measured) -> list[str]:
+    """A warning when the cached attention rate is far from what the ranks measure today."""
+    today = min(r["attention_flops"] for r in reports)
+    if 1 / SLOW_RANK_FACTOR < today / measured.attention_flops < SLOW_RANK_FACTOR:
+        return []
+    return [f"the cached attention FLOP/s ({measured.attention_flops / 1e9:.2f} G) is far "
+            f"from today's ({today / 1e9:.2f} G): run `spmd-cp doctor --recalibrate`"]
+
+
+def describe_auto(model_path: str, cp_size: int, measured, warnings: list[str]):
+    """Where --cp-algo auto switches for this model (None, with a warning, if its header
+    cannot be read)."""
+    from ..runtime.device import on_gpu_path
+
+    # K/V element size on the wire (engine.model.kv_dtype_for, without loading the
+    # model): float32 on the CPU path, the model's half precision on the GPU path.
+    elem_bytes = 2 if on_gpu_path() else 4
+    try:
+        heads = head_counts(model_path)
+    except (OSError, ValueError, KeyError, TypeError) as failure:
+        warnings.append(f"cannot read the head counts of {model_path} ({failure!r}): "
+                        "no crossover")
+        return None
+    return auto_crossover(*heads, elem_bytes, cp_size, measured)
 
 
 def print_report(s: dict):
     """The human-readable report (rank 0, stdout)."""
-    out = []
-    n = s["ranks"]
-    hosts = s["hosts"]
-    out.append(f"spmd-cp doctor: {n} rank{'s' if n != 1 else ''} on {len(hosts)} "
-               f"host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})")
-    out.append("")
-    rows = [("rank", "host", "pid", "BLAS", "threads", "attention", "model sha256")]
-    for r in range(n):
-        checksum = s["model_checksum"][r]
-        rows.append((str(r), s["host"][r], str(s["pid"][r]), s["blas"][r],
-                     str(s["blas_threads"][r] or "?"), _gflops(s["attention_flops"][r]),
-                     checksum[:16] if checksum else "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    out += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    out.append("")
+    n, hosts = s["ranks"], s["hosts"]
+    out = [f"spmd-cp doctor: {n} rank{'s' if n != 1 else ''} on {len(hosts)} "
+           f"host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})", ""]
+    out += rank_table(s) + [""]
     labels = dict(COMPARED)
     out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
     for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "backend",
@@ -343,56 +349,9 @@ def print_report(s: dict):
         out.append(f"  {label:<15} {values[0]}{mark}")
     out.append("")
     if s["problems"]:
-        out.append(f"MISMATCH (exit status {EXIT_MISMATCH}):")
-        out += [f"  {p}" for p in s["problems"]]
+        out += [f"MISMATCH (exit status {EXIT_MISMATCH}):"] + [f"  {p}" for p in s["problems"]]
         out.append("")
     if s["warnings"]:
-        out.append("warnings:")
-        out += [f"  {w}" for w in s["warnings"]]
-        out.append("")
-    c = s["calibration"]
-    if n > 1:
-        out.append(f"ring Sendrecv (rank r -> r+1, slowest link): "
-                   f"{c['ring_bytes_per_s'] / 1e9:.3f} GB/s per direction, "
-                   f"{c['ring_latency_s'] * 1e6:.0f} us per small step")
-        out.append(f"small collective (decode): {c['collective_s'] * 1e6:.0f} us")
-    out.append(f"weight reads {c['stream_bytes_per_s'] / 1e9:.1f} GB/s per rank (all ranks at "
-               f"once); host copies {c['copy_bytes_per_s'] / 1e9:.1f} GB/s")
-    out.append(f"attention (slowest rank): {_gflops(c['attention_flops'])}")
-    if c["source"] == "cache":
-        out.append(f"calibration: read from {c['file']} "
-                   "(`spmd-cp doctor --recalibrate` measures again)")
-    else:
-        out.append(f"calibration: measured now ({c['seconds']:.1f} s), written to {c['file']}")
-    out.append(f"  (--cp-algo auto reads it whenever {n} rank{'s' if n != 1 else ''} run on "
-               f"{'these hosts' if len(hosts) > 1 else 'this host'})")
-    a = s["auto"]
-    if a is not None:
-        out.append("")
-        out.append(f"auto choice for this model (NH={a['num_heads']} query heads, "
-                   f"NKV={a['num_kv_heads']} KV heads, {a['elem_bytes']}-byte K/V) on {n} "
-                   f"rank{'s' if n != 1 else ''}:")
-        out += ["  " + line for line in describe_crossover(a)]
+        out += ["warnings:"] + [f"  {w}" for w in s["warnings"]] + [""]
+    out += calibration_lines(s)
     print("\n".join(out), flush=True)
-
-
-def describe_crossover(a: dict) -> list[str]:
-    """Sentences for an ``auto_crossover`` result."""
-    if a["cp_size"] == 1:
-        return ["one rank: no communication, nothing to choose (pass-kv)"]
-    share = a["share_threshold"]
-    rule = f"T/(T+P) < 2*NKV/NH = {share:.3f}"
-    lines = [f"pass-kv whenever the T new tokens are at least {share:.1%} of the context "
-             f"(T/(T+P) >= 2*NKV/NH) on P cached tokens"]
-    limit = a["pass_q_below_tokens"]
-    if limit is None:
-        lines.append(f"pass-q is chosen for every follow-up with {rule}")
-    elif limit <= 1:
-        lines.append("pass-q is never chosen: even one new token's attention hides the K/V "
-                     "transfer on this link")
-    else:
-        lines.append(f"pass-q is chosen for follow-ups of T < {limit} new tokens on P cached "
-                     f"when {rule};")
-        lines.append(f"from T >= {limit} the K/V transfer hides under attention compute "
-                     "(T >= N*C*NKV*e/(2*NH*BW)) and pass-kv wins")
-    return lines

@@ -1,0 +1,71 @@
+"""The parts of `spmd-cp doctor`'s human-readable report (rank 0): the rank table, the
+calibration and what --cp-algo auto will do with it."""
+
+from __future__ import annotations
+
+
+def _gflops(rate: float) -> str:
+    return f"{rate / 1e9:.2f} GFLOP/s"
+
+
+def rank_table(s: dict) -> list[str]:
+    """One aligned row per rank: host, pid, BLAS, threads, attention speed, model sha256."""
+    rows = [("rank", "host", "pid", "BLAS", "threads", "attention", "model sha256")]
+    for r in range(s["ranks"]):
+        checksum = s["model_checksum"][r]
+        rows.append((str(r), s["host"][r], str(s["pid"][r]), s["blas"][r],
+                     str(s["blas_threads"][r] or "?"), _gflops(s["attention_flops"][r]),
+                     checksum[:16] if checksum else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def calibration_lines(s: dict) -> list[str]:
+    """The measured link and compute, where they came from, and the auto choice."""
+    n, hosts, c = s["ranks"], s["hosts"], s["calibration"]
+    out = []
+    if n > 1:
+        out.append(f"ring Sendrecv (rank r -> r+1, slowest link): "
+                   f"{c['ring_bytes_per_s'] / 1e9:.3f} GB/s per direction, "
+                   f"{c['ring_latency_s'] * 1e6:.0f} us per small step")
+        out.append(f"small collective (decode): {c['collective_s'] * 1e6:.0f} us")
+    out.append(f"weight reads {c['stream_bytes_per_s'] / 1e9:.1f} GB/s per rank (all ranks at "
+               f"once); host copies {c['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    out.append(f"attention (slowest rank): {_gflops(c['attention_flops'])}")
+    if c["source"] == "cache":
+        out.append(f"calibration: read from {c['file']} "
+                   "(`spmd-cp doctor --recalibrate` measures again)")
+    else:
+        out.append(f"calibration: measured now ({c['seconds']:.1f} s), written to {c['file']}")
+    out.append(f"  (--cp-algo auto reads it whenever {n} rank{'s' if n != 1 else ''} run on "
+               f"{'these hosts' if len(hosts) > 1 else 'this host'})")
+    a = s["auto"]
+    if a is not None:
+        out.append("")
+        out.append(f"auto choice for this model (NH={a['num_heads']} query heads, "
+                   f"NKV={a['num_kv_heads']} KV heads, {a['elem_bytes']}-byte K/V) on {n} "
+                   f"rank{'s' if n != 1 else ''}:")
+        out += ["  " + line for line in describe_crossover(a)]
+    return out
+
+
+def describe_crossover(a: dict) -> list[str]:
+    """Sentences for an ``auto_crossover`` result."""
+    if a["cp_size"] == 1:
+        return ["one rank: no communication, nothing to choose (pass-kv)"]
+    share = a["share_threshold"]
+    rule = f"T/(T+P) < 2*NKV/NH = {share:.3f}"
+    lines = [f"pass-kv whenever the T new tokens are at least {share:.1%} of the context "
+             f"(T/(T+P) >= 2*NKV/NH) on P cached tokens"]
+    limit = a["pass_q_below_tokens"]
+    if limit is None:
+        lines.append(f"pass-q is chosen for every follow-up with {rule}")
+    elif limit <= 1:
+        lines.append("pass-q is never chosen: even one new token's attention hides the K/V "
+                     "transfer on this link")
+    else:
+        lines.append(f"pass-q is chosen for follow-ups of T < {limit} new tokens on P cached "
+                     f"when {rule};")
+        lines.append(f"from T >= {limit} the K/V transfer hides under attention compute "
+                     "(T >= N*C*NKV*e/(2*NH*BW)) and pass-kv wins")
+    return lines
