@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
+from ..errors import UserError
+
 # MPI has no bfloat16: such arrays travel as their raw 16-bit patterns.
 _WIRE_VIEW = {mx.bfloat16: mx.uint16}
 
@@ -31,7 +33,7 @@ def require_thread_multiple(provided: int, required: int, size: int):
     requests by default but an MPI build, or ``mpi4py.rc.thread_level``, may refuse.
     """
     if size > 1 and provided < required:
-        raise RuntimeError(
+        raise UserError(
             f"MPI provides thread level {provided}, below MPI_THREAD_MULTIPLE ({required}), "
             "which spmd-cp needs on more than one rank (its communication thread calls MPI "
             "while the main thread does): use an MPI built with thread support "

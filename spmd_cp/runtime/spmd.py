@@ -120,7 +120,12 @@ def run_main(main, options: dict) -> int:
     world = import_mpi().COMM_WORLD
     watchdog = Watchdog(world.Get_rank(), world.Get_size(), world.Abort, STARTUP_TIMEOUT_S)
     watchdog.start(world)
-    comm = Comm(world, watchdog)
+    try:
+        comm = Comm(world, watchdog)
+    except UserError as error:  # the MPI's thread level: the same on every rank
+        if world.Get_rank() == 0:
+            print(f"spmd-cp: error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     setup_logging(comm, options.get("verbose", False))
     if options.get("trace"):
         comm.tracer = Tracer(comm.rank)
