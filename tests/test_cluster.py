@@ -198,6 +198,16 @@ def baseline(cluster):
 
 
 @pytest.fixture(scope="module")
+def calibrated(cluster):
+    """As a user would, run `spmd-cp doctor` on each host set first: it measures link and
+    compute once and caches them, and generate's `--decode-tp auto` decides from that
+    cache. The measured jobs then move only their own traffic (calibration's probes are
+    not the job's and are kept out of comm_bytes, but they would cross the links)."""
+    for n in (2, 4):
+        on_cluster(n, ["doctor"])
+
+
+@pytest.fixture(scope="module")
 def texts(cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     doc, prompt = root / "doc.txt", root / "prompt.txt"
@@ -269,7 +279,7 @@ def one_rank_generate(texts):
 
 @pytest.mark.parametrize("hosts", [2, 4])
 def test_generate_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, one_rank_generate,
-                                                                baseline):
+                                                                baseline, calibrated):
     expected = one_rank_generate
     fixed = baseline(hosts)
     launch, wire = wire_bytes_of(lambda: on_cluster(hosts, generate_argv(texts)))
@@ -284,7 +294,8 @@ def test_generate_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, on
 
 
 @pytest.mark.parametrize("hosts", [2, 4])
-def test_batch_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, baseline):
+def test_batch_on_hosts_equals_one_rank_and_link_bytes_match(hosts, texts, baseline,
+                                                             calibrated):
     expected_out = texts["root"] / "batch-1.jsonl"
     if not expected_out.exists():
         run_cli(1, batch_argv(texts, expected_out), env=RANK_ENV, timeout=TIMEOUT)
