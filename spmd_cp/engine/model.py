@@ -183,4 +183,8 @@ class CPModel:
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits (n, V) in float32 for hidden states (n, D)."""
+        if hidden.shape[0] == 0 and not getattr(self.lm_head, "collective", False):
+            # A rank with no rows computes nothing (MLX's CPU quantized matmul dies of
+            # SIGFPE on 0 rows); a collective head (vocab_parallel) must still be joined.
+            return mx.zeros((0, 0), mx.float32)
         return self.lm_head(self.norm(hidden)).astype(mx.float32)

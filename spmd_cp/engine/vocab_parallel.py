@@ -53,6 +53,8 @@ class VocabParallelEmbedding:
 class VocabParallelHead:
     """``head(x (n, D)) -> (n, V)`` from ``project``, this rank's slice of the head."""
 
+    collective = True  # every rank calls it, with or without rows (CPModel.logits)
+
     def __init__(self, project, rows: tuple[int, int], comm: Comm):
         self.project, self.comm = project, comm
         self.widths = [b - a for a, b in comm.allgather_object(rows)]
