@@ -85,6 +85,10 @@ class Engine:
         """Link and compute figures for the auto choice, measured once (lazily)."""
         if self.algo != "auto" or self.comm.size == 1:
             return None
+        return self._calibrated()
+
+    def _calibrated(self):
+        """The calibration of these ranks (on-disk cache, else measured), read once."""
         if self.measured is None:
             self.measured = calibrate(self.comm)
         return self.measured
@@ -245,12 +249,10 @@ class Engine:
                 self.decode_tp = "off"
                 return False
             if self.decode_tp == "auto":
-                if self.measured is None:
-                    self.measured = calibrate(self.comm)
+                measured = self._calibrated()
                 estimate = estimate_split(split_matrix_bytes(self.model), self.comm.size,
-                                          self.model.num_layers,
-                                          self.measured.stream_bytes_per_s,
-                                          self.measured.collective_s)
+                                          self.model.num_layers, measured.stream_bytes_per_s,
+                                          measured.collective_s)
                 self.decode_tp = "on" if estimate.split else "off"
                 log.info("decode: %s (%s)", "tensor-parallel" if estimate.split else
                          "replicated", estimate.reason)
