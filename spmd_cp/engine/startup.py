@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ..attention.calibrate import uncounted
 from ..runtime.comm import Comm
 from ..runtime.device import BackendInfo, on_gpu_path
 from .engine import Engine
@@ -46,14 +47,13 @@ def warm_up(engine: Engine, enabled: bool | None = None) -> float:
     if not (on_gpu_path() if enabled is None else enabled):
         return 0.0
     comm = engine.comm
-    sent_before = comm.bytes_sent
     start = time.perf_counter()
     # A twin engine: the real one keeps its algorithm log, probes and calibration state.
     twin = Engine(engine.model, comm, algo="pass-kv" if engine.algo == "auto" else engine.algo,
                   decode_merge=engine.decode_merge)
-    cache = twin.new_cache()
-    twin.prefill(cache, np.zeros(WARMUP_TOKENS_PER_RANK * comm.size, np.int64))
-    twin.decode_step(cache, 0)
-    comm.barrier()
-    comm.bytes_sent = sent_before
+    with uncounted(comm):
+        cache = twin.new_cache()
+        twin.prefill(cache, np.zeros(WARMUP_TOKENS_PER_RANK * comm.size, np.int64))
+        twin.decode_step(cache, 0)
+        comm.barrier()
     return time.perf_counter() - start
