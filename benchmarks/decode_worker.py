@@ -44,6 +44,8 @@ def parse_args():
     parser.add_argument("--merge", choices=["allgather", "allreduce"], nargs="+",
                         default=["allgather"])
     parser.add_argument("--lm-head", action="store_true")
+    parser.add_argument("--decode-comm", choices=["auto", "mlx", "mpi"], default="auto",
+                        help="the decode step's collectives (spmd-cp's --decode-comm)")
     return parser.parse_args()
 
 
@@ -113,7 +115,8 @@ def work(bench: benchlib.Worker, args):
     comm, model = bench.comm, bench.model
     tps = args.tp if comm.size > 1 else ["off"]
     merges = args.merge if comm.size > 1 else ["allgather"]
-    engines = {(tp, merge): Engine(model, comm, decode_merge=merge, decode_tp=tp)
+    engines = {(tp, merge): Engine(model, comm, decode_merge=merge, decode_tp=tp,
+                                   decode_comm=args.decode_comm)
                for tp, merge in itertools.product(tps, merges)}
     caches = {context: synthetic_cache(bench, context) for context in args.context}
     steps = {key: ([], []) for key in itertools.product(args.context, tps, merges)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 
 DECODE_TP_MODES = ("auto", "on", "off")
+DECODE_COMM_MODES = ("auto", "mlx", "mpi")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
 
 # Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
@@ -94,6 +95,9 @@ class DecodeConfig(_Settings):
     decode_merge: str = "allgather"
     # auto: split when the cached calibration says it pays (engine/decode_choice.py).
     decode_tp: str = "auto"
+    # auto: the decode step's collectives run inside MLX's graph (runtime/graph_comm.py)
+    # where every rank can open MLX's ring backend, else through mpi4py.
+    decode_comm: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON
 
 Each config: {"algo", "chunk", "length", "decode", "seed"[, "score": true, "merge":
-"allgather", "interleave": 1, "tp": "off"]}. For each,
+"allgather", "interleave": 1, "tp": "off", "comm": "mpi"]}. For each,
 rank 0 records the logprob of every prompt token (when scoring), the greedy
 continuation, and per-rank KV bytes, prefill communication bytes and peak memory beyond
 the weights.
@@ -31,7 +31,7 @@ def run_config(comm, model, config, model_bytes):
     engine = Engine(model, comm, algo=config["algo"], prefill_chunk=config["chunk"],
                     kv_interleave=config.get("interleave", 1),
                     decode_merge=config.get("merge", "allgather"),
-                    decode_tp=config.get("tp", "off"))
+                    decode_tp=config.get("tp", "off"), decode_comm=config.get("comm", "mpi"))
     cache = engine.new_cache()
     ids = prompt_ids(config["length"], config["seed"], 49152)
     bytes_before = comm.bytes_sent

@@ -164,10 +164,10 @@ def test_prefill_memory_per_rank_shrinks_with_n(embedded_model, tmp_path):
 @pytest.mark.parametrize("n", [2, 3])
 def test_decode_merges_tensor_parallel_and_interleaved_placement(n, tiny_models, tmp_path):
     """Both decode merges are exact, with and without the tensor-parallel decode step,
-    and interleaved placement keeps shards within one run of K tokens of each other
+    with decode's collectives in MLX's graph and through MPI, and interleaved placement keeps shards within one run of K tokens of each other
     (vLLM's cp_kv_cache_interleave_size)."""
     configs = [{"algo": "auto", "chunk": 0, "length": 13, "decode": 22, "seed": 13,
-                "merge": merge, "interleave": k, "tp": tp}
+                "merge": merge, "interleave": k, "tp": tp, "comm": "mlx" if k == 1 else "mpi"}
                for merge in ("allgather", "allreduce") for k in (1, 4) for tp in ("off", "on")]
     results = run_driver(n, tiny_models["qwen3"], configs, tmp_path)
     for result in results:

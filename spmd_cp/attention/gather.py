@@ -60,7 +60,8 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     ``allreduce`` (Tree Attention, arXiv 2408.04093): an Allreduce of the max lse, then an
     Allreduce-sum of the rescaled outputs and their weights: two smaller collectives
     whose size does not grow with N. Its sums stay float32 whatever the KV dtype.
-    ``fused``: None follows runtime.device.use_fused_attention.
+    ``fused``: None follows runtime.device.use_fused_attention. ``comm``: a Comm, or
+    graph collectives (runtime/graph_comm.py) that leave the merge inside MLX's graph.
     """
     fused = use_fused_attention() if fused is None else fused
 

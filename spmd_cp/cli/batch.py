@@ -259,6 +259,7 @@ class RootSide:
             "decode_tok_s": throughput(progress.decoded_tokens, progress.decode_s),
             "ranks": self.ranks,
             "algo": algos_used(engine),
+            **engine.decode_modes,
             **metrics,
         }
         sys.stdout.write(json.dumps(summary) + "\n")

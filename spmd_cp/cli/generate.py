@@ -145,6 +145,7 @@ def report(comm, run: RunConfig, engine, result, prompt_tokens: int, reused: int
         "prompt_tokens_reused": int(reused),
         "ranks": comm.size,
         "algo": algos_used(engine),
+        **engine.decode_modes,
         "finish_reason": result.finish_reason,
         "ttft_s": round(result.prefill_s, 6),
         "prefill_tok_s": throughput(prompt_tokens - reused, result.prefill_s),

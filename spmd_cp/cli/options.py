@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig, RunConfig,
-                      SamplingConfig, describe_range, in_range)
+from ..config import (DECODE_COMM_MODES, DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig,
+                      RunConfig, SamplingConfig, describe_range, in_range)
 
 
 class RangeError(click.BadParameter):
@@ -106,7 +106,12 @@ def decode_options(fn):
         click.option("--decode-tp", type=click.Choice(DECODE_TP_MODES), default=d("decode_tp"),
                      show_default=True,
                      help="Split decode's projections, MLP and LM head across ranks too "
-                          "(auto: time both in the first steps and keep the faster)."),
+                          "(auto: when the calibrated weight read and collective times say "
+                          "it pays)."),
+        click.option("--decode-comm", type=click.Choice(DECODE_COMM_MODES),
+                     default=d("decode_comm"), show_default=True,
+                     help="Decode's collectives: inside MLX's graph over its ring backend "
+                          "(mlx), through MPI (mpi), or mlx where every rank can (auto)."),
     ])
 
 

@@ -130,7 +130,7 @@ def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = Decod
                   prefill_chunk=run.prefill_chunk,
                   on_layer=layer_hook(comm.rank, comm.watchdog),
                   kv_interleave=decode.kv_interleave, decode_merge=decode.decode_merge,
-                  decode_tp=decode.decode_tp)
+                  decode_tp=decode.decode_tp, decode_comm=decode.decode_comm)
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------

@@ -17,7 +17,9 @@ import numpy as np
 from ..attention import decode_attention, prefill_attention
 from .cache import ShardedKVCache
 from ..attention.calibrate import calibrate
+from ..errors import UserError
 from ..runtime.comm import Comm
+from ..runtime.graph_comm import open_graph_collectives
 from .model import CPModel
 from ..attention.partition import head_tail_positions, owner_of
 from .decode_choice import estimate_split, split_matrix_bytes
@@ -56,11 +58,13 @@ class Engine:
     def __init__(self, model: CPModel, comm: Comm, algo: str = "auto",
                  prefill_chunk: int = 0, on_layer=None, kv_interleave: int = 1,
                  decode_merge: str = "allgather", decode_tp: str = "off",
-                 make_prefill_attention=prefill_attention):
+                 decode_comm: str = "mpi", make_prefill_attention=prefill_attention):
         """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or
         "decode"): the watchdog's context and test-only fault injection use it.
         ``make_prefill_attention``: returns each prefill call's (attend, algo, reason),
-        with ``attention.prefill_attention``'s arguments (a profiler may wrap it)."""
+        with ``attention.prefill_attention``'s arguments (a profiler may wrap it).
+        ``decode_comm``: "mlx" / "auto" run the decode step's collectives inside MLX's
+        graph (runtime/graph_comm.py; "auto" falls back to MPI where a rank cannot)."""
         self.model = model
         self.make_prefill_attention = make_prefill_attention
         self.comm = comm
@@ -73,6 +77,8 @@ class Engine:
         # measurements: decode_choice.py). One rank has nothing to split.
         self.decode_tp = decode_tp if comm.size > 1 else "off"
         self.tp_decoder = None
+        self.decode_comm = decode_comm
+        self.collectives = None  # the decode step's: graph collectives or the Comm itself
         self.algos_used = []
         self.measured = None
 
@@ -211,7 +217,8 @@ class Engine:
         if lazy and self.comm.size > 1:
             raise ValueError("a lazy token needs one rank: the others must receive its id")
         cache.add_positions(rank_positions, [-1 if lazy else token])
-        attend = decode_attention(self.comm, self.decode_merge)
+        collectives = self._decode_collectives()
+        attend = decode_attention(collectives, self.decode_merge)
         store, hook = self.comm.rank == owner, self._layer_hook("decode")
         split = self._use_tensor_parallel()
         tracer = self.comm.tracer
@@ -230,8 +237,33 @@ class Engine:
                 if self.comm.rank != 0:
                     logits = (logits, hidden)
             if wait:
-                mx.eval(logits)
+                with self.comm.bounded("decode step"):  # may run graph collectives
+                    mx.eval(logits)
         return logits[0] if self.comm.rank == 0 else None
+
+    @property
+    def decode_modes(self) -> dict:
+        """What decode ran with, for --json: the split step or not ("on" / "off"; "auto"
+        before the first step decided) and the collectives ("mlx" / "mpi"; None on one
+        rank or before the first decode step)."""
+        used = None
+        if self.collectives is not None and self.comm.size > 1:
+            used = self.decode_comm
+        return {"decode_tp": self.decode_tp, "decode_comm": used}
+
+    def _decode_collectives(self):
+        """The decode step's collectives, chosen at the first step (every rank at once)."""
+        if self.collectives is None and self.comm.size == 1:
+            self.collectives = self.comm  # nothing to communicate
+        if self.collectives is None:
+            graph, reason = open_graph_collectives(self.comm, self.decode_comm)
+            if graph is None and self.decode_comm == "mlx":
+                raise UserError(f"--decode-comm mlx: {reason}")
+            log.info("decode collectives: %s (%s)", "in MLX's graph" if graph else "MPI",
+                     reason)
+            self.collectives = graph or self.comm
+            self.decode_comm = "mlx" if graph else "mpi"
+        return self.collectives
 
     # -- tensor-parallel decode: on, off, or decided from measurements -----------------
     def _use_tensor_parallel(self) -> bool:
@@ -258,5 +290,6 @@ class Engine:
                          "replicated", estimate.reason)
                 if not estimate.split:
                     return False
-            self.tp_decoder = TensorParallelDecoder(self.model, self.comm)
+            self.tp_decoder = TensorParallelDecoder(self.model, self.comm,
+                                                    self._decode_collectives())
         return True

@@ -15,16 +15,20 @@ them), so an architecture detail added here holds for both.
 from __future__ import annotations
 
 import dataclasses
+from importlib import import_module
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_lm.models.activations import swiglu
+
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
+from .weight_slices import linear, times_transposed
 
 # attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale) -> (NH, n, d)
 AttendFn = Callable[..., mx.array]
@@ -96,6 +100,13 @@ def kv_model_shape(loaded) -> ModelShape:
     return dataclasses.replace(loaded.shape, elem_bytes=kv_dtype_for(loaded.model).size)
 
 
+# mlx-lm's MLPs that compute down(swiglu(gate(x), up(x))): those of every supported
+# architecture (mistral runs llama.py's). Only these are taken apart into their projections
+# (here and in tp_decode.py); another MLP runs as mlx-lm's module.
+SWIGLU_MLPS = tuple(import_module(f"mlx_lm.models.{name}").MLP
+                    for name in ("llama", "qwen2", "qwen3"))
+
+
 class ReplicatedLayer:
     """Every projection of one layer computed in full, on this rank's rows."""
 
@@ -104,14 +115,18 @@ class ReplicatedLayer:
 
     def qkv(self, x: mx.array):
         """(1, n, D) -> q (1, n, NH*d), k, v (1, n, NKV*d)."""
-        return self.attn.q_proj(x), self.attn.k_proj(x), self.attn.v_proj(x)
+        attn = self.attn
+        return linear(attn.q_proj, x), linear(attn.k_proj, x), linear(attn.v_proj, x)
 
     def output(self, out: mx.array) -> mx.array:
         """Attention output (1, n, NH*d) -> (1, n, D)."""
-        return self.attn.o_proj(out)
+        return linear(self.attn.o_proj, out)
 
     def mlp(self, x: mx.array) -> mx.array:
-        return self.feed_forward(x)
+        mlp = self.feed_forward
+        if not isinstance(mlp, SWIGLU_MLPS):
+            return mlp(x)
+        return linear(mlp.down_proj, swiglu(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
 
 
 class CPModel:
@@ -187,4 +202,11 @@ class CPModel:
             # A rank with no rows computes nothing (MLX's CPU quantized matmul dies of
             # SIGFPE on 0 rows); a collective head (vocab_parallel) must still be joined.
             return mx.zeros((0, 0), mx.float32)
-        return self.lm_head(self.norm(hidden)).astype(mx.float32)
+        return self._head(self.norm(hidden)).astype(mx.float32)
+
+    def _head(self, x: mx.array) -> mx.array:
+        """The vocabulary projection; a tied plain embedding through times_transposed."""
+        tied = getattr(self.lm_head, "__self__", None)  # embed_tokens.as_linear
+        if type(tied) is nn.Embedding:
+            return times_transposed(x, tied["weight"])
+        return linear(self.lm_head, x)

@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from ..runtime.comm import Comm
-from .model import CPModel
+from .model import SWIGLU_MLPS, CPModel
 from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges
 
 log = logging.getLogger("spmd_cp")
@@ -81,7 +81,8 @@ class LayerSlice:
     """One rank's slices of one layer's matrices, completed by collectives: the
     projections of ``CPModel.forward`` (``qkv``, ``output``, ``mlp``) split across ranks."""
 
-    def __init__(self, layer, comm: Comm):
+    def __init__(self, layer, comm):
+        """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives)."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
@@ -120,6 +121,8 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
     if getattr(model.layers, "sharded", False):  # engine/weights.py; iterating would fetch
         return "each rank holds only its own layers (--shard-weights)"
     for index, layer in enumerate(model.layers):  # quantization may differ per layer
+        if not isinstance(layer.mlp, SWIGLU_MLPS):
+            return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
         try:
             LayerPlan.of(layer, size)
         except (TypeError, ValueError) as error:
@@ -153,9 +156,12 @@ def describe_weights(model: CPModel) -> str:
 class TensorParallelDecoder:
     """Decode steps with every matmul split across the ranks of ``comm``."""
 
-    def __init__(self, model: CPModel, comm: Comm):
+    def __init__(self, model: CPModel, comm: Comm, collectives=None):
+        """``collectives``: Comm's data-plane collectives or runtime.graph_comm's (the
+        default: ``comm``'s own)."""
         self.model, self.comm = model, comm
-        self.layers = [LayerSlice(layer, comm) for layer in model.layers]
+        self.collectives = collectives or comm
+        self.layers = [LayerSlice(layer, self.collectives) for layer in model.layers]
         head = _head(model)
         ranges = split_ranges(head.out_width, comm.size)
         self.vocab_sizes = [b - a for a, b in ranges]
@@ -171,7 +177,8 @@ class TensorParallelDecoder:
                                   on_layer, tracer, projections=self.layers)
 
     def logits(self, hidden: mx.array) -> mx.array | None:
-        """Full-vocabulary logits (1, V) on rank 0 from each rank's vocabulary slice."""
+        """Full-vocabulary logits (1, V) on rank 0 from each rank's vocabulary slice (on
+        every rank with graph collectives: each must evaluate them)."""
         local = self.head(self.model.norm(hidden)).astype(mx.float32)  # (1, V/N)
-        gathered = self.comm.gather_rows(local[0], self.vocab_sizes, root=0)
+        gathered = self.collectives.gather_rows(local[0], self.vocab_sizes, root=0)
         return gathered[None] if gathered is not None else None

@@ -111,6 +111,17 @@ class Comm:
             if self.tracer is not None:
                 self.tracer.complete(f"wait: {what}", "wait", start, end, peer=peer)
 
+    @contextmanager
+    def bounded(self, what: str):
+        """Around a blocking call that is not communication alone (an evaluation that runs
+        graph collectives, runtime/graph_comm.py): the watchdog bounds it, but its time is
+        not counted as waiting."""
+        if self.watchdog is None or self.size == 1:
+            yield
+        else:
+            with self.watchdog.waiting(what):
+                yield
+
     def sendrecv_start(self, array: mx.array, dest: int, source: int,
                        recv_shape: tuple) -> Transfer:
         """Start sending ``array`` to ``dest`` while receiving ``recv_shape`` from ``source``.

@@ -1,0 +1,55 @@
+"""Real ranks run runtime.graph_comm's collectives inside MLX's graph.
+
+    mpiexec -n N python tests/graph_comm_driver.py OUT_JSON [auto|mlx|mpi]
+
+Every rank contributes arrays of its own rank-dependent values and uneven lengths, runs
+each collective lazily and evaluates the results at once; rank 0 writes what every rank
+got (as lists) and why the collectives were or were not opened, for the test to compare
+against numpy.
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+
+def contribution(rank: int) -> dict:
+    """Rank r's inputs: ``r + 1`` rows for the uneven gathers, the same shape elsewhere."""
+    rows = np.arange((rank + 1) * 4, dtype=np.float32).reshape(1, rank + 1, 4) + 100 * rank
+    return {"rows": rows, "vector": np.arange(rank + 2, dtype=np.float32) - rank,
+            "block": np.full((2, 3), rank + 0.5, np.float32) * np.arange(3, dtype=np.float32)}
+
+
+def main():
+    from mpi4py import MPI
+
+    from spmd_cp.runtime.comm import Comm
+    from spmd_cp.runtime.graph_comm import open_graph_collectives
+
+    comm = Comm(MPI.COMM_WORLD)
+    mode = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    graph, reason = open_graph_collectives(comm, mode)
+    record = {"opened": graph is not None, "reason": reason}
+    if graph is not None:
+        mine = {name: mx.array(value) for name, value in contribution(comm.rank).items()}
+        counts = list(range(1, comm.size + 1))
+        results = {
+            "allgather_rows": graph.allgather_rows(mx.moveaxis(mine["rows"], 1, 2), -1, counts),
+            "gather_rows": graph.gather_rows(mine["vector"], [c + 1 for c in counts]),
+            "allgather_stack": graph.allgather_stack(mine["block"]),
+            "sum": graph.allreduce(mine["block"], "sum"),
+            "max": graph.allreduce(mine["block"] - comm.rank, "max"),
+        }
+        mx.eval(list(results.values()))
+        record["results"] = {name: np.array(value).tolist() for name, value in results.items()}
+        record["bytes_sent"] = comm.bytes_sent
+    records = comm.gather_object(record)
+    if comm.rank == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump(records, out)
+
+
+if __name__ == "__main__":
+    main()
