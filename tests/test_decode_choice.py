@@ -52,14 +52,25 @@ def test_auto_follows_the_calibration_on_real_ranks(tiny_models, tmp_path):
             "--max-tokens", "6", "--json", "--no-chat-template"]
     reference = run_cli(1, args, env=env).last_json()
     first = run_cli(2, args, env=env)  # measures and caches the calibration
-    (path,) = tmp_path.glob("calibration-v2-*.json")
+    (path,) = tmp_path.glob("calibration-v3-*.json")
     figures = json.loads(path.read_text())
     assert set(figures) == {"attention_flops", "ring_bytes_per_s", "ring_latency_s",
                             "copy_bytes_per_s", "stream_bytes_per_s", "collective_s"}
     assert first.last_json()["text"] == reference["text"]
+    # Through MPI the calibration's collective figure decides.
     for collective_s, mode in ((10.0, "replicated"), (1e-9, "tensor-parallel")):
         path.write_text(json.dumps({**figures, "stream_bytes_per_s": 1e6,
                                     "collective_s": collective_s}))
-        run = run_cli(2, args, env=env)
+        run = run_cli(2, args + ["--decode-comm", "mpi"], env=env)
         assert f"decode: {mode} (estimated per step" in run.stderr
         assert run.last_json()["text"] == reference["text"]
+        assert run.last_json()["decode_tp"] == ("on" if mode == "tensor-parallel" else "off")
+    # In MLX's graph the collectives are timed at the decision (the file's 10 s is not
+    # used): a weight read rate that makes the split pointless or worth it decides.
+    for stream, mode in ((1e18, "replicated"), (1e3, "tensor-parallel")):
+        path.write_text(json.dumps({**figures, "stream_bytes_per_s": stream,
+                                    "collective_s": 10.0}))
+        run = run_cli(2, args + ["--decode-comm", "mlx"], env=env)
+        assert f"decode: {mode} (estimated per step" in run.stderr
+        assert run.last_json()["text"] == reference["text"]
+        assert run.last_json()["decode_comm"] == "mlx"

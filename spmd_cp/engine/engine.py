@@ -282,9 +282,14 @@ class Engine:
                 return False
             if self.decode_tp == "auto":
                 measured = self._calibrated()
+                # A collective as this step will issue it: graph collectives are timed
+                # now (a few ms); MPI's come from the calibration.
+                collectives = self._decode_collectives()
+                collective_s = (collectives.latency() if collectives is not self.comm
+                                else measured.collective_s)
                 estimate = estimate_split(split_matrix_bytes(self.model), self.comm.size,
                                           self.model.num_layers, measured.stream_bytes_per_s,
-                                          measured.collective_s)
+                                          collective_s)
                 self.decode_tp = "on" if estimate.split else "off"
                 log.info("decode: %s (%s)", "tensor-parallel" if estimate.split else
                          "replicated", estimate.reason)

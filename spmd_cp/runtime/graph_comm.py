@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -84,6 +85,22 @@ class GraphCollectives:
     def allgather_stack(self, array: mx.array) -> mx.array:
         self._count((self.size - 1) * array.nbytes)
         return mx.distributed.all_gather(array[None], group=self.group)
+
+    def latency(self, width: int = 1024, repeats: int = 30) -> float:
+        """Seconds per collective as a decode step chains them: ``repeats`` dependent
+        all_sums of ``width`` floats in one evaluation (the slowest rank's figure; a
+        few ms, not counted as the job's traffic)."""
+        sent = self.comm.bytes_sent
+        x = mx.ones((1, width), mx.float32)
+        mx.eval(self.allreduce(x, "sum"))  # the connections' first use
+        chain = x
+        start = time.perf_counter()
+        for _ in range(repeats):
+            chain = self.allreduce(chain * 0.5, "sum")
+        mx.eval(chain)
+        seconds = (time.perf_counter() - start) / repeats
+        self.comm.bytes_sent = sent
+        return max(self.comm.allgather_object(seconds))
 
     def allreduce(self, array: mx.array, op: str) -> mx.array:
         self._count(2 * (self.size - 1) * array.nbytes // self.size)
