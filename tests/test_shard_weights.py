@@ -105,11 +105,24 @@ def test_memory_limit_shards_automatically_and_bounds_model_bytes(tiny_models, t
         assert max(got["model_bytes"]) < replicated
 
 
-def test_decode_tp_on_with_sharded_weights_is_refused(tiny_models, text_file):
-    result = generate(2, tiny_models["llama"], text_file, "--shard-weights", "on",
-                      "--decode-tp", "on", check=False)
-    assert result.returncode == 2
-    assert "--decode-tp on" in result.stderr and "--shard-weights" in result.stderr
+@pytest.mark.parametrize("kind, n", [("llama", 2), ("qwen3", 3)])  # tied, untied LM head
+def test_split_decode_from_sharded_weights_equals_one_rank(tiny_models, text_file, kind, n):
+    """--shard-weights on --decode-tp on: each rank cuts its slices while the store
+    broadcasts every layer once, then decodes without broadcasting layers. The tokens are
+    one rank's; it sends far less than sharded replicated decode (which is what
+    --decode-tp auto keeps with sharded weights), and its model_bytes count the slices."""
+    model = tiny_models[kind]
+    longer = ("--max-tokens", "24")  # decode's traffic, not prefill's, dominates comm_bytes
+    expected = generate(1, model, text_file, *longer).last_json()
+    split = generate(n, model, text_file, "--shard-weights", "on", "--decode-tp", "on", *longer)
+    replicated = generate(n, model, text_file, "--shard-weights", "on", *longer)
+    got, plain = split.last_json(), replicated.last_json()
+    assert got["token_ids"] == expected["token_ids"] == plain["token_ids"]
+    assert (got["decode_tp"], plain["decode_tp"]) == ("on", "off")
+    assert "from the layer-sharded store" in split.stderr
+    assert "decode: replicated (layer-sharded weights" in replicated.stderr
+    assert sum(got["comm_bytes"]) < sum(plain["comm_bytes"]) / 2
+    assert all(g > p for g, p in zip(got["model_bytes"], plain["model_bytes"]))
 
 
 def test_gguf_reader_equals_mx_load(embedded_model):
@@ -151,3 +164,18 @@ def test_rank_share_reads_only_its_share(tiny_models):
                          check=True).stdout.split(maxsplit=1)
     assert int(out[0]) <= replicated / 3 + layer
     assert out[1].strip() == "[1] (16384, 32768)"
+
+
+def test_doctor_reports_the_sharded_layout_the_run_holds(tiny_models, text_file, tmp_path):
+    """doctor's weight figures, from the file headers, against real runs: replicated equals
+    one rank's loaded model_bytes; sharded bounds what each rank of a sharded run held."""
+    model = tiny_models["qwen3"]
+    env = {**ENV, "SPMD_CP_CACHE": str(tmp_path)}
+    launch = run_cli(2, ["doctor", "--model", model, "--json"], env=env, timeout=120)
+    weights = launch.last_json()["weights"]
+    replicated = generate(1, model, text_file).last_json()["model_bytes"][0]
+    assert weights["replicated_bytes"] == replicated
+    sharded = generate(2, model, text_file, "--shard-weights", "on").last_json()["model_bytes"]
+    assert max(sharded) <= weights["sharded_bytes"] < replicated
+    assert weights["auto_shards"] is False  # a tiny model fits the default limit
+    assert "--shard-weights on:" in launch.stdout and "keeps them replicated" in launch.stdout

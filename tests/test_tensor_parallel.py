@@ -97,7 +97,7 @@ def test_embedded_model_slicing_obstacles(embedded_model):
     from spmd_cp.models.loader import load_model
 
     model = CPModel(load_model(embedded_model, keep_quantized=True).model)
-    assert describe_weights(model) == "4/8-bit quantized"
+    assert describe_weights(model.layers[0], model) == "4/8-bit quantized"
     assert slicing_obstacle(model, 2) is None and slicing_obstacle(model, 18) is None
     assert slicing_obstacle(model, 19) == (
         "layer 0: o_proj inputs: 18 groups of 32 cannot be split into 19 parts")

@@ -246,12 +246,14 @@ def doctor_command(comm, options: dict, outcome: dict):
     crossover = None
     if calibration["source"] == "cache":
         warnings.extend(stale_calibration(reports, measured))
+    weights = None
     if reports[0]["model_error"] is None:
         crossover = describe_auto(reports[0]["model_path"], comm.size, measured, warnings)
+        weights = describe_weights(reports[0]["model_path"], comm.size, warnings)
     summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
                "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
                **{key: [r[key] for r in reports] for key in reports[0]},
-               "calibration": calibration, "auto": crossover}
+               "calibration": calibration, "auto": crossover, "weights": weights}
     print_report(summary)
     if flags["as_json"]:
         print(json.dumps(summary), flush=True)
@@ -328,6 +330,24 @@ def describe_auto(model_path: str, cp_size: int, measured, warnings: list[str]):
                         "no crossover")
         return None
     return auto_crossover(*heads, elem_bytes, cp_size, measured)
+
+
+def describe_weights(model_path: str, cp_size: int, warnings: list[str]) -> dict | None:
+    """The weight bytes one rank holds, replicated and with --shard-weights on these ranks
+    (from the file headers; None, with a warning, where they cannot be read)."""
+    from ..engine.forecast import default_memory_limit
+    from ..engine.weights import PREFETCH_LAYERS
+    from .sharding import layout_of
+
+    try:
+        layout = layout_of(model_path, False)
+    except (OSError, ValueError, KeyError) as failure:
+        warnings.append(f"cannot read the weight layout of {model_path} ({failure!r})")
+        return None
+    limit = default_memory_limit()
+    return {"replicated_bytes": layout.replicated, "prefetch_layers": PREFETCH_LAYERS,
+            "sharded_bytes": layout.per_rank(cp_size, PREFETCH_LAYERS) if cp_size > 1 else None,
+            "memory_limit_bytes": limit, "auto_shards": cp_size > 1 and layout.replicated > limit}
 
 
 def print_report(s: dict):

@@ -39,6 +39,7 @@ def calibration_lines(s: dict) -> list[str]:
         out.append(f"calibration: measured now ({c['seconds']:.1f} s), written to {c['file']}")
     out.append(f"  (--cp-algo auto reads it whenever {n} rank{'s' if n != 1 else ''} run on "
                f"{'these hosts' if len(hosts) > 1 else 'this host'})")
+    out += describe_weight_layout(s["weights"], n)
     a = s["auto"]
     if a is not None:
         out.append("")
@@ -68,4 +69,23 @@ def describe_crossover(a: dict) -> list[str]:
                      f"when {rule};")
         lines.append(f"from T >= {limit} the K/V transfer hides under attention compute "
                      "(T >= N*C*NKV*e/(2*NH*BW)) and pass-kv wins")
+    return lines
+
+
+def describe_weight_layout(w: dict | None, n: int) -> list[str]:
+    """Lines on the weights one rank holds, replicated and layer-sharded."""
+    if w is None:
+        return []
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    lines = ["", "weights per rank (as loaded without --keep-quantized): "
+                 f"{gb(w['replicated_bytes'])} replicated"]
+    if w["sharded_bytes"] is None:
+        return lines + ["  one rank: nothing to shard"]
+    lines.append(f"  --shard-weights on: {gb(w['sharded_bytes'])} at peak on {n} ranks (its "
+                 f"layers i mod {n}, 1/{n} of the vocabulary, {w['prefetch_layers'] + 1} "
+                 "layers in flight)")
+    shards = w["auto_shards"]
+    lines.append(f"  --shard-weights auto {'shards' if shards else 'keeps them replicated'} "
+                 f"(the replicated weights {'exceed' if shards else 'fit'} the default "
+                 f"--memory-limit, {gb(w['memory_limit_bytes'])} per rank)")
     return lines

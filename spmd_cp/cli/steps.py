@@ -123,9 +123,6 @@ def resolve_model(comm: Comm, run: RunConfig):
 
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
-    if getattr(loaded, "share", None) is not None and decode.decode_tp == "on":
-        raise UserError("--decode-tp on needs every layer on every rank; it cannot run with "
-                        "--shard-weights (use --decode-tp off or auto)")
     return Engine(build_cp_model(loaded, comm), comm, algo=run.cp_algo,
                   prefill_chunk=run.prefill_chunk,
                   on_layer=layer_hook(comm.rank, comm.watchdog),
@@ -180,8 +177,10 @@ def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
 
 
 def model_bytes(engine: Engine, loaded) -> int:
-    """The weights this rank held at its peak (``--json`` model_bytes)."""
-    return weight_bytes(engine.model, loaded)
+    """The weights this rank held at its peak (``--json`` model_bytes), the split decode
+    step's weight slices included."""
+    slices = engine.tp_decoder.nbytes if engine.tp_decoder is not None else 0
+    return weight_bytes(engine.model, loaded) + slices
 
 
 def model_nbytes(model) -> int:

@@ -23,7 +23,7 @@ from ..runtime.graph_comm import open_graph_collectives
 from .model import CPModel
 from ..attention.partition import head_tail_positions, owner_of
 from .decode_choice import estimate_split, split_matrix_bytes
-from .tp_decode import TensorParallelDecoder, supports_tensor_parallel
+from .tp_decode import TensorParallelDecoder, is_layer_sharded, supports_tensor_parallel
 from ..runtime.trace import span
 
 log = logging.getLogger("spmd_cp")
@@ -280,6 +280,12 @@ class Engine:
             if not supports_tensor_parallel(self.model, self.comm):
                 self.decode_tp = "off"
                 return False
+            if self.decode_tp == "auto" and is_layer_sharded(self.model):
+                log.info("decode: replicated (layer-sharded weights: the split step would "
+                         "hold 1/%d of every layer besides this rank's layers; --decode-tp "
+                         "on splits)", self.comm.size)
+                self.decode_tp = "off"
+                return False
             if self.decode_tp == "auto":
                 measured = self._calibrated()
                 # A collective as this step will issue it: graph collectives are timed
@@ -295,6 +301,13 @@ class Engine:
                          "replicated", estimate.reason)
                 if not estimate.split:
                     return False
-            self.tp_decoder = TensorParallelDecoder(self.model, self.comm,
-                                                    self._decode_collectives())
+            try:
+                self.tp_decoder = TensorParallelDecoder(self.model, self.comm,
+                                                        self._decode_collectives())
+            except (TypeError, ValueError) as error:  # a sharded layer that cannot be cut
+                # (every rank reads the same layer at the same point, so all fall back)
+                log.info("decode: replicated (the weights cannot be split over %d ranks: %s)",
+                         self.comm.size, error)
+                self.decode_tp = "off"
+                return False
         return True

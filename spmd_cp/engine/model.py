@@ -158,6 +158,7 @@ class CPModel:
         on_layer=None,
         tracer=None,
         projections=None,
+        modules=None,
     ) -> mx.array:
         """Hidden states (n, D) of ``token_ids`` at global ``positions``, before the final norm.
 
@@ -171,6 +172,9 @@ class CPModel:
             tracer: a trace.Tracer to time each layer (evaluated before its span closes).
             projections: per layer, who computes q/k/v, o and the MLP (``qkv``, ``output``,
                 ``mlp``); default ``self.replicated``, tensor-parallel decode passes slices.
+            modules: per layer, the module whose norms, RoPE and head counts the loop
+                reads (default ``self.layers``; a layer-sharded split step passes copies
+                of the small parts, tp_decode.LayerShell, so no layer is fetched).
         """
         runs = contiguous_runs(positions)
         if isinstance(token_ids, mx.array):
@@ -179,7 +183,7 @@ class CPModel:
             ids = mx.array(token_ids, mx.int32)
         h = self.embed_tokens(ids[None])  # (1, n, D)
         n = h.shape[1]
-        layers = zip(self.layers, projections or self.replicated, cache.layers)
+        layers = zip(modules or self.layers, projections or self.replicated, cache.layers)
         for index, (layer, project, layer_kv) in enumerate(layers):
             if on_layer is not None:
                 on_layer(index)
@@ -205,8 +209,12 @@ class CPModel:
         return self._head(self.norm(hidden)).astype(mx.float32)
 
     def _head(self, x: mx.array) -> mx.array:
-        """The vocabulary projection; a tied plain embedding through times_transposed."""
-        tied = getattr(self.lm_head, "__self__", None)  # embed_tokens.as_linear
-        if type(tied) is nn.Embedding:
-            return times_transposed(x, tied["weight"])
-        return linear(self.lm_head, x)
+        return vocabulary_projection(self.lm_head, x)
+
+
+def vocabulary_projection(head, x: mx.array) -> mx.array:
+    """``head(x)``; a plain head or a tied plain embedding through times_transposed."""
+    tied = getattr(head, "__self__", None)  # embed_tokens.as_linear
+    if type(tied) is nn.Embedding:
+        return times_transposed(x, tied["weight"])
+    return linear(head, x)

@@ -20,6 +20,7 @@ layer loop itself is CPModel.forward's, with ``LayerSlice`` as its projections.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from ..runtime.comm import Comm
-from .model import SWIGLU_MLPS, CPModel
+from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
+from .vocab_parallel import VocabParallelHead
 from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges
 
 log = logging.getLogger("spmd_cp")
@@ -116,10 +118,21 @@ def _head(model: CPModel) -> WeightMatrix:
     return WeightMatrix.of(head if isinstance(head, nn.Module) else model.embed_tokens)
 
 
+def is_layer_sharded(model: CPModel) -> bool:
+    """Whether each rank holds only its own layers (engine/weights.py's LayerStore)."""
+    return getattr(model.layers, "sharded", False)
+
+
 def slicing_obstacle(model: CPModel, size: int) -> str | None:
-    """Why the weights cannot be split over ``size`` ranks, or None when they can."""
-    if getattr(model.layers, "sharded", False):  # engine/weights.py; iterating would fetch
-        return "each rank holds only its own layers (--shard-weights)"
+    """Why the weights cannot be split over ``size`` ranks, or None when they can.
+
+    A layer-sharded model's layers are not at hand (reading them means broadcasting
+    them): only their MLPs' kind is checked here, the rest while the slices are cut."""
+    if is_layer_sharded(model):
+        for index, layer in enumerate(model.layers.modules):
+            if not isinstance(layer.mlp, SWIGLU_MLPS):
+                return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
+        return None  # the vocabulary is already split (vocab_parallel.py)
     for index, layer in enumerate(model.layers):  # quantization may differ per layer
         if not isinstance(layer.mlp, SWIGLU_MLPS):
             return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
@@ -134,6 +147,23 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
     return None
 
 
+class LayerShell:
+    """What the layer loop reads of a layer besides its projections (norms, RoPE, head
+    counts), kept while a layer-sharded run's store swaps the layer's parameters out.
+
+    Shallow copies: each holds the arrays its module held when copied, whatever the store
+    later puts into the original."""
+
+    def __init__(self, layer):
+        self.input_layernorm = copy.copy(layer.input_layernorm)
+        self.post_attention_layernorm = copy.copy(layer.post_attention_layernorm)
+        attn = copy.copy(layer.self_attn)
+        for name in ("q_norm", "k_norm"):  # Qwen3
+            if name in attn:
+                attn[name] = copy.copy(attn[name])
+        self.self_attn = attn
+
+
 def supports_tensor_parallel(model: CPModel, comm: Comm) -> bool:
     """Whether decode can split the weights over ``comm``; says why not (rank 0's log)."""
     reason = slicing_obstacle(model, comm.size)
@@ -143,9 +173,9 @@ def supports_tensor_parallel(model: CPModel, comm: Comm) -> bool:
     return reason is None
 
 
-def describe_weights(model: CPModel) -> str:
-    """'float32', '4-bit quantized' or '4/8-bit quantized': what the slices are cut from."""
-    layer = model.layers[0]
+def describe_weights(layer, model: CPModel) -> str:
+    """'float32', '4-bit quantized' or '4/8-bit quantized': what the slices are cut from
+    (``layer``: one layer's modules as they were when cut)."""
     modules = [layer.self_attn.q_proj, layer.mlp.down_proj, model.embed_tokens, model.lm_head]
     bits = sorted({m.bits for m in modules if hasattr(m, "bits")})
     if bits:
@@ -161,24 +191,47 @@ class TensorParallelDecoder:
         default: ``comm``'s own)."""
         self.model, self.comm = model, comm
         self.collectives = collectives or comm
-        self.layers = [LayerSlice(layer, self.collectives) for layer in model.layers]
-        head = _head(model)
-        ranges = split_ranges(head.out_width, comm.size)
-        self.vocab_sizes = [b - a for a, b in ranges]
-        self.head = head.rows(*ranges[comm.rank]).materialized()
+        sharded = is_layer_sharded(model)
+        # A layer-sharded store broadcasts each layer as this loop reaches it (one forward
+        # pass's worth, once); each rank keeps its slices and the layer's small parts.
+        self.layers, self.modules = [], []
+        for layer in model.layers:
+            if not self.layers:
+                cut_from = describe_weights(layer, model)
+            self.layers.append(LayerSlice(layer, self.collectives))
+            self.modules.append(LayerShell(layer) if sharded else layer)
+        if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows
+            self.head, self.vocab_sizes = model.lm_head.project, model.lm_head.widths
+        else:
+            head = _head(model)
+            ranges = split_ranges(head.out_width, comm.size)
+            self.vocab_sizes = [b - a for a, b in ranges]
+            self.head = head.rows(*ranges[comm.rank]).materialized()
         if comm.rank == 0:
-            log.info("decode: tensor-parallel slices of the %s weights over %d ranks ready",
-                     describe_weights(model), comm.size)
+            log.info("decode: tensor-parallel slices of the %s weights over %d ranks ready%s",
+                     cut_from, comm.size,
+                     " (from the layer-sharded store)" if sharded else "")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight slices this rank holds for the split step."""
+        matrices = [m for piece in self.layers
+                    for m in piece.qkv_parts + [piece.o, piece.gate, piece.up, piece.down]]
+        if isinstance(self.head, WeightMatrix):
+            matrices.append(self.head)
+        return sum(t.nbytes for m in matrices for t in (m.weight, m.scales, m.biases, m.bias)
+                   if t is not None)
 
     def forward(self, token: int, position: np.ndarray, cache, attend, store: bool,
                 on_layer=None, tracer=None) -> mx.array:
         """Hidden state (1, D) of ``token`` at ``position`` (every rank, replicated)."""
         return self.model.forward(np.array([token]), position, cache, attend, store,
-                                  on_layer, tracer, projections=self.layers)
+                                  on_layer, tracer, projections=self.layers,
+                                  modules=self.modules)
 
     def logits(self, hidden: mx.array) -> mx.array | None:
         """Full-vocabulary logits (1, V) on rank 0 from each rank's vocabulary slice (on
         every rank with graph collectives: each must evaluate them)."""
-        local = self.head(self.model.norm(hidden)).astype(mx.float32)  # (1, V/N)
+        local = vocabulary_projection(self.head, self.model.norm(hidden)).astype(mx.float32)
         gathered = self.collectives.gather_rows(local[0], self.vocab_sizes, root=0)
         return gathered[None] if gathered is not None else None
