@@ -12,6 +12,7 @@ volume of each algorithm in the same unit, and tests check the two agree.
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
+from .watchdog import ABORT_GRACE_S
 
 # MPI has no bfloat16: such arrays travel as their raw 16-bit patterns.
 _WIRE_VIEW = {mx.bfloat16: mx.uint16}
@@ -280,6 +282,10 @@ class Comm:
                 self.mpi.Barrier()
 
     def abort(self, code: int = 1):
+        """End every rank (MPI_Abort), once what this rank wrote has had time to reach the
+        launcher (watchdog.ABORT_GRACE_S)."""
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)
         self.mpi.Abort(code)
 
 
