@@ -245,6 +245,7 @@ def test_resume_after_sigkill_answers_every_id_once_and_keeps_written_lines(kill
     assert summary["jobs"] == len(JOBS) - written and summary["errors"] == 2
     assert summary["ranks"] == 2 and len(summary["peak_mem_bytes"]) == 2
     assert all(b > 0 for b in summary["kv_cache_bytes"])
+    assert summary["decode_setup_s"] > 0  # decode's collectives opened before the first job
     # Rank 0's progress lines and mlx-lm style footer.
     assert "batch 0/" in resumed.stderr and "Generation:" in resumed.stderr
     assert "Peak memory:" in resumed.stderr

@@ -45,8 +45,8 @@ def test_split_matrix_bytes_counts_the_projections_mlp_and_head(tiny_models):
 
 
 def test_auto_follows_the_calibration_on_real_ranks(tiny_models, tmp_path):
-    """The engine reads the cached calibration at its first decode step and splits or
-    not as the figures say; the tokens equal one rank's either way."""
+    """The engine reads the cached calibration as it readies decode and splits or not
+    as the figures say; the tokens equal one rank's either way."""
     env = {"SPMD_CP_CACHE": str(tmp_path)}
     args = ["generate", "--model", tiny_models["llama"], "--prompt", "The quick brown fox",
             "--max-tokens", "6", "--json", "--no-chat-template"]
@@ -74,3 +74,26 @@ def test_auto_follows_the_calibration_on_real_ranks(tiny_models, tmp_path):
         assert f"decode: {mode} (estimated per step" in run.stderr
         assert run.last_json()["text"] == reference["text"]
         assert run.last_json()["decode_comm"] == "mlx"
+
+
+def test_decode_is_readied_before_the_prefill_only_when_a_decode_step_follows(tiny_models,
+                                                                             tmp_path):
+    """generate opens decode's collectives, decides and cuts the split step's slices
+    before its prefill (the first decode step is then like the others) and reports the
+    time as decode_setup_s; with one token to generate there is no decode step to ready."""
+    env = {"SPMD_CP_CACHE": str(tmp_path)}
+    args = ["generate", "--model", tiny_models["llama"], "--prompt", "The quick brown fox",
+            "--json", "--no-chat-template", "--decode-tp", "on"]
+    reference = run_cli(1, args + ["--max-tokens", "6"], env=env).last_json()
+    run = run_cli(2, args + ["--max-tokens", "6"], env=env)
+    log = run.stderr
+    assert log.index("tensor-parallel slices of the float32 weights") < log.index(
+        "prefill attention:")
+    summary = run.last_json()
+    assert summary["decode_tp"] == "on" and summary["decode_setup_s"] > 0
+    assert summary["token_ids"] == reference["token_ids"]
+    assert reference["decode_setup_s"] == 0.0  # one rank: nothing to ready
+    single = run_cli(2, args + ["--max-tokens", "1"], env=env)
+    assert single.last_json()["decode_setup_s"] == 0.0
+    assert "slices" not in single.stderr and "decode collectives" not in single.stderr
+    assert single.last_json()["token_ids"] == reference["token_ids"][:1]

@@ -1,8 +1,8 @@
 """--shard-weights: each rank holds its layers (i mod N) and 1/N of the vocabulary, and
 the results equal the replicated run's.
 
-References: the replicated run at the same N (bitwise: the same math in the same
-order), the single-rank replicated run (the suite's CP tolerance), ``mx.load`` for the
+References: the replicated run at the same N (the same math: equal tokens and argmaxes,
+log-probs equal up to float32 rounding), the single-rank replicated run (the suite's CP tolerance), ``mx.load`` for the
 GGUF reader, the loaded model's own byte count for the layout.
 """
 
@@ -19,6 +19,9 @@ import pytest
 from conftest import run_cli
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+# The same math at the same N is not always bitwise the same: OpenBLAS on an AMD EPYC
+# summed one of 80 rows of a sliced LM head 1 ulp apart from the whole head's product.
+ROUNDING = dict(rtol=1e-6, atol=0)
 ENV = {"SPMD_CP_WEIGHT_CACHE": "0"}
 
 
@@ -51,7 +54,11 @@ def test_sharded_score_equals_replicated(tiny_models, text_file, tmp_path, kind,
     trace = tmp_path / "trace.json"
     summary, sharded = score(n, model, text_file, tmp_path, "--shard-weights", "on",
                              "--trace", str(trace))
-    assert sharded == replicated, "sharded differs from replicated at the same N"
+    drop_logprob = lambda rows: [{k: v for k, v in r.items() if k != "logprob"}  # noqa: E731
+                                 for r in rows]
+    assert drop_logprob(sharded) == drop_logprob(replicated)
+    np.testing.assert_allclose([r["logprob"] for r in sharded],
+                               [r["logprob"] for r in replicated], **ROUNDING)
     assert [r["pos"] for r in sharded] == [r["pos"] for r in single]
     np.testing.assert_allclose([r["logprob"] for r in sharded],
                                [r["logprob"] for r in single], **TOLERANCE)

@@ -68,6 +68,27 @@ def test_stacked_q_k_v_of_mixed_kinds_are_cut_at_any_row():
     assert len(column_slice(same, 8, 40)) == 1  # one packing: one quantized matmul
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_row_slices_used_as_views_take_no_memory_and_equal_copies(bits):
+    """The split step's gate/up/head rows are views into the loaded matrix (replicated
+    weights stay loaded): no new memory, and the same products as a copied slice and
+    as rows of the unsliced matmul (numpy for the plain matrix)."""
+    plain = nn.Linear(1024, 512, bias=False)  # slices big enough for MLX's large buffers
+    module = plain if bits is None else nn.QuantizedLinear.from_linear(plain, 32, bits)
+    mx.eval(module.parameters())
+    matrix, x = WeightMatrix.of(module), mx.random.normal((1, 1024))
+    before = mx.get_active_memory()
+    view = matrix.rows(40, 290).evaluated(copy=False)
+    assert mx.get_active_memory() == before
+    copy = matrix.rows(40, 290).evaluated(copy=True)
+    assert mx.get_active_memory() >= before + sum(t.nbytes for t in copy.arrays)
+    assert mx.array_equal(view(x), copy(x)).item()
+    close(view(x), module(x)[:, 40:290])
+    if bits is None:
+        expected = np.array(x) @ np.array(plain.weight)[40:290].T
+        np.testing.assert_allclose(np.array(view(x)), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_tied_quantized_embedding_head_is_sliced_by_vocabulary():
     mx.random.seed(5)
     embed = nn.QuantizedEmbedding.from_embedding(nn.Embedding(100, 64), group_size=32, bits=8)

@@ -76,6 +76,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
                   args: BatchConfig):
     import mlx.core as mx
 
+    from ..engine.startup import prepare_decode
     from ..runtime import spmd
     from . import steps
 
@@ -91,6 +92,10 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     engine = steps.make_engine(comm, loaded, run, decode)
     cache = engine.new_cache()
     root = RootSide(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None
+    will_decode = comm.bcast_object(root.will_decode if root is not None else None)
+    setup_s = prepare_decode(engine, will_decode)
+    if root is not None:
+        root.decode_setup_s = setup_s
     mx.reset_peak_memory()
     kv_peak = {"bytes": 0, "tokens": 0}
     try:
@@ -193,6 +198,9 @@ class RootSide:
         self.footer = not run.quiet
         self.ranks = ranks
         self.already_done = plan["already_done"]
+        # Whether any job decodes (a token after its first): decode is readied up front.
+        self.will_decode = any(self.preparer.sampling(job).max_tokens > 1 for job in pending)
+        self.decode_setup_s = 0.0
         self.errors = 0
         self.prompt_tokens = 0
         self.reused_tokens = 0
@@ -257,6 +265,7 @@ class RootSide:
             "elapsed_s": round(time.perf_counter() - self.start, 3),
             "prefill_tok_s": round(progress.prompt_tokens / max(progress.prefill_s, 1e-9), 3),
             "decode_tok_s": throughput(progress.decoded_tokens, progress.decode_s),
+            "decode_setup_s": round(self.decode_setup_s, 6),
             "ranks": self.ranks,
             "algo": algos_used(engine),
             **engine.decode_modes,

@@ -44,7 +44,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
 
     from ..engine.generation import generate as generate_tokens
     from ..engine.prompt_cache import save_cache
-    from ..engine.startup import startup_fields, warm_up
+    from ..engine.startup import prepare_decode, startup_fields, warm_up
     from ..runtime import spmd
     from . import steps
     from .stream import AnswerStream
@@ -62,6 +62,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     steps.log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
                    len(prompt_ids), reused, comm.size)
     warmup_s = warm_up(engine)
+    setup_s = prepare_decode(engine, sampling.max_tokens > 1)
     mx.reset_peak_memory()
     answer = AnswerStream(steps.log) if comm.rank == 0 else None
     with answer or nullcontext():
@@ -74,7 +75,8 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
     if comm.rank == 0:
         report(comm, run, engine, result, len(prompt_ids), reused,
-               {**startup_fields(engine, warmup_s), **metrics})
+               {**startup_fields(engine, warmup_s), "decode_setup_s": round(setup_s, 6),
+                **metrics})
 
 
 def validate(run: RunConfig, args: GenerateConfig):

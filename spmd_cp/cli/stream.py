@@ -1,8 +1,7 @@
 """Rank 0's streamed answer on stdout, with log lines held until the answer has ended.
 
 Under ``mpiexec ... 2>&1`` (or on a terminal) stdout and stderr share one stream: a log
-line emitted mid-answer (``decode: replicated (measured ...)`` comes after the first
-decode steps) would land inside the text. Records are kept from the answer's first text
+line emitted mid-answer (a warning, say) would land inside the text. Records are kept from the answer's first text
 on and emitted after its final newline; if the command fails mid-answer, the open line is ended
 first so the error starts on a line of its own.
 """

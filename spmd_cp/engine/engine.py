@@ -73,7 +73,7 @@ class Engine:
         self.on_layer = on_layer
         self.kv_interleave = kv_interleave
         self.decode_merge = decode_merge
-        # "on", "off" or "auto" (decided at the first decode step from calibrated
+        # "on", "off" or "auto" (decided as decode is readied, from calibrated
         # measurements: decode_choice.py). One rank has nothing to split.
         self.decode_tp = decode_tp if comm.size > 1 else "off"
         self.tp_decoder = None
@@ -241,18 +241,28 @@ class Engine:
                     mx.eval(logits)
         return logits[0] if self.comm.rank == 0 else None
 
+    def prepare_decode(self):
+        """Collective: what the first decode step would otherwise do before computing
+        (open its collectives, decide ``--decode-tp auto``, cut the split step's slices),
+        so that every decode step is alike and the first token is not late by it."""
+        if self.comm.size == 1:
+            return
+        with span(self.comm.tracer, "decode setup", "decode"):
+            self._decode_collectives()
+            self._use_tensor_parallel()
+
     @property
     def decode_modes(self) -> dict:
         """What decode ran with, for --json: the split step or not ("on" / "off"; "auto"
-        before the first step decided) and the collectives ("mlx" / "mpi"; None on one
-        rank or before the first decode step)."""
+        before it is decided) and the collectives ("mlx" / "mpi"; None on one rank or
+        before decode was readied)."""
         used = None
         if self.collectives is not None and self.comm.size > 1:
             used = self.decode_comm
         return {"decode_tp": self.decode_tp, "decode_comm": used}
 
     def _decode_collectives(self):
-        """The decode step's collectives, chosen at the first step (every rank at once)."""
+        """The decode step's collectives, chosen once (every rank at once)."""
         if self.collectives is None and self.comm.size == 1:
             self.collectives = self.comm  # nothing to communicate
         if self.collectives is None:
@@ -269,7 +279,7 @@ class Engine:
     def _use_tensor_parallel(self) -> bool:
         """Whether this decode step splits the weights' work across ranks (tp_decode.py).
 
-        ``auto`` decides once, at the engine's first decode step, from the calibrated
+        ``auto`` decides once (``prepare_decode``, else the first step), from the calibrated
         weight read rate and collective cost (decode_choice.py; measured once per set of
         hosts and cached on disk): no decode step is spent measuring, and the weight
         slices are only built when the split is chosen.

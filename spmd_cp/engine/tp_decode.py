@@ -83,8 +83,11 @@ class LayerSlice:
     """One rank's slices of one layer's matrices, completed by collectives: the
     projections of ``CPModel.forward`` (``qkv``, ``output``, ``mlp``) split across ranks."""
 
-    def __init__(self, layer, comm):
-        """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives)."""
+    def __init__(self, layer, comm, copy_rows: bool):
+        """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives).
+        ``copy_rows``: copy the gate and up rows too (the layer's weights will not stay),
+        else they are views into the loaded matrices. Column slices and the q/k/v rows
+        (which may join two matrices) are always copies of their own."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
@@ -94,8 +97,12 @@ class LayerSlice:
         self.o_inputs = plan.o_ranges[rank]
         self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
         a, b = plan.hidden_ranges[rank]
-        self.gate, self.up = plan.gate.rows(a, b).materialized(), plan.up.rows(a, b).materialized()
+        self.gate = plan.gate.rows(a, b).evaluated(copy=copy_rows)
+        self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
         self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
+        self.own = self.qkv_parts + [self.o, self.down]
+        if copy_rows:
+            self.own += [self.gate, self.up]
 
     def qkv(self, x: mx.array):
         qkv = apply_all(self.qkv_parts, x)  # this rank's outputs of [Wq; Wk; Wv]
@@ -198,15 +205,15 @@ class TensorParallelDecoder:
         for layer in model.layers:
             if not self.layers:
                 cut_from = describe_weights(layer, model)
-            self.layers.append(LayerSlice(layer, self.collectives))
+            self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded))
             self.modules.append(LayerShell(layer) if sharded else layer)
         if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows
             self.head, self.vocab_sizes = model.lm_head.project, model.lm_head.widths
-        else:
+        else:  # rows of the replicated head: a view
             head = _head(model)
             ranges = split_ranges(head.out_width, comm.size)
             self.vocab_sizes = [b - a for a, b in ranges]
-            self.head = head.rows(*ranges[comm.rank]).materialized()
+            self.head = head.rows(*ranges[comm.rank]).evaluated(copy=False)
         if comm.rank == 0:
             log.info("decode: tensor-parallel slices of the %s weights over %d ranks ready%s",
                      cut_from, comm.size,
@@ -214,13 +221,9 @@ class TensorParallelDecoder:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the weight slices this rank holds for the split step."""
-        matrices = [m for piece in self.layers
-                    for m in piece.qkv_parts + [piece.o, piece.gate, piece.up, piece.down]]
-        if isinstance(self.head, WeightMatrix):
-            matrices.append(self.head)
-        return sum(t.nbytes for m in matrices for t in (m.weight, m.scales, m.biases, m.bias)
-                   if t is not None)
+        """Bytes of the weight slices this rank holds for the split step beyond the
+        loaded weights (views into those are not counted twice)."""
+        return sum(t.nbytes for piece in self.layers for m in piece.own for t in m.arrays)
 
     def forward(self, token: int, position: np.ndarray, cache, attend, store: bool,
                 on_layer=None, tracer=None) -> mx.array:

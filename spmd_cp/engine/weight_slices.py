@@ -118,13 +118,26 @@ class WeightMatrix:
         return replace(self, weight=packed, scales=cut(self.scales), biases=cut(self.biases),
                        bias=bias)
 
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [t for t in (self.weight, self.scales, self.biases, self.bias) if t is not None]
+
     def materialized(self) -> WeightMatrix:
         """A copy of the slice in its own memory, evaluated (not a view of all of W)."""
         own = lambda t: None if t is None else mx.contiguous(t)  # noqa: E731
         copy = replace(self, weight=own(self.weight), scales=own(self.scales),
                        biases=own(self.biases), bias=own(self.bias))
-        mx.eval([t for t in (copy.weight, copy.scales, copy.biases, copy.bias) if t is not None])
+        mx.eval(copy.arrays)
         return copy
+
+    def evaluated(self, copy: bool) -> WeightMatrix:
+        """The slice ready to use: ``materialized`` where ``copy``, else evaluated as it is.
+        A slice of whole rows of a row-major W is a view into W's memory (MLX shares the
+        buffer): no time or memory spent while W itself stays loaded."""
+        if copy:
+            return self.materialized()
+        mx.eval(self.arrays)
+        return self
 
 
 def stack_rows(matrices: list[WeightMatrix]) -> list[WeightMatrix]:
