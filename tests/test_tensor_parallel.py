@@ -61,11 +61,13 @@ def test_stacked_q_k_v_of_mixed_kinds_are_cut_at_any_row():
     stack = [WeightMatrix.of(m) for m in (q, k, v)]
     for ranks in (1, 2, 3, 4, 7):
         ranges = split_ranges(80, ranks)
-        pieces = [column_slice(stack, a, b) for a, b in ranges]
-        close(mx.concatenate([apply_all(p, x) for p in pieces], axis=-1), expected)
+        for join in (True, False):  # one matmul per packing, or per matrix (views)
+            pieces = [column_slice(stack, a, b, join) for a, b in ranges]
+            close(mx.concatenate([apply_all(p, x) for p in pieces], axis=-1), expected)
     assert len(column_slice(stack, 40, 70)) == 3  # q rows, k rows, v rows: three kinds
     same = [WeightMatrix.of(quantized(16, 64, 4, seed=s)) for s in range(3)]
     assert len(column_slice(same, 8, 40)) == 1  # one packing: one quantized matmul
+    assert len(column_slice(same, 8, 40, join=False)) == 3  # rows 8-15, 0-15, 0-7: views
 
 
 @pytest.mark.parametrize("bits", [None, 4])

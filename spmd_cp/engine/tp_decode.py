@@ -85,24 +85,25 @@ class LayerSlice:
 
     def __init__(self, layer, comm, copy_rows: bool):
         """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives).
-        ``copy_rows``: copy the gate and up rows too (the layer's weights will not stay),
-        else they are views into the loaded matrices. Column slices and the q/k/v rows
-        (which may join two matrices) are always copies of their own."""
+        ``copy_rows``: copy the row slices too (the layer's weights will not stay: q/k/v
+        rows joined into one matrix, gate, up), else they are views into the loaded
+        matrices (q/k/v as one matmul per matrix touched). The column slices of o and
+        down are copies either way (a view of columns is not a matrix BLAS streams)."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
         self.q_width, self.k_width = plan.qkv[0].out_width, plan.qkv[1].out_width
-        parts = column_slice(plan.qkv, *plan.qkv_ranges[rank])
-        self.qkv_parts = [m.materialized() for m in parts]
+        parts = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=copy_rows)
+        self.qkv_parts = [m.evaluated(copy=copy_rows) for m in parts]
         self.o_inputs = plan.o_ranges[rank]
         self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
         a, b = plan.hidden_ranges[rank]
         self.gate = plan.gate.rows(a, b).evaluated(copy=copy_rows)
         self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
         self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
-        self.own = self.qkv_parts + [self.o, self.down]
+        self.own = [self.o, self.down]
         if copy_rows:
-            self.own += [self.gate, self.up]
+            self.own += self.qkv_parts + [self.gate, self.up]
 
     def qkv(self, x: mx.array):
         qkv = apply_all(self.qkv_parts, x)  # this rank's outputs of [Wq; Wk; Wv]

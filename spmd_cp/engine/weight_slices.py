@@ -168,16 +168,19 @@ def split_ranges(total: int, parts: int, align: int = 1) -> list[tuple[int, int]
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def column_slice(matrices: list[WeightMatrix], start: int, stop: int) -> list[WeightMatrix]:
-    """Outputs [start, stop) of the matrices stacked by rows (e.g. q, k, v), as the
-    fewest matmuls; their outputs concatenated are the stack's outputs [start, stop)."""
+def column_slice(matrices: list[WeightMatrix], start: int, stop: int,
+                 join: bool = True) -> list[WeightMatrix]:
+    """Outputs [start, stop) of the matrices stacked by rows (e.g. q, k, v); their
+    outputs concatenated are the stack's outputs [start, stop). ``join``: as the fewest
+    matmuls (neighbours packed alike become one matrix, a copy); else one matrix per
+    stacked matrix touched, each a view of its rows."""
     parts, offset = [], 0
     for m in matrices:
         lo, hi = max(start, offset), min(stop, offset + m.out_width)
         if lo < hi:
             parts.append(m.rows(lo - offset, hi - offset))
         offset += m.out_width
-    return stack_rows(parts)
+    return stack_rows(parts) if join else parts
 
 
 def apply_all(parts: list[WeightMatrix], x: mx.array) -> mx.array:
