@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import run_cli
-from spmd_cp.engine.decode_choice import estimate_split, split_matrix_bytes
+from spmd_cp.engine.decode_choice import estimate_split, split_copy_bytes, split_matrix_bytes
+from spmd_cp.models.loader import load_model
 
 SMOLLM2_MATRICES = 538_060_032  # bytes; SmolLM2-135M in float32 (docs/BENCHMARKS.md)
 
@@ -76,22 +77,31 @@ def test_auto_follows_the_calibration_on_real_ranks(tiny_models, tmp_path):
         assert run.last_json()["decode_comm"] == "mlx"
 
 
-def test_decode_is_readied_before_the_prefill_only_when_a_decode_step_follows(tiny_models,
-                                                                             tmp_path):
+def test_decode_is_readied_once_apart_only_when_a_decode_step_follows(tiny_models, tmp_path):
     """generate opens decode's collectives, decides and cuts the split step's slices
-    before its prefill (the first decode step is then like the others) and reports the
-    time as decode_setup_s; with one token to generate there is no decode step to ready."""
+    after the prefill, before the first decode step, and reports that time as
+    decode_setup_s (not in decode_tok_s); with one token to generate there is no decode
+    step to ready."""
     env = {"SPMD_CP_CACHE": str(tmp_path)}
     args = ["generate", "--model", tiny_models["llama"], "--prompt", "The quick brown fox",
             "--json", "--no-chat-template", "--decode-tp", "on"]
     reference = run_cli(1, args + ["--max-tokens", "6"], env=env).last_json()
     run = run_cli(2, args + ["--max-tokens", "6"], env=env)
     log = run.stderr
-    assert log.index("tensor-parallel slices of the float32 weights") < log.index(
-        "prefill attention:")
+    assert log.index("prefill attention:") < log.index(
+        "tensor-parallel slices of the float32 weights")
     summary = run.last_json()
     assert summary["decode_tp"] == "on" and summary["decode_setup_s"] > 0
     assert summary["token_ids"] == reference["token_ids"]
+    # The split step's own memory (o and down columns; the rows are views) is what the
+    # forecast added to the weights, and what model_bytes reports beyond them.
+    loaded = load_model(tiny_models["llama"]).model
+    copies = split_copy_bytes(loaded.model, 2)
+    replicated = reference["model_bytes"][0]
+    assert 0 < copies < replicated // 4
+    assert summary["memory_forecast"]["weights_bytes"] == replicated + copies
+    assert max(summary["model_bytes"]) == replicated + copies
+    assert reference["memory_forecast"]["weights_bytes"] == replicated
     assert reference["decode_setup_s"] == 0.0  # one rank: nothing to ready
     single = run_cli(2, args + ["--max-tokens", "1"], env=env)
     assert single.last_json()["decode_setup_s"] == 0.0

@@ -125,15 +125,39 @@ def test_full_disk_output_is_a_clear_error(tiny_models, tmp_path):
 
 
 def test_memory_forecast_refuses_and_names_what_fits(embedded_model, prompt_file):
+    # 200 MiB per rank: the weights alone (538 MB as float32) do not fit, so
+    # --shard-weights auto shards them; their packed half (0.1 GB) and the rank process's
+    # own resident memory (about 0.15 GB) do not fit either.
     proc = subprocess.run([MPIEXEC, "-n", "2", *SPMD_CP, "generate", "--prompt-file",
-                           prompt_file, "--memory-limit", "520MB"],
+                           prompt_file, "--memory-limit", "200MB"],
                           capture_output=True, text=True, env={**os.environ, **RANK_ENV},
                           timeout=120)
     assert proc.returncode == 2
     error = [line for line in proc.stderr.splitlines() if line.startswith("spmd-cp: error:")]
     assert len(error) == 1
-    assert "over the limit of 0.51 GB per rank" in error[0]
+    assert "over the limit of 0.20 GB per rank" in error[0] and "+ process 0." in error[0]
     assert "it fits with" in error[0] or "no rank count fits" in error[0]
+
+
+def test_memory_forecast_counts_the_process_outside_mlx(embedded_model):
+    """The forecast is of resident memory: what the rank process holds besides MLX's
+    arrays (measured in this process: interpreter, libraries) adds to the total, and a
+    limit the arrays alone would meet is refused with the part named."""
+    from spmd_cp.engine.forecast import check_fits, forecast_rank_bytes
+    from spmd_cp.engine.model import kv_model_shape
+    from spmd_cp.errors import UserError
+    from spmd_cp.models.loader import load_model
+    from spmd_cp.runtime.resident import outside_mlx_bytes, resident_bytes, resident_peak_bytes
+
+    shape = kv_model_shape(load_model(embedded_model))
+    process = outside_mlx_bytes()
+    assert 0 < process < resident_bytes() <= resident_peak_bytes()
+    arrays = forecast_rank_bytes(shape, 10**8, 1024, 1024, 2)
+    whole = check_fits(shape, 10**8, 1024, 1024, 2, arrays.total + process, "pass-kv",
+                       process_bytes=process)
+    assert whole.total == arrays.total + process and whole.process == process
+    with pytest.raises(UserError, match=r"\+ process 0\.\d\d\), over the limit"):
+        check_fits(shape, 10**8, 1024, 1024, 2, arrays.total, "pass-kv", process_bytes=process)
 
 
 def test_ranks_with_different_model_files_are_refused(tmp_path, prompt_file):

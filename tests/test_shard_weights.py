@@ -2,13 +2,15 @@
 the results equal the replicated run's.
 
 References: the replicated run at the same N (the same math: equal tokens and argmaxes,
-log-probs equal up to float32 rounding), the single-rank replicated run (the suite's CP tolerance), ``mx.load`` for the
-GGUF reader, the loaded model's own byte count for the layout.
+log-probs equal up to float32 rounding), the single-rank replicated run (the suite's CP
+tolerance), ``mx.load`` for the GGUF reader, the loaded model's own byte count for the
+layout.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -90,24 +92,41 @@ def layer_and_total_bytes(model: str) -> tuple[int, int]:
     return max(layout.layers_compute), layout.replicated
 
 
-def test_memory_limit_shards_automatically_and_bounds_model_bytes(tiny_models, text_file):
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A tiny model with a 403 MB embedding: weights large against the rank process's
+    own resident memory (about 150-200 MB), which the memory limit also counts."""
+    from conftest import write_tiny_model
+
+    wide = {"hidden_size": 2048, "head_dim": 16}  # q/k/v/o stay small: 8 heads of 16
+    return str(write_tiny_model(tmp_path_factory.mktemp("wide") / "llama", "llama", 3, wide))
+
+
+def test_memory_limit_shards_automatically_and_bounds_model_bytes(wide_model, text_file):
     from spmd_cp.engine.weights import PREFETCH_LAYERS
 
-    model = tiny_models["llama"]
+    model = wide_model
     layer, replicated = layer_and_total_bytes(model)
-    norm = 4 * 64
-    limit = ["--memory-limit", str(int(replicated * 0.95))]  # the weights alone do not fit
+    norm = 4 * 2048
+    expected = generate(1, model, text_file).last_json()
+    assert expected["model_bytes"] == [replicated]
+    # The limit counts resident memory: the process's own part (interpreter, libraries,
+    # tokenizer) as one rank measured it, and 3/4 of the weights.
+    process = expected["memory_forecast"]["process_bytes"]
+    assert 0 < process < expected["resident_peak_bytes"][0]
+    limit = ["--memory-limit", str(int(process + replicated * 0.75))]
     refused = generate(1, model, text_file, *limit, check=False)
     assert refused.returncode == 2, refused.stderr
     assert "--shard-weights on at 2 ranks" in refused.stderr
-    expected = generate(1, model, text_file).last_json()
-    assert expected["model_bytes"] == [replicated]
-    for n in (2, 3):
+    for n in (2, 3, 4):
         got = generate(n, model, text_file, *limit).last_json()  # --shard-weights auto
         assert got["text"] == expected["text"], n
-        # 1/N of everything, the window of K + 1 layers, and the final norm (one vector,
-        # which every rank keeps whole).
-        bound = replicated / n + (PREFETCH_LAYERS + 1) * layer + norm
+        # 1/N of the vocabulary, whole layers (3 of them: at N = 4 one rank owns none and
+        # the others one, more than 3/4 of a layer), the window of K + 1 layers, and the
+        # final norm (one vector, which every rank keeps whole).
+        layers = 3
+        bound = ((replicated - layers * layer) / n + math.ceil(layers / n) * layer
+                 + (PREFETCH_LAYERS + 1) * layer + norm)
         assert all(b <= bound for b in got["model_bytes"]), (n, got["model_bytes"], bound)
         assert max(got["model_bytes"]) < replicated
 

@@ -76,7 +76,6 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
                   args: BatchConfig):
     import mlx.core as mx
 
-    from ..engine.startup import prepare_decode
     from ..runtime import spmd
     from . import steps
 
@@ -92,10 +91,6 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     engine = steps.make_engine(comm, loaded, run, decode)
     cache = engine.new_cache()
     root = RootSide(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None
-    will_decode = comm.bcast_object(root.will_decode if root is not None else None)
-    setup_s = prepare_decode(engine, will_decode)
-    if root is not None:
-        root.decode_setup_s = setup_s
     mx.reset_peak_memory()
     kv_peak = {"bytes": 0, "tokens": 0}
     try:
@@ -198,9 +193,7 @@ class RootSide:
         self.footer = not run.quiet
         self.ranks = ranks
         self.already_done = plan["already_done"]
-        # Whether any job decodes (a token after its first): decode is readied up front.
-        self.will_decode = any(self.preparer.sampling(job).max_tokens > 1 for job in pending)
-        self.decode_setup_s = 0.0
+        self.decode_setup_s = 0.0  # decode is readied once, in the first job that decodes
         self.errors = 0
         self.prompt_tokens = 0
         self.reused_tokens = 0
@@ -238,6 +231,7 @@ class RootSide:
             "decode_tok_s": throughput(max(len(result.tokens) - 1, 0), result.decode_s),
         }
         self.writer.add(record)
+        self.decode_setup_s += result.decode_setup_s
         self.prompt_tokens += job["prompt_tokens"]
         self.reused_tokens += reused
         self.progress.job_done(prefilled=prefilled, generated=len(result.tokens),

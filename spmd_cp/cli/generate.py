@@ -44,7 +44,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
 
     from ..engine.generation import generate as generate_tokens
     from ..engine.prompt_cache import save_cache
-    from ..engine.startup import prepare_decode, startup_fields, warm_up
+    from ..engine.startup import startup_fields, warm_up
     from ..runtime import spmd
     from . import steps
     from .stream import AnswerStream
@@ -56,13 +56,13 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     loaded = steps.load_checked_model(comm, run, path)
     engine = steps.make_engine(comm, loaded, run, decode)
     cache, conversation = open_cache(comm, engine, loaded, args, meta)
-    prompt_ids, reused = spmd.on_root(comm, tokenize_prompt, comm, loaded, run, sampling, args,
-                                      cache, conversation, prompt_text)
+    prompt_ids, reused, forecast = spmd.on_root(comm, tokenize_prompt, comm, loaded, run,
+                                                sampling, args, cache, conversation,
+                                                prompt_text, decode.decode_tp != "off")
     cache.truncate(reused)
     steps.log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
                    len(prompt_ids), reused, comm.size)
     warmup_s = warm_up(engine)
-    setup_s = prepare_decode(engine, sampling.max_tokens > 1)
     mx.reset_peak_memory()
     answer = AnswerStream(steps.log) if comm.rank == 0 else None
     with answer or nullcontext():
@@ -75,8 +75,9 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
     if comm.rank == 0:
         report(comm, run, engine, result, len(prompt_ids), reused,
-               {**startup_fields(engine, warmup_s), "decode_setup_s": round(setup_s, 6),
-                **metrics})
+               {**startup_fields(engine, warmup_s),
+                "decode_setup_s": round(result.decode_setup_s, 6),
+                "memory_forecast": forecast, **metrics})
 
 
 def validate(run: RunConfig, args: GenerateConfig):
@@ -120,16 +121,19 @@ def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
 
 
 def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
-                    args: GenerateConfig, cache, conversation: dict, prompt: str):
-    """Rank 0: the conversation's token ids and how many of them the cache holds."""
+                    args: GenerateConfig, cache, conversation: dict, prompt: str,
+                    may_split: bool):
+    """Rank 0: the conversation's token ids, how many of them the cache holds, and the
+    memory forecast that let them run."""
     from ..engine.prompt_cache import common_prefix_length
     from .steps import check_memory, prompt_text_for, tokenize_checked
 
     text = prompt_text_for(loaded, conversation, prompt, not args.no_chat_template)
     ids = tokenize_checked(loaded, text, run.max_context)
-    check_memory(comm, loaded, run, len(ids) + sampling.max_tokens,
-                 len(ids) - min(cache.num_tokens, len(ids) - 1))
-    return ids, common_prefix_length(cache.token_ids, ids)
+    forecast = check_memory(comm, loaded, run, len(ids) + sampling.max_tokens,
+                            len(ids) - min(cache.num_tokens, len(ids) - 1),
+                            split_decode=may_split and sampling.max_tokens > 1)
+    return ids, common_prefix_length(cache.token_ids, ids), forecast
 
 
 def report(comm, run: RunConfig, engine, result, prompt_tokens: int, reused: int,

@@ -84,6 +84,7 @@ class Preparer:
 
         from ..engine.forecast import check_fits
         from ..engine.model import kv_model_shape
+        from ..runtime.resident import outside_mlx_bytes
         from .steps import forecast_algo, new_conversation, prompt_text_for
 
         # The same text generate builds (chat template, stripped user turn).
@@ -101,7 +102,8 @@ class Preparer:
             check_fits(kv_model_shape(self.loaded), self.weights_bytes,
                        int(ids.size) + self.sampling(job).max_tokens,
                        self.run.prefill_chunk or int(ids.size), self.ranks,
-                       self.memory_limit, forecast_algo(self.run))
+                       self.memory_limit, forecast_algo(self.run),
+                       process_bytes=outside_mlx_bytes())
         except UserError as error:
             raise JobError("out_of_memory", str(error)) from None
         return ids

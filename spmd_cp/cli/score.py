@@ -37,7 +37,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
     text = spmd.on_root(comm, validate, run, args)
     loaded = steps.resolve_model(comm, run)
-    ids = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
+    ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()
     warmup_s = warm_up(engine)
@@ -49,7 +49,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     if comm.rank == 0:
         write_records(args.output, records)
         report(comm, run, engine, records, len(ids), elapsed,
-               {**startup_fields(engine, warmup_s), **metrics})
+               {**startup_fields(engine, warmup_s), "memory_forecast": forecast, **metrics})
 
 
 def validate(run: RunConfig, args: ScoreConfig) -> str:
@@ -63,7 +63,8 @@ def validate(run: RunConfig, args: ScoreConfig) -> str:
 
 
 def tokenize_document(comm, loaded, run: RunConfig, text: str):
-    """Rank 0: the document's ids, with the model's BOS token in front if it wants one."""
+    """Rank 0: the document's ids, with the model's BOS token in front if it wants one,
+    and the memory forecast that let them run."""
     import numpy as np
 
     from .steps import check_memory, tokenize_checked
@@ -72,8 +73,7 @@ def tokenize_document(comm, loaded, run: RunConfig, text: str):
     bos = getattr(loaded.tokenizer, "bos_token_id", None)
     if getattr(loaded.tokenizer, "add_bos_token", False) and bos is not None and ids[0] != bos:
         ids = np.concatenate([[bos], ids])
-    check_memory(comm, loaded, run, len(ids), len(ids), score=True)
-    return ids
+    return ids, check_memory(comm, loaded, run, len(ids), len(ids), score=True)
 
 
 def write_records(path: str, records):

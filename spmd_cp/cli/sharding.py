@@ -9,16 +9,20 @@ from ..engine.forecast import WeightPlan, default_memory_limit, parse_bytes
 from ..engine.weights import PREFETCH_LAYERS
 from ..config import RunConfig
 from ..models.partial_load import weight_layout
+from ..runtime.resident import outside_mlx_bytes
 
 
 def wants_sharding(run: RunConfig, path: str, ranks: int) -> bool:
-    """Rank 0's decision. ``auto`` shards when the replicated weights alone exceed the
-    per-rank memory limit; one rank has nothing to shard with."""
+    """Rank 0's decision, before the model loads. ``auto`` shards when the replicated
+    weights and what the process already holds outside MLX (interpreter, libraries)
+    exceed the per-rank memory limit, which counts resident memory; one rank has nothing
+    to shard with. (The tokenizer, loaded with the model, adds more: a case close to
+    the limit is refused later by the forecast, which names --shard-weights on.)"""
     if run.shard_weights == "off" or ranks == 1:
         return False
     if run.shard_weights == "auto":
         limit = parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
-        return layout_of(path, run.keep_quantized).replicated > limit
+        return layout_of(path, run.keep_quantized).replicated + outside_mlx_bytes() > limit
     return True
 
 

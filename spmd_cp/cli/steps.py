@@ -29,6 +29,7 @@ from ..models.partial_load import load_rank_share
 from ..runtime import spmd
 from ..runtime.comm import Comm
 from ..runtime.faults import layer_hook
+from ..runtime.resident import outside_mlx_bytes, resident_peak_bytes
 from .outputs import Output
 from .sharding import wants_sharding, weight_plan
 
@@ -153,21 +154,32 @@ def forecast_algo(run: RunConfig) -> str:
 
 
 def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_tokens: int,
-                 score: bool = False):
-    """Refuse before prefill when the forecast per rank exceeds --memory-limit."""
+                 score: bool = False, split_decode: bool = False) -> dict:
+    """Refuse before prefill when the forecast per rank exceeds --memory-limit; else the
+    forecast (``--json``'s ``memory_forecast``). ``split_decode``: decode steps follow
+    and may run split (``--decode-tp`` on or auto): its copied slices count as weights
+    (replicated weights; with sharded ones they are not forecast)."""
+    from ..engine.decode_choice import split_copy_bytes
+
     limit = memory_limit(run)
-    weights = weight_plan(loaded, model_nbytes(loaded.model), run.keep_quantized)
+    replicated = model_nbytes(loaded.model)
+    if split_decode and getattr(loaded, "share", None) is None:
+        replicated += split_copy_bytes(loaded.model.model, comm.size)
+    weights = weight_plan(loaded, replicated, run.keep_quantized)
     need = check_fits(kv_model_shape(loaded), weights, total_tokens,
                       run.prefill_chunk or new_tokens, comm.size, limit, forecast_algo(run),
-                      score)
-    log.info("memory forecast per rank: %.2f GB (KV %.2f GB) of %.2f GB allowed",
-             need.total / 2**30, need.kv / 2**30, limit / 2**30)
+                      score, process_bytes=outside_mlx_bytes())
+    log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
+             "allowed", need.total / 2**30, need.kv / 2**30, need.process / 2**30,
+             limit / 2**30)
+    return need.as_dict()
 
 
 # -- results ---------------------------------------------------------------------------
 def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
     """Per-rank lists (rank order) of memory, KV and communication figures, on rank 0."""
-    mine = {"peak_mem_bytes": int(mx.get_peak_memory()), "kv_cache_bytes": int(cache.nbytes),
+    mine = {"peak_mem_bytes": int(mx.get_peak_memory()),
+            "resident_peak_bytes": resident_peak_bytes(), "kv_cache_bytes": int(cache.nbytes),
             "comm_bytes": int(comm.bytes_sent), "model_bytes": int(model_bytes),
             "kv_tokens": int(cache.shard_sizes[comm.rank])}
     gathered = comm.gather_object(mine)

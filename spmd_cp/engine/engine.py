@@ -73,7 +73,7 @@ class Engine:
         self.on_layer = on_layer
         self.kv_interleave = kv_interleave
         self.decode_merge = decode_merge
-        # "on", "off" or "auto" (decided as decode is readied, from calibrated
+        # "on", "off" or "auto" (decided once before the first decode step, from calibrated
         # measurements: decode_choice.py). One rank has nothing to split.
         self.decode_tp = decode_tp if comm.size > 1 else "off"
         self.tp_decoder = None
@@ -244,7 +244,7 @@ class Engine:
     def prepare_decode(self):
         """Collective: what the first decode step would otherwise do before computing
         (open its collectives, decide ``--decode-tp auto``, cut the split step's slices),
-        so that every decode step is alike and the first token is not late by it."""
+        for callers that time it apart (generation.generate). Idempotent."""
         if self.comm.size == 1:
             return
         with span(self.comm.tracer, "decode setup", "decode"):

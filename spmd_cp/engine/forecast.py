@@ -6,7 +6,9 @@ and a window of other ranks' layers: models/partial_load.py WeightLayout), the K
 once, split N ways), and the activations of one prefill chunk: this rank's rows of the
 hidden state and MLP, one attention tile of scores (block.SCORE_TILE_ELEMENTS), and the
 K/V the algorithm holds besides the local shard (one travelling shard for the rings, the
-whole layer for allgather-kv).
+whole layer for allgather-kv). Those are MLX's arrays; ``process`` is what the rank
+process holds besides them (interpreter, libraries, tokenizer), measured in the running
+process by the caller (runtime/resident.py), so the total is resident memory.
 """
 
 from __future__ import annotations
@@ -33,19 +35,27 @@ class Forecast:
     weights: int
     kv: int
     activations: int
+    process: int = 0  # resident bytes outside MLX's arrays
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.activations
+        return self.weights + self.kv + self.activations + self.process
+
+    def as_dict(self) -> dict:
+        """``--json``'s ``memory_forecast``: bytes per rank, by part."""
+        return {"weights_bytes": self.weights, "kv_bytes": self.kv,
+                "activations_bytes": self.activations, "process_bytes": self.process,
+                "total_bytes": self.total}
 
 
 def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int,
                         chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
-                        score: bool = False) -> Forecast:
+                        score: bool = False, process_bytes: int = 0) -> Forecast:
     """Peak bytes on the busiest rank for a context of ``total_tokens`` prefilled in
     chunks of ``chunk_tokens`` on ``cp_size`` ranks. ``shape.elem_bytes`` is the KV
     dtype's size (engine.model.kv_dtype_for), which activations share: 4 on the CPU
-    path, the model's 2 on a GPU."""
+    path, the model's 2 on a GPU. ``process_bytes``: the rank's resident bytes besides
+    MLX's arrays, as measured."""
     e = shape.elem_bytes
     kv_tokens = math.ceil(total_tokens / cp_size) + 1
     kv = kv_tokens * shape.kv_bytes_per_token
@@ -61,7 +71,7 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
         extra_kv = 3 * layer_kv * kv_tokens  # local shard stacked + one shard in flight
     logits = (256 if score else 1) * shape.vocab * 4 * 3
     activations = int(SAFETY * (rows * per_row + attention + extra_kv + logits))
-    return Forecast(weights_bytes, kv, activations)
+    return Forecast(weights_bytes, kv, activations, process_bytes)
 
 
 def default_memory_limit() -> int:
@@ -94,32 +104,37 @@ class WeightPlan:
         return self.sharded_at(ranks) if self.sharded else self.replicated
 
     def sharding_fits(self, shape: ModelShape, total_tokens: int, chunk_tokens: int,
-                      cp_size: int, limit: int, algo: str, score: bool) -> int | None:
+                      cp_size: int, limit: int, algo: str, score: bool,
+                      process_bytes: int = 0) -> int | None:
         """The fewest ranks (>= cp_size, >= 2) at which sharding the weights would fit."""
         if self.sharded or self.sharded_at is None:
             return None
         return next((n for n in range(max(cp_size, 2), 4097) if forecast_rank_bytes(
-            shape, self.sharded_at(n), total_tokens, chunk_tokens, n, algo, score).total
-            <= limit), None)
+            shape, self.sharded_at(n), total_tokens, chunk_tokens, n, algo, score,
+            process_bytes).total <= limit), None)
 
 
 def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens: int,
-               chunk_tokens: int, cp_size: int, limit: int, algo: str, score: bool = False):
+               chunk_tokens: int, cp_size: int, limit: int, algo: str, score: bool = False,
+               process_bytes: int = 0):
     """Refuse, naming the smallest N or chunk (or --shard-weights) that would fit, if the
-    forecast exceeds ``limit`` bytes per rank."""
+    forecast exceeds ``limit`` bytes per rank (``process_bytes``: see Forecast)."""
     plan = weights_bytes if isinstance(weights_bytes, WeightPlan) else WeightPlan(weights_bytes)
-    need = forecast_rank_bytes(shape, plan.at(cp_size), total_tokens, chunk_tokens, cp_size,
-                               algo, score)
+
+    def forecast(ranks: int, chunk: int) -> Forecast:
+        return forecast_rank_bytes(shape, plan.at(ranks), total_tokens, chunk, ranks, algo,
+                                   score, process_bytes)
+
+    need = forecast(cp_size, chunk_tokens)
     if need.total <= limit:
         return need
-    fits_n = next((n for n in range(cp_size + 1, 4097) if forecast_rank_bytes(
-        shape, plan.at(n), total_tokens, chunk_tokens, n, algo, score).total <= limit), None)
+    fits_n = next((n for n in range(cp_size + 1, 4097)
+                   if forecast(n, chunk_tokens).total <= limit), None)
     fits_chunk = None
     chunk = chunk_tokens
     while chunk > 64:
         chunk //= 2
-        if forecast_rank_bytes(shape, plan.at(cp_size), total_tokens, chunk, cp_size, algo,
-                               score).total <= limit:
+        if forecast(cp_size, chunk).total <= limit:
             fits_chunk = chunk
             break
     options = []
@@ -127,7 +142,8 @@ def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens:
         options.append(f"--prefill-chunk {fits_chunk}")
     if fits_n:
         options.append(f"at least {fits_n} ranks")
-    shard_n = plan.sharding_fits(shape, total_tokens, chunk_tokens, cp_size, limit, algo, score)
+    shard_n = plan.sharding_fits(shape, total_tokens, chunk_tokens, cp_size, limit, algo, score,
+                                 process_bytes)
     if shard_n:
         options.append("--shard-weights on" + (f" at {shard_n} ranks" if shard_n > cp_size
                                                else ""))
@@ -135,5 +151,6 @@ def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens:
     raise UserError(
         f"{total_tokens} tokens need about {need.total / gb:.2f} GB per rank on {cp_size} "
         f"rank(s) (weights {need.weights / gb:.2f} + KV {need.kv / gb:.2f} + activations "
-        f"{need.activations / gb:.2f}), over the limit of {limit / gb:.2f} GB per rank; "
+        f"{need.activations / gb:.2f} + process {need.process / gb:.2f}), over the limit of "
+        f"{limit / gb:.2f} GB per rank; "
         + ("it fits with " + " or ".join(options) if options else "no rank count fits"))

@@ -58,16 +58,3 @@ def warm_up(engine: Engine, enabled: bool | None = None) -> float:
         comm.barrier()
     return time.perf_counter() - start
 
-
-def prepare_decode(engine: Engine, will_decode: bool) -> float:
-    """Seconds spent readying decode before the first prompt (Engine.prepare_decode:
-    the split step's weight slices, the decode collectives' connections, ``--decode-tp
-    auto``'s decision), or 0.0 where nothing will be decoded or one rank has nothing to
-    ready. Collective: ``will_decode`` must be the same on every rank. Readied before
-    the prefill, this work delays neither the first token nor the decode rate; a summary
-    reports it as ``decode_setup_s``."""
-    if not will_decode or engine.comm.size == 1:
-        return 0.0
-    start = time.perf_counter()
-    engine.prepare_decode()
-    return time.perf_counter() - start
