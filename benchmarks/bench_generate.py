@@ -84,7 +84,11 @@ def generate(ranks: int, prompt: Path, tokens: int, env: dict, spmd_cp: str = bl
     cmd = launcher(spmd_cp, ranks) + ["generate", "--prompt-file", str(prompt),
                                       "--max-tokens", str(tokens), "--json"]
     load = bl.loadavg()[0]
-    result = bl.run_json(cmd, env=env, keep_stderr=True)
+    # From the prompt's folder, not the repository: a baseline started as `python -m
+    # spmd_cp` with PYTHONPATH set would import the repository's package from the
+    # working directory, which comes first on sys.path (session 5's first baseline
+    # rows ran this code that way).
+    result = bl.run_json(cmd, env=env, keep_stderr=True, cwd=prompt.parent)
     result.update(_load_before=load, _variant=variant)
     result["_decode_choice"] = decode_choice(result.pop("_stderr", ""))
     bl.log(f"{variant} N={ranks}: prefill {result['prefill_tok_s']:.1f} tok/s, decode "
@@ -131,7 +135,7 @@ def main():
         for _, n, spmd_cp in configs:  # fills the calibration (and float32 weight) cache
             bl.run_json(launcher(spmd_cp, n) + ["generate", "--prompt", "Hello",
                                                 "--max-tokens", "2", "--json"],
-                        env=env, quiet_wait=0)
+                        env=env, quiet_wait=0, cwd=tmp)
         runs = [generate(n, prompt, args.tokens, env, spmd_cp, variant)
                 for _ in range(args.rounds) for variant, n, spmd_cp in configs]
     run_rows = [[i // len(configs) + 1, r["_variant"], r["ranks"], f"{r['_load_before']:.2f}",

@@ -224,8 +224,14 @@ def load_gguf(path: str, keep_quantized: bool = False,
     module = check_architecture(_value(meta, "general.architecture"))
     config = gguf_config(meta, tensors)
     model = module.Model(module.ModelArgs.from_dict(config))
-    if not keep_quantized and float32_cache and _load_cached(model, float32_cache):
-        return _ready(model), build_tokenizer(meta), config
+    if not keep_quantized and float32_cache and os.path.isfile(float32_cache):
+        # The float32 copy replaces the file's tensors: never hold both (they were 94 MiB
+        # of a SmolLM2 rank's 793 MiB resident peak, beyond what the forecast counts).
+        del tensors
+        mx.clear_cache()
+        if _load_cached(model, float32_cache):
+            return _ready(model), build_tokenizer(meta), config
+        tensors = mx.load(path)  # a damaged copy: dequantize again, and rewrite it
     weights, bits = convert_weights(tensors, keep_quantized)
     if not keep_quantized and float32_cache:
         _save_quietly(float32_cache, weights)
