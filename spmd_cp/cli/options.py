@@ -51,13 +51,13 @@ def common_options(fn):
                      help="Keep quantized weights (default on CPU: dequantize to float32, much faster)."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line."),
         click.option("--memory-limit", default=d("memory_limit"), metavar="SIZE",
-                     help="Refuse jobs whose forecast exceeds this per rank, e.g. 2GB "
-                          "(default: this host's memory / its ranks)."),
+                     help="Refuse jobs whose forecast of resident memory exceeds this per "
+                          "rank, e.g. 2GB (default: this host's memory / its ranks)."),
         click.option("--shard-weights", type=click.Choice(SHARD_WEIGHTS_MODES),
                      default=d("shard_weights"), show_default=True,
                      help="Each rank holds only layers i mod N and 1/N of the vocabulary; a "
                           "layer's owner broadcasts it just before it runs (auto: when the "
-                          "weights alone exceed --memory-limit)."),
+                          "weights and the process's own memory exceed --memory-limit)."),
         click.option("--comm-timeout", type=click.FloatRange(min=0), default=d("comm_timeout"),
                      help="Abort the job when a rank waits this many seconds for a peer during "
                           "prefill/decode (default 45; 0 disables)."),

@@ -3,9 +3,11 @@
 MLX's figures (``mx.get_active_memory``, ``get_peak_memory``) count only its buffers. A
 rank holds more: the interpreter and its libraries (MLX, numpy, MPI, the tokenizer's),
 the tokenizer's tables, Python objects, freed heap the allocator keeps. On the 2-core
-test machine a rank of a 4-token SmolLM2 answer held 216 MiB outside MLX's buffers
-(N = 2, replicated: resident peak 854 MiB, MLX's peak 626 MiB). The memory forecast adds
+test machine a rank of a 4-token SmolLM2 answer held about 180 MiB outside MLX's buffers
+(N = 2, replicated: resident peak 775 MiB, MLX's peak 595 MiB). The memory forecast adds
 this part as measured in the running process, and ``--json`` reports the resident peak.
+Where resident memory cannot be read (no /proc: macOS) the forecast counts MLX's arrays
+alone, as it did before.
 """
 
 from __future__ import annotations
