@@ -57,4 +57,3 @@ def warm_up(engine: Engine, enabled: bool | None = None) -> float:
         twin.decode_step(cache, 0)
         comm.barrier()
     return time.perf_counter() - start
-
