@@ -337,8 +337,7 @@ def describe_weights(model_path: str, cp_size: int, warnings: list[str]) -> dict
     (from the file headers; None, with a warning, where they cannot be read)."""
     from ..engine.forecast import default_memory_limit
     from ..engine.weights import PREFETCH_LAYERS
-    from ..runtime.resident import outside_mlx_bytes
-    from .sharding import layout_of
+    from .sharding import auto_shards, layout_of
 
     try:
         layout = layout_of(model_path, False)
@@ -346,8 +345,7 @@ def describe_weights(model_path: str, cp_size: int, warnings: list[str]) -> dict
         warnings.append(f"cannot read the weight layout of {model_path} ({failure!r})")
         return None
     limit = default_memory_limit()
-    # As sharding.wants_sharding decides: the weights and this process's own memory.
-    auto = cp_size > 1 and layout.replicated + outside_mlx_bytes() > limit
+    auto = cp_size > 1 and auto_shards(layout.replicated, limit)
     return {"replicated_bytes": layout.replicated, "prefetch_layers": PREFETCH_LAYERS,
             "sharded_bytes": layout.per_rank(cp_size, PREFETCH_LAYERS) if cp_size > 1 else None,
             "memory_limit_bytes": limit, "auto_shards": auto}

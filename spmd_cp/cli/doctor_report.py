@@ -86,6 +86,7 @@ def describe_weight_layout(w: dict | None, n: int) -> list[str]:
                  "layers in flight)")
     shards = w["auto_shards"]
     lines.append(f"  --shard-weights auto {'shards' if shards else 'keeps them replicated'} "
-                 f"(the replicated weights {'exceed' if shards else 'fit'} the default "
-                 f"--memory-limit, {gb(w['memory_limit_bytes'])} per rank)")
+                 f"(the replicated weights and the process's own memory "
+                 f"{'exceed' if shards else 'fit'} the default --memory-limit, "
+                 f"{gb(w['memory_limit_bytes'])} per rank)")
     return lines

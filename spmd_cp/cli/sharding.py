@@ -22,8 +22,14 @@ def wants_sharding(run: RunConfig, path: str, ranks: int) -> bool:
         return False
     if run.shard_weights == "auto":
         limit = parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
-        return layout_of(path, run.keep_quantized).replicated + outside_mlx_bytes() > limit
+        return auto_shards(layout_of(path, run.keep_quantized).replicated, limit)
     return True
+
+
+def auto_shards(replicated_bytes: int, limit: int) -> bool:
+    """``--shard-weights auto``'s rule (the CLI's and doctor's): the replicated weights and
+    what this process holds outside MLX now exceed the per-rank limit."""
+    return replicated_bytes + outside_mlx_bytes() > limit
 
 
 @lru_cache(maxsize=4)
