@@ -18,8 +18,13 @@ import numpy as np
 def contribution(rank: int) -> dict:
     """Rank r's inputs: ``r + 1`` rows for the uneven gathers, the same shape elsewhere."""
     rows = np.arange((rank + 1) * 4, dtype=np.float32).reshape(1, rank + 1, 4) + 100 * rank
+    # "wide": 1 MiB a rank, above GATHER_SUM_MAX_BYTES gathered, so its sum takes the
+    # ring's all_sum where "block"'s takes all_gather + sum (exact: halves times 0..6).
+    wide = np.full((1, 1 << 18), rank + 0.5, np.float32) * (np.arange(1 << 18) % 7)
     return {"rows": rows, "vector": np.arange(rank + 2, dtype=np.float32) - rank,
-            "block": np.full((2, 3), rank + 0.5, np.float32) * np.arange(3, dtype=np.float32)}
+            "block": np.full((2, 3), rank + 0.5, np.float32) * np.arange(3, dtype=np.float32),
+            "wide": wide.astype(np.float32),
+            "row": np.arange(5, dtype=np.float32)[None] * (rank + 1)}  # (1, 5): gathered as is
 
 
 def main():
@@ -40,6 +45,8 @@ def main():
             "gather_rows": graph.gather_rows(mine["vector"], [c + 1 for c in counts]),
             "allgather_stack": graph.allgather_stack(mine["block"]),
             "sum": graph.allreduce(mine["block"], "sum"),
+            "wide_sum": graph.allreduce(mine["wide"], "sum"),
+            "row_sum": graph.allreduce(mine["row"], "sum"),
             "max": graph.allreduce(mine["block"] - comm.rank, "max"),
         }
         mx.eval(list(results.values()))

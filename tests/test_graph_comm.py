@@ -21,8 +21,10 @@ def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None)
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_graph_collectives_equal_numpy_on_every_rank(n, tmp_path):
-    """Uneven gathers (rank r contributes r + 1 rows), stack, sum and max: every rank gets
-    exactly what numpy computes from all ranks' inputs."""
+    """Uneven gathers (rank r contributes r + 1 rows), stack, sums (small ones through
+    all_gather, with and without a leading axis of 1; a 1 MiB one through the ring's
+    all_sum) and max: every rank gets exactly what numpy computes from all ranks' inputs
+    (shapes included)."""
     sys.path.insert(0, str(TESTS))
     from graph_comm_driver import contribution
 
@@ -34,6 +36,8 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, tmp_path):
         "gather_rows": np.concatenate([i["vector"] for i in inputs]),
         "allgather_stack": np.stack([i["block"] for i in inputs]),
         "sum": np.sum([i["block"] for i in inputs], axis=0),
+        "wide_sum": np.sum([i["wide"] for i in inputs], axis=0),
+        "row_sum": np.sum([i["row"] for i in inputs], axis=0),
         "max": np.max([i["block"] - r for r, i in enumerate(inputs)], axis=0),
     }
     for rank, record in enumerate(records):

@@ -17,8 +17,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from ..runtime.device import use_fused_attention
-from .block import block_attention, merge_stacked, pack_partial, unpack_partial
+from ..runtime.device import on_gpu_path, use_fused_attention
+from .block import (_finite_or_zero, block_attention, merge_stacked, pack_partial,
+                    unpack_partial)
 from .fused import decode_partial, fused_output, in_position_order
 
 
@@ -79,10 +80,24 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
             total = summed[..., -1:]
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
         partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
+        if partials.dtype == mx.float32 and not on_gpu_path():
+            return _merge_float32(partials, q.shape[-1])
         merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))
         return merged
 
     return attend
+
+
+@mx.compile
+def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
+    """The merged output (NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1):
+    ``merge_stacked``'s arithmetic in the same order (bit for bit, tests/test_one_token.py),
+    compiled and kept in 4-D so that no axis is squeezed and re-expanded: on the CPU path
+    its graph nodes per layer fall from 26 to 9 (engine/one_token.py says why that counts)."""
+    outs, lses = partials[..., :head_dim], partials[..., head_dim:]
+    weights = mx.exp(lses - _finite_or_zero(lses.max(axis=0, keepdims=True)))  # 0: empty
+    total = weights.sum(axis=0)
+    return (weights * outs).sum(axis=0) / mx.where(total > 0, total, 1.0)
 
 
 def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):

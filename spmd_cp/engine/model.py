@@ -15,6 +15,7 @@ them), so an architecture detail added here holds for both.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from importlib import import_module
 from typing import Callable
 
@@ -28,6 +29,7 @@ from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
+from .one_token import RopeMatrices, lean_graph, rms_norm
 from .weight_slices import linear, times_transposed
 
 # attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale) -> (NH, n, d)
@@ -55,11 +57,15 @@ def rope_at(rope: nn.Module, x: mx.array, runs) -> mx.array:
     return mx.concatenate([rope(x[..., a:b, :], offset=p) for a, b, p in runs], axis=-2)
 
 
-def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs):
+def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matrix=None):
     """(1, n, H*d) projections -> (H, n, d) heads, with Qwen3's q/k norms and RoPE at the
-    global positions ``runs`` (see ``contiguous_runs``)."""
+    global positions ``runs`` (see ``contiguous_runs``). ``rope_matrix(head_dim)``, for
+    one token: the (d, d) matrix of the module's RoPE at its position, or None
+    (one_token.py)."""
     n = q.shape[1]
     head_dim = q.shape[-1] // attn.n_heads  # explicit: a rank may hold 0 rows
+    if rope_matrix is not None:
+        return _one_token_heads(attn, q, k, v, runs, rope_matrix(head_dim), head_dim)
     q = q.reshape(1, n, attn.n_heads, head_dim)
     k = k.reshape(1, n, attn.n_kv_heads, head_dim)
     v = v.reshape(1, n, attn.n_kv_heads, head_dim)
@@ -69,6 +75,20 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs):
     if runs:
         q, k = rope_at(attn.rope, q, runs), rope_at(attn.rope, k, runs)
     return q[0], k[0], v[0]
+
+
+def _one_token_heads(attn, q, k, v, runs, rotation, head_dim: int):
+    """``heads_with_rope`` of one token: (1, 1, H*d) is (H, 1, d) in memory already, so
+    reshapes replace the transposes, and RoPE is a matmul where ``rotation`` is given
+    and the heads are float32 (fewer graph nodes: one_token.py)."""
+    q = q.reshape(attn.n_heads, 1, head_dim)
+    k = k.reshape(attn.n_kv_heads, 1, head_dim)
+    v = v.reshape(attn.n_kv_heads, 1, head_dim)
+    if hasattr(attn, "q_norm"):  # over each head's d: the same on this layout
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if rotation is not None and q.dtype == k.dtype == mx.float32:
+        return q @ rotation, k @ rotation, v
+    return rope_at(attn.rope, q[None], runs)[0], rope_at(attn.rope, k[None], runs)[0], v
 
 
 def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
@@ -144,6 +164,7 @@ class CPModel:
         self.num_heads = attn.n_heads
         self.num_kv_heads = attn.n_kv_heads
         self.num_layers = len(self.layers)
+        self.rope_matrices = RopeMatrices()
         # The KV cache's, ring messages' and decode partials' dtype (see kv_dtype_for).
         self.kv_dtype = kv_dtype_for(model)
         self.elem_bytes = self.kv_dtype.size
@@ -183,19 +204,32 @@ class CPModel:
             ids = mx.array(token_ids, mx.int32)
         h = self.embed_tokens(ids[None])  # (1, n, D)
         n = h.shape[1]
-        layers = zip(modules or self.layers, projections or self.replicated, cache.layers)
+        modules = modules or self.layers
+        # One token on the CPU path: fewer graph nodes, same arithmetic (one_token.py).
+        lean = lean_graph(n) and len(runs) == 1
+        norm = rms_norm if lean else (lambda module, x: module(x))
+        rope_matrix = None
+        if lean:  # indexed, not iterated: a layer-sharded store fetches what it iterates
+            rope_matrix = self.rope_matrices.at(
+                [modules[i].self_attn.rope for i in range(len(modules))], runs[0][2])
+        layers = zip(modules, projections or self.replicated, cache.layers)
         for index, (layer, project, layer_kv) in enumerate(layers):
             if on_layer is not None:
                 on_layer(index)
             with span(tracer, f"layer {index}", "layer"):
                 attn = layer.self_attn
-                q, k, v = heads_with_rope(attn, *project.qkv(layer.input_layernorm(h)), runs)
+                layer_rope = None if rope_matrix is None else partial(rope_matrix, index)
+                q, k, v = heads_with_rope(
+                    attn, *project.qkv(norm(layer.input_layernorm, h)), runs, layer_rope)
                 keys, values = local_shard(layer_kv, k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale)
                 out = out.astype(q.dtype)  # float32 partials must not widen the residual
-                out = out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2])
+                if n == 1:  # (H, 1, d) is (1, 1, H*d) in memory: no transpose needed
+                    out = out.reshape(1, 1, out.shape[0] * out.shape[2])
+                else:
+                    out = out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2])
                 h = h + project.output(out)
-                h = h + project.mlp(layer.post_attention_layernorm(h))
+                h = h + project.mlp(norm(layer.post_attention_layernorm, h))
                 if tracer is not None:
                     mx.eval(h)
         return h[0]

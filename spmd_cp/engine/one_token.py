@@ -1,0 +1,105 @@
+"""One-token forward passes (decode steps) in fewer MLX graph nodes on the CPU path.
+
+A decode step of SmolLM2-135M (30 layers) was about 4,100 graph nodes. On MLX's CPU
+backend every node costs its build and its hand-over to the compute thread: 3.2 us
+alone, 4.2-4.9 us with two ranks on two cores (a chain of 4,000 multiplies of 576
+floats), so 13-20 ms of a 70-95 ms step went to nodes that compute next to nothing. On
+a GPU, RoPE and RMSNorm are one fused kernel each; on the CPU they run as their
+fallbacks, 29 and 11 nodes, four times per layer. For a single token:
+
+- RoPE at one position is a linear map of each head's vector, so its (d, d) matrix is
+  the model's own RoPE module applied to the identity: built once per step for every
+  layer whose module rotates the same way, then one matmul for q and one for k. Each
+  output element sums two products and zeros, so the result is the module's bit for
+  bit for MLX's RoPE (plain, linear-scaled, traditional, partial) and mlx-lm's
+  Llama-3 RoPE (tests/test_one_token.py). YaRN and LongRoPE scale x before rotating,
+  which a matrix folds into its entries (1 ulp apart): those, and any other module,
+  keep running as themselves.
+- RMSNorm through ``mx.compile``: the elementwise tail fused into one node (3 instead
+  of 11), the same arithmetic in the same order.
+
+The GPU path keeps MLX's fused kernels; float32 is the only dtype taken this way (a
+half-precision RoPE rounds differently from a matmul in that precision).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from ..runtime.device import on_gpu_path
+
+
+def lean_graph(rows: int) -> bool:
+    """Whether a forward pass over ``rows`` local rows takes this module's forms."""
+    return rows == 1 and not on_gpu_path()
+
+
+@mx.compile
+def _rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rms_norm(module: nn.Module, x: mx.array) -> mx.array:
+    """``module(x)``, compiled when it is a plain float32 RMSNorm."""
+    if type(module) is nn.RMSNorm and x.dtype == mx.float32:
+        return _rms_norm(x, module["weight"], module.eps)
+    return module(x)
+
+
+# RoPE modules whose one-token output a matrix reproduces bit for bit (see above).
+EXACT_AS_MATRIX = (nn.RoPE, Llama3RoPE)
+
+
+def rotation_matrix(rope: nn.Module, head_dim: int, position: int) -> mx.array:
+    """(d, d) float32 R with ``x @ R == rope(x, offset=position)`` for one token: row j
+    is the rotated j-th unit vector."""
+    basis = mx.eye(head_dim, dtype=mx.float32)[None, :, None, :]  # d heads of one token
+    return rope(basis, offset=position)[0, :, 0, :]
+
+
+def _signature(module: nn.Module) -> tuple:
+    """What a RoPE module's output depends on: its class and every attribute (arrays by
+    their bytes), so modules with equal signatures rotate identically."""
+    items = []
+    for name, value in sorted({**vars(module), **dict(module)}.items()):
+        if isinstance(value, mx.array):
+            value = (str(value.dtype), value.shape,
+                     np.array(value.astype(mx.float32)).tobytes())
+        else:
+            value = repr(value)
+        items.append((name, value))
+    return type(module), tuple(items)
+
+
+class RopeMatrices:
+    """The RoPE matrices of one position for a model's layers, built once per step for
+    each group of layers whose modules rotate alike (grouped once per set of modules)."""
+
+    def __init__(self):
+        self._modules: list = []
+        self._representative: list = []  # per layer: the first layer rotating alike, or None
+
+    def at(self, ropes: list, position: int):
+        """``matrix(layer_index, head_dim)`` for one step at ``position``: the layer's
+        RoPE matrix, or None where its module must run itself (not EXACT_AS_MATRIX)."""
+        if len(ropes) != len(self._modules) or any(
+                a is not b for a, b in zip(ropes, self._modules)):
+            first: dict = {}
+            self._modules = list(ropes)
+            self._representative = [
+                first.setdefault(_signature(r), i) if type(r) in EXACT_AS_MATRIX else None
+                for i, r in enumerate(ropes)]
+        built: dict = {}
+
+        def matrix(index: int, head_dim: int) -> mx.array | None:
+            key = (self._representative[index], head_dim)
+            if key[0] is None:
+                return None
+            if key not in built:
+                built[key] = rotation_matrix(ropes[key[0]], head_dim, position)
+            return built[key]
+
+        return matrix

@@ -1,0 +1,90 @@
+"""One-token forms of the CPU path (engine/one_token.py, the compiled decode merge): the
+same bits as the modules and functions they stand in for, which are mlx-lm's and MLX's
+own (and a numpy merge for the merge)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.rope_utils import initialize_rope
+
+from spmd_cp.attention.block import merge_stacked, pack_partial
+from spmd_cp.attention.gather import _merge_float32
+from spmd_cp.engine.one_token import EXACT_AS_MATRIX, RopeMatrices, rms_norm, rotation_matrix
+
+ROPES = {
+    "plain": dict(dims=64, base=100000.0, traditional=False, scaling_config=None),
+    "traditional": dict(dims=64, base=10000.0, traditional=True, scaling_config=None),
+    "partial": dict(dims=32, base=10000.0, traditional=False, scaling_config=None),
+    "linear": dict(dims=64, base=10000.0, traditional=False,
+                   scaling_config={"type": "linear", "factor": 2.0}),
+    "llama3": dict(dims=64, base=500000.0, traditional=False,
+                   scaling_config={"rope_type": "llama3", "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}),
+    "yarn": dict(dims=64, base=10000.0, traditional=False,
+                 scaling_config={"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 4096}),
+}
+
+
+def make_rope(name: str) -> nn.Module:
+    return initialize_rope(**ROPES[name], max_position_embeddings=131072)
+
+
+@pytest.mark.parametrize("name", [n for n in ROPES if n != "yarn"])
+def test_rope_matrix_rotates_one_token_as_the_module_bit_for_bit(name):
+    rope = make_rope(name)
+    assert isinstance(rope, EXACT_AS_MATRIX)
+    heads = mx.random.normal((1, 9, 1, 64), key=mx.random.key(3)) * 4
+    for position in (0, 1, 4095, 100_000):
+        expected = np.array(rope(heads, offset=position))
+        got = np.array(heads @ rotation_matrix(rope, 64, position))
+        np.testing.assert_array_equal(got, expected, err_msg=f"{name} at {position}")
+
+
+def test_rope_matrices_are_shared_by_alike_layers_and_left_to_the_rest():
+    """Layers built alike share one matrix per step; another base gets its own; YaRN
+    (it scales x before rotating: a matrix is 1 ulp off) keeps its module (None)."""
+    ropes = [make_rope("plain"), make_rope("plain"), make_rope("traditional"),
+             make_rope("yarn"), make_rope("plain")]
+    matrix = RopeMatrices().at(ropes, 3000)
+    built = [matrix(i, 64) for i in range(len(ropes))]
+    assert built[0] is built[1] is built[4]
+    assert built[2] is not built[0] and built[3] is None
+    heads = mx.random.normal((1, 9, 1, 64), key=mx.random.key(4))
+    for rope, rotation in zip(ropes[:3], built[:3]):
+        np.testing.assert_array_equal(np.array(heads @ rotation),
+                                      np.array(rope(heads, offset=3000)))
+
+
+def test_compiled_rms_norm_is_the_module_bit_for_bit():
+    norm = nn.RMSNorm(576, eps=1e-5)
+    norm.weight = mx.random.normal((576,), key=mx.random.key(5))
+    for scale in (1e-3, 1.0, 1e3):
+        x = mx.random.normal((1, 1, 576), key=mx.random.key(int(scale * 1000))) * scale
+        np.testing.assert_array_equal(np.array(rms_norm(norm, x)), np.array(norm(x)))
+
+
+def numpy_merge(outs: np.ndarray, lses: np.ndarray) -> np.ndarray:
+    """Softmax-weighted merge of partials in float64, empty partials (lse -inf) ignored."""
+    lses = lses.astype(np.float64)
+    top = np.max(np.where(np.isfinite(lses), lses, -np.inf), axis=0)
+    weights = np.where(np.isfinite(lses), np.exp(lses - top), 0.0)
+    return (weights[..., None] * outs).sum(axis=0) / weights.sum(axis=0)[..., None]
+
+
+def test_compiled_decode_merge_equals_the_uncompiled_one_and_numpy():
+    """Three ranks' partials (one rank's shard empty: lse -inf, output 0)."""
+    key = mx.random.key(6)
+    outs = mx.random.normal((3, 9, 1, 64), key=key)
+    lses = mx.random.normal((3, 9, 1), key=mx.random.key(7)) * 8
+    outs = mx.concatenate([outs[:2], mx.zeros((1, 9, 1, 64))])
+    lses = mx.concatenate([lses[:2], mx.full((1, 9, 1), -mx.inf)])
+    packed = mx.stack([pack_partial(outs[r], lses[r], mx.float32) for r in range(3)])
+    got = _merge_float32(packed, 64)
+    np.testing.assert_array_equal(np.array(got), np.array(merge_stacked(outs, lses)[0]))
+    np.testing.assert_allclose(np.array(got), numpy_merge(np.array(outs), np.array(lses)),
+                               rtol=2e-6, atol=1e-6)
