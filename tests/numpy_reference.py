@@ -34,7 +34,15 @@ def load_reference_weights(gguf_path: str) -> tuple[dict, dict]:
         if base + ".scales" in tensors:
             s, b = tensors[base + ".scales"], tensors[base + ".biases"]
             bits = t.shape[-1] // s.shape[-1]  # uint32 words per group of 32 values = bits
-            t = mx.dequantize(t, s, b, group_size=32, bits=bits)
+            # MLX only unpacks the integers (scale 1, minimum 0: exact small integers);
+            # q * d + m is computed here in float64 from the blocks' float16 d and m.
+            q = mx.dequantize(t, mx.ones(s.shape, mx.float32), mx.zeros(b.shape, mx.float32),
+                              group_size=32, bits=bits)
+            q = np.array(q, dtype=np.float64).reshape(*s.shape, 32)
+            d = np.array(s.astype(mx.float32), dtype=np.float64)[..., None]
+            m = np.array(b.astype(mx.float32), dtype=np.float64)[..., None]
+            weights[name] = (q * d + m).reshape(q.shape[0], -1)
+            continue
         weights[name] = np.array(t.astype(mx.float32), dtype=np.float64)
     hp = {
         "n_layers": _scalar(meta, "llama.block_count"),

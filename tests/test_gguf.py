@@ -70,6 +70,23 @@ def test_logits_match_numpy_reference(path, loaded):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_block_dequantization_is_float32_arithmetic_as_in_llama_cpp(path):
+    """q * d + m with each Q4_1 block's float16 d and m widened to float32 (llama.cpp's
+    dequantize_row_q4_1): within one float32 rounding of the exact value, computed here
+    in float64 from integers MLX only unpacks (scale 1, minimum 0)."""
+    tensors = mx.load(path)
+    packed = tensors["blk.3.ffn_down.weight"]
+    d, m = tensors["blk.3.ffn_down.scales"], tensors["blk.3.ffn_down.biases"]
+    got = np.array(gguf.dequantize_float32(packed, d, m, 4))
+    q = mx.dequantize(packed, mx.ones(d.shape, mx.float32), mx.zeros(m.shape, mx.float32),
+                      group_size=32, bits=4)
+    exact = (np.array(q, np.float64).reshape(*d.shape, 32)
+             * np.array(d.astype(mx.float32), np.float64)[..., None]
+             + np.array(m.astype(mx.float32), np.float64)[..., None]).reshape(got.shape)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, exact, rtol=2 ** -23, atol=2 ** -24 * np.abs(exact).max())
+
+
 def test_tokenizer_round_trip(loaded):
     _, tok, _ = loaded
     for text in TEXTS:

@@ -12,7 +12,7 @@ def test_float32_weight_copy_is_written_reused_and_survives_damage(embedded_mode
 
     monkeypatch.setenv("SPMD_CP_CACHE", str(tmp_path))
     first = dict(tree_flatten(load_model(embedded_model).model.parameters()))
-    copies = list((tmp_path / "weights").glob("*.float32.safetensors"))
+    copies = list((tmp_path / "weights").glob("*.f32dq.safetensors"))
     assert len(copies) == 1 and copies[0].stat().st_size > 500e6
     second = dict(tree_flatten(load_model(embedded_model).model.parameters()))
     assert first.keys() == second.keys()

@@ -205,3 +205,34 @@ def test_doctor_reports_the_sharded_layout_the_run_holds(tiny_models, text_file,
     assert max(sharded) <= weights["sharded_bytes"] < replicated
     assert weights["auto_shards"] is False  # a tiny model fits the default limit
     assert "--shard-weights on:" in launch.stdout and "keeps them replicated" in launch.stdout
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """Layers heavier than the vocabulary: 12 layers of 7 MB (float32) against 50 MB."""
+    from conftest import write_tiny_model
+
+    deep = {"hidden_size": 256, "head_dim": 32, "intermediate_size": 2048,
+            "num_hidden_layers": 12}
+    return str(write_tiny_model(tmp_path_factory.mktemp("deep") / "llama", "llama", 5, deep))
+
+
+def test_replicated_decode_over_sharded_layers_holds_a_window_not_the_model(deep_model,
+                                                                          text_file):
+    """Decode steps over a layer store keep MPI's collectives (`--decode-comm auto`): a
+    step built as one MLX graph would hold every layer received for it until evaluated
+    (with SmolLM2 in float32 at N = 2: MLX peak 471 vs 282 MiB). MLX's peak per rank
+    stays within its own layers, the window, 1/N of the vocabulary and a few MB of
+    activations; the tokens are the replicated run's."""
+    from spmd_cp.engine.weights import PREFETCH_LAYERS
+
+    layer, replicated = layer_and_total_bytes(deep_model)
+    expected = generate(2, deep_model, text_file, "--shard-weights", "off").last_json()
+    got = generate(2, deep_model, text_file, "--shard-weights", "on").last_json()
+    assert got["token_ids"] == expected["token_ids"]
+    assert got["decode_comm"] == "mpi"
+    layers = 12
+    vocab_share = (replicated - layers * layer) / 2
+    bound = vocab_share + (layers // 2 + PREFETCH_LAYERS + 1) * layer + 8 * 2**20
+    assert bound < vocab_share + layers * layer  # every layer at once would break it
+    assert max(got["peak_mem_bytes"]) <= bound, (got["peak_mem_bytes"], bound)

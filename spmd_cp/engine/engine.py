@@ -266,7 +266,12 @@ class Engine:
         if self.collectives is None and self.comm.size == 1:
             self.collectives = self.comm  # nothing to communicate
         if self.collectives is None:
-            graph, reason = open_graph_collectives(self.comm, self.decode_comm)
+            if self.decode_comm == "auto" and self._replicated_over_shards():
+                graph, reason = None, ("replicated steps over layer-sharded weights: each "
+                                       "collective evaluates the layers before it, so the "
+                                       "layers received for a step are freed one by one")
+            else:
+                graph, reason = open_graph_collectives(self.comm, self.decode_comm)
             if graph is None and self.decode_comm == "mlx":
                 raise UserError(f"--decode-comm mlx: {reason}")
             log.info("decode collectives: %s (%s)", "in MLX's graph" if graph else "MPI",
@@ -274,6 +279,14 @@ class Engine:
             self.collectives = graph or self.comm
             self.decode_comm = "mlx" if graph else "mpi"
         return self.collectives
+
+    def _replicated_over_shards(self) -> bool:
+        """Whether decode steps will run replicated over a layer-sharded store. Their
+        collectives then stay MPI's: a step built as one MLX graph would keep every layer
+        received (and dequantized) for it until the step is evaluated, the whole model at
+        once, where MPI's evaluate layer by layer (SmolLM2 Q4_1, N = 2: resident peak 354
+        vs 295 MiB, MLX peak 148 vs 120; decode 3.80 vs 3.79 tok/s)."""
+        return is_layer_sharded(self.model) and self.decode_tp != "on"
 
     # -- tensor-parallel decode: on, off, or decided from measurements -----------------
     def _use_tensor_parallel(self) -> bool:

@@ -118,6 +118,17 @@ def _mlx_name(gguf_name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
+def dequantize_float32(packed: mx.array, scales: mx.array, biases: mx.array,
+                       bits: int) -> mx.array:
+    """A GGUF block-quantized tensor as float32, computed as llama.cpp does: each
+    block's float16 scale and minimum widened to float32, ``q * d + m`` in float32.
+    (MLX dequantizes in the scales' dtype: float16 arithmetic would round every weight
+    to float16 first, and on a CPU without float16 units it is 9x slower: 6.5 vs 0.7 ms
+    for a 1536 x 576 matrix.)"""
+    return mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
+                         group_size=GROUP_SIZE, bits=bits)
+
+
 def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
     """Rename to mlx-lm names; returns (weights, {module path: bits} of kept quantized layers)."""
     weights, bits = {}, {}
@@ -132,8 +143,7 @@ def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
                 weights.update({f"{module}.weight": t, f"{module}.scales": scales,
                                 f"{module}.biases": biases})
             else:
-                w = mx.dequantize(t, scales, biases, group_size=GROUP_SIZE, bits=b)
-                weights[_mlx_name(name)] = w.astype(mx.float32)
+                weights[_mlx_name(name)] = dequantize_float32(t, scales, biases, b)
         elif not name.endswith((".scales", ".biases")):
             weights[_mlx_name(name)] = t.astype(mx.float32)  # norms, F16/F32 tensors, biases
     return weights, bits

@@ -141,7 +141,9 @@ def float32_cache_path(checksum: str) -> str | None:
     """
     if os.environ.get("SPMD_CP_WEIGHT_CACHE", "1") == "0":
         return None
-    return str(cache_dir() / "weights" / f"{checksum}.float32.safetensors")
+    # "f32dq": dequantized in float32 arithmetic (gguf.dequantize_float32); copies named
+    # "float32" were dequantized in float16 and are not read.
+    return str(cache_dir() / "weights" / f"{checksum}.f32dq.safetensors")
 
 
 def _refuse_sliding_window(config: dict, path: str):
