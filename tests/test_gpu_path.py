@@ -152,6 +152,35 @@ def test_quantized_model_on_two_ranks(path, half_models, document, tmp_path):
             assert_within_half_precision(logprob, half, full, False, where)
 
 
+def test_layer_sharded_quantized_weights_on_the_gpu_path(half_models, document, tmp_path):
+    """--shard-weights on: packed 4-bit layers broadcast, bf16 cache, fused attention;
+    the same tokens as the replicated run at the same N and mlx-lm's precision."""
+    model = half_models["q4"]
+    ids, half, full = mlx_lm_logprobs(model, document.read_text())
+    _, tokens, logprob = score(2, model, document, tmp_path / "plain.jsonl", "pass-kv",
+                               GPU_PATH)
+    summary, sharded_tokens, sharded = run_sharded_score(model, document, tmp_path)
+    assert summary["compute_path"] == "gpu" and summary["kv_dtype"] == "bfloat16"
+    assert max(summary["model_bytes"]) < Path(model, "model.safetensors").stat().st_size
+    np.testing.assert_array_equal(sharded_tokens, tokens)
+    assert_within_half_precision(sharded, half, full, False, "sharded N=2")
+    answers = [run_cli(2, ["generate", "--model", model, "--keep-quantized", "--prompt-file",
+                           str(document), "--no-chat-template", "--max-tokens", "5", "--json",
+                           "--shard-weights", flag], env=GPU_PATH).last_json()["token_ids"]
+               for flag in ("off", "on")]
+    assert answers[0] == answers[1]
+
+
+def run_sharded_score(model: str, document: Path, tmp_path: Path):
+    out = tmp_path / "sharded.jsonl"
+    summary = run_cli(2, ["score", "--model", model, "--keep-quantized", "--text-file",
+                          str(document), "--output", str(out), "--cp-algo", "pass-kv",
+                          "--json", "--shard-weights", "on"], env=GPU_PATH).last_json()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return (summary, np.array([r["token"] for r in records]),
+            np.array([r["logprob"] for r in records]))
+
+
 def test_kv_dtype_and_forecast_follow_the_path(half_models, monkeypatch):
     import mlx.core as mx
 

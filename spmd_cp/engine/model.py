@@ -14,6 +14,7 @@ them), so an architecture detail added here holds for both.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import partial
 from importlib import import_module
@@ -22,6 +23,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from mlx_lm.models.activations import swiglu
 
@@ -102,22 +104,41 @@ def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
     return keys, values
 
 
-def kv_dtype_for(model: nn.Module) -> mx.Dtype:
+def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None) -> mx.Dtype:
     """The KV dtype: float32 on the CPU path (half-precision arithmetic is slow there and
     the tiled attention computes in float32 anyway), else the dtype the model computes
     its keys in (bfloat16 / float16 for half-precision and quantized models), found by
-    projecting one token through the first layer."""
+    projecting one token through the first layer (``first_layer``: a stand-in for it)."""
     if not on_gpu_path():
         return mx.float32
     inner = model.model
-    layer = inner.layers[0]
+    layer = first_layer or inner.layers[0]
     hidden = inner.embed_tokens(mx.array([[0]], mx.int32))
     return layer.self_attn.k_proj(layer.input_layernorm(hidden)).dtype
 
 
 def kv_model_shape(loaded) -> ModelShape:
     """A LoadedModel's shape with the KV dtype's element size (the memory forecast's)."""
-    return dataclasses.replace(loaded.shape, elem_bytes=kv_dtype_for(loaded.model).size)
+    dtype = kv_dtype_for(loaded.model, _first_layer_stand_in(loaded))
+    return dataclasses.replace(loaded.shape, elem_bytes=dtype.size)
+
+
+def _first_layer_stand_in(loaded) -> nn.Module | None:
+    """For a layer-sharded load (models/partial_load.py), whose layers hold empty
+    placeholders: the first layer's norm and k projection with lazy zeros of their
+    computed form (never evaluated), on shallow copies. None otherwise."""
+    share = getattr(loaded, "share", None)
+    if share is None:
+        return None
+    wanted = ("input_layernorm.", "self_attn.k_proj.")
+    zeros = {n: mx.zeros(shape, dtype) for n, (shape, dtype) in share.layer_specs[0].items()
+             if n.startswith(wanted)}
+    layer = loaded.model.model.layers[0]
+    stand_in, attn = copy.copy(layer), copy.copy(layer.self_attn)
+    stand_in["input_layernorm"] = copy.copy(layer.input_layernorm)
+    stand_in["self_attn"], attn["k_proj"] = attn, copy.copy(attn.k_proj)
+    stand_in.update(tree_unflatten(list(share.form.convert(zeros).items())))
+    return stand_in
 
 
 # mlx-lm's MLPs that compute down(swiglu(gate(x), up(x))): those of every supported

@@ -36,8 +36,8 @@ class VocabParallelEmbedding:
         mine = np.asarray(ids, np.int64).reshape(-1)
         every = self.comm.allgather_object(mine)
         me = self.comm.rank
-        pieces = [self.module(mx.array(wanted[self._owners(wanted) == me] - self.first,
-                                       mx.int32)) for wanted in every]
+        pieces = [self._look_up(wanted[self._owners(wanted) == me] - self.first)
+                  for wanted in every]
         owners = self._owners(mine)
         width = pieces[0].shape[-1]
         shapes = [(int(np.sum(owners == r)), width) for r in range(self.comm.size)]
@@ -48,6 +48,15 @@ class VocabParallelEmbedding:
         inverse[order] = np.arange(order.size)
         rows = mx.concatenate(received, axis=0)[mx.array(inverse)]
         return rows[None]
+
+
+    def _look_up(self, local_ids: np.ndarray) -> mx.array:
+        """Rows of this rank's slice; none asked: an empty (0, D) of the rows' dtype
+        (MLX's quantized embedding cannot reshape an empty lookup)."""
+        if local_ids.size:
+            return self.module(mx.array(local_ids, mx.int32))
+        probe = self.module(mx.array([0], mx.int32))  # lazy: only its shape and dtype
+        return mx.zeros((0, probe.shape[-1]), probe.dtype)
 
 
 class VocabParallelHead:

@@ -11,9 +11,11 @@ The layer loop needs no change: ``LayerStore`` is the sequence of layer modules 
 iterates. Iterating fills each module right before yielding it and empties it after.
 
 Why K = 1: prefetching further ahead cannot make the loop faster than the slower of
-compute and broadcast; it only absorbs jitter, and every extra layer costs memory. The
-last layers of one forward pass prefetch the first of the next (decode steps run back
-to back), so only the very first layer's broadcast is ever exposed.
+compute and broadcast (the broadcasts run one after another on one thread); it only
+absorbs jitter, and every extra layer costs memory. Measured: K = 2 and 4 prefilled and
+decoded no faster than K = 1 (docs/SHARDED_WEIGHTS.md). The last layers of one forward
+pass prefetch the first of the next (decode steps run back to back), so only the very
+first layer's broadcast is ever exposed.
 
 The broadcasts use their own duplicate of the communicator: MPI orders collectives per
 communicator, and attention's collectives run on the main thread at the same time.
