@@ -119,11 +119,11 @@ def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None) -> mx.D
 
 def kv_model_shape(loaded) -> ModelShape:
     """A LoadedModel's shape with the KV dtype's element size (the memory forecast's)."""
-    dtype = kv_dtype_for(loaded.model, _first_layer_stand_in(loaded))
+    dtype = kv_dtype_for(loaded.model, first_layer_stand_in(loaded))
     return dataclasses.replace(loaded.shape, elem_bytes=dtype.size)
 
 
-def _first_layer_stand_in(loaded) -> nn.Module | None:
+def first_layer_stand_in(loaded) -> nn.Module | None:
     """For a layer-sharded load (models/partial_load.py), whose layers hold empty
     placeholders: the first layer's norm and k projection with lazy zeros of their
     computed form (never evaluated), on shallow copies. None otherwise."""
@@ -173,7 +173,9 @@ class ReplicatedLayer:
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, first_layer: nn.Module | None = None):
+        """``first_layer``: a stand-in for the first layer where the model's hold
+        placeholders (``first_layer_stand_in``), for the KV dtype."""
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
@@ -187,7 +189,7 @@ class CPModel:
         self.num_layers = len(self.layers)
         self.rope_matrices = RopeMatrices()
         # The KV cache's, ring messages' and decode partials' dtype (see kv_dtype_for).
-        self.kv_dtype = kv_dtype_for(model)
+        self.kv_dtype = kv_dtype_for(model, first_layer)
         self.elem_bytes = self.kv_dtype.size
 
     def forward(

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from ..runtime.comm import Comm
-from .model import CPModel
+from .model import CPModel, first_layer_stand_in
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .weights import LayerStore
 
@@ -17,12 +16,9 @@ def build_cp_model(loaded, comm: Comm) -> CPModel:
     (models/partial_load.py)."""
     share = getattr(loaded, "share", None)
     inner = loaded.model.model
-    if share is not None:
-        # CPModel finds the KV dtype by running layer 0 on the GPU path (kv_dtype_for):
-        # zeros of the layer's computed form stand in (lazy: never built on the CPU).
-        zeros = {n: mx.zeros(shape, dtype) for n, (shape, dtype) in share.layer_specs[0].items()}
-        inner.layers[0].update(tree_unflatten(list(share.form.convert(zeros).items())))
-    model = CPModel(loaded.model)
+    # The KV dtype comes from running layer 0 on the GPU path (kv_dtype_for): a sharded
+    # load's layers are placeholders, so lazy zeros of its computed form stand in.
+    model = CPModel(loaded.model, first_layer_stand_in(loaded))
     if share is None:
         return model
     model.layers = LayerStore(list(inner.layers), share, comm)
