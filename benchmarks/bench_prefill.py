@@ -141,9 +141,10 @@ def algos(args) -> str:
                         for a in names)
         waits = " / ".join(bl.fmt(max(bl.median(w) for w in runs[mix][0]["results"][a]["wait_s"]))
                            for a in names)
+        ratio = times[chosen[0]] / times[fastest]
         ok = "yes" if chosen == [fastest] else (
-            f"no ({chosen[0]} is {times[chosen[0]] / times[fastest]:.2f}x the fastest)"
-            if len(chosen) == 1 else "mixed")
+            "mixed" if len(chosen) > 1 else f"within 5% ({ratio:.3f}x)" if ratio <= 1.05
+            else f"no ({chosen[0]} is {ratio:.3f}x the fastest)")
         loads = [r["_load"][0] for r in runs[mix]]
         rows.append([mix[0], mix[1], bl.fmt(times["pass-kv"]), bl.fmt(times["pass-q"]),
                      bl.fmt(times["allgather-kv"]), fastest, ",".join(chosen), ok, mb, waits,

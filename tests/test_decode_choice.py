@@ -53,10 +53,12 @@ def test_auto_follows_the_calibration_on_real_ranks(tiny_models, tmp_path):
             "--max-tokens", "6", "--json", "--no-chat-template"]
     reference = run_cli(1, args, env=env).last_json()
     first = run_cli(2, args, env=env)  # measures and caches the calibration
-    (path,) = tmp_path.glob("calibration-v3-*.json")
+    (path,) = tmp_path.glob("calibration-v4-*.json")
     figures = json.loads(path.read_text())
     assert set(figures) == {"attention_flops", "ring_bytes_per_s", "ring_latency_s",
-                            "copy_bytes_per_s", "stream_bytes_per_s", "collective_s"}
+                            "copy_bytes_per_s", "stream_bytes_per_s", "collective_s",
+                            "transfer_drag"}
+    assert 0 <= figures["transfer_drag"] < 1
     assert first.last_json()["text"] == reference["text"]
     # Through MPI the calibration's collective figure decides.
     for collective_s, mode in ((10.0, "replicated"), (1e-9, "tensor-parallel")):

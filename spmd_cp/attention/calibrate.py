@@ -6,7 +6,8 @@ For ``--cp-algo auto`` (choose.py):
 - ring latency: one ring step of a tiny array as the ring algorithms take it (the
   communication thread, the wire conversions), not only the link's;
 - copy rate: bytes/s of the host copies around every transfer (a fresh wire buffer in,
-  an MLX array out).
+  an MLX array out);
+- transfer drag: the share of attention compute a concurrent ring transfer costs.
 For ``--decode-tp auto`` (engine.py), with every rank working at once as in decode:
 - weight streaming rate: bytes/s of a matrix-vector product over a large matrix;
 - one small collective as the split decode step issues it (evaluate, Allreduce, convert).
@@ -20,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,21 +37,32 @@ from ..runtime.paths import cache_dir
 from ..runtime.comm import Comm, from_wire, to_wire
 
 
-def measure_attention_flops(num_heads=8, num_kv_heads=2, head_dim=64, tq=256, tk=1024,
-                            repeats=3) -> float:
-    """FLOP/s of block attention (QK^T and PV: 4 * NH * Tq * Tk * d FLOPs per call)."""
+def _attention_probe(num_heads=8, num_kv_heads=2, head_dim=64, tq=256, tk=1024):
+    """(one evaluated call of block attention on a full tile, its FLOPs: QK^T and PV,
+    4 * NH * Tq * Tk * d)."""
     q = mx.random.normal((num_heads, tq, head_dim))
     k = mx.random.normal((num_kv_heads, tk, head_dim))
     v = mx.random.normal((num_kv_heads, tk, head_dim))
     q_pos = np.full(tq, tk, np.int64)  # every key visible: a full tile of work
     k_pos = np.arange(tk, dtype=np.int64)
-    mx.eval(block_attention(q, k, v, q_pos, k_pos, 0.125))  # warm-up
+    mx.eval(q, k, v)
+
+    def call():
+        mx.eval(block_attention(q, k, v, q_pos, k_pos, 0.125))
+
+    return call, 4 * num_heads * tq * tk * head_dim
+
+
+def measure_attention_flops(repeats=3) -> float:
+    """FLOP/s of block attention (the best of ``repeats`` calls after a warm-up)."""
+    call, flop = _attention_probe()
+    call()  # warm-up
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(block_attention(q, k, v, q_pos, k_pos, 0.125))
+        call()
         best = min(best, time.perf_counter() - start)
-    return 4 * num_heads * tq * tk * head_dim / best
+    return flop / best
 
 
 def measure_ring(comm: Comm, nbytes=8 << 20, repeats=3) -> tuple[float, float]:
@@ -76,6 +90,47 @@ def measure_ring(comm: Comm, nbytes=8 << 20, repeats=3) -> tuple[float, float]:
         times["bulk"] = min(times["bulk"], time.perf_counter() - start)
     latency, bulk = (max(comm.allgather_object(times[k])) for k in ("latency", "bulk"))
     return nbytes / max(bulk, 1e-9), latency
+
+
+def measure_transfer_drag(comm: Comm, bandwidth: float, seconds: float = 0.15) -> float:
+    """Fraction of attention compute lost while a ring transfer runs on the
+    communication thread (slowest rank): 1 - C(during) / C(alone).
+
+    A transfer that compute "hides" still runs MPI's progress loop and, over TCP, the
+    kernel's network stack on the host's cores; where a rank has no core to spare for
+    them (two ranks on two cores) the attention slows for as long as the transfer lasts.
+    About ``seconds`` of attention run while a transfer sized to outlast them moves."""
+    if comm.size == 1:
+        return 0.0
+    call, _ = _attention_probe()
+    start = time.perf_counter()
+    call()  # warm-up, and the size of the probe
+    calls = max(2, round(seconds / (time.perf_counter() - start)))
+
+    def mean_call() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return (time.perf_counter() - start) / calls
+
+    comm.barrier()
+    alone = mean_call()
+    # Back-to-back Sendrecvs of one 4 MiB buffer for about 1.5x the probe's time (the
+    # same count on every rank: ``bandwidth`` is the slowest link's, as everywhere).
+    send = np.ones(1 << 20, np.float32)
+    recv = np.empty_like(send)
+    rounds = max(1, math.ceil(1.5 * seconds * bandwidth / send.nbytes))
+
+    def transfers():
+        for _ in range(rounds):
+            comm.mpi.Sendrecv(send, comm.ring_next, 0, recv, comm.ring_prev, 0)
+
+    comm.barrier()
+    mover = threading.Thread(target=transfers, name="spmd-cp-calibrate")
+    mover.start()
+    during = mean_call()
+    mover.join()
+    return max(comm.allgather_object(max(0.0, 1.0 - alone / during)))
 
 
 def measure_copy(nbytes=8 << 20, repeats=3) -> float:
@@ -140,10 +195,11 @@ def uncounted(comm: Comm):
 def calibration_file(comm: Comm) -> Path:
     hosts = comm.allgather_object(socket.gethostname())
     key = hashlib.sha256(json.dumps([hosts, comm.size]).encode()).hexdigest()[:16]
-    # "v3": the stream rate of decode's W @ x on the CPU (v2 timed x @ W.T, 1.5x slower).
-    # Versions before v2 read calibration-<key>.json and fail on unknown fields, so
-    # the formats keep apart (hosts running either version can share one cache).
-    return cache_dir() / f"calibration-v3-{key}.json"
+    # "v4": transfer_drag added; "v3": the stream rate of decode's W @ x on the CPU (v2
+    # timed x @ W.T, 1.5x slower). Versions before v2 read calibration-<key>.json and
+    # fail on unknown fields, so the formats keep apart (hosts running either version
+    # can share one cache).
+    return cache_dir() / f"calibration-v4-{key}.json"
 
 
 FIELDS = {f.name for f in dataclasses.fields(LinkAndCompute)}
@@ -168,7 +224,8 @@ def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
         bandwidth, latency = measure_ring(comm)
         copy = min(comm.allgather_object(measure_copy()))
         measured = LinkAndCompute(flops, bandwidth, latency, copy, measure_stream(comm),
-                                  measure_collective(comm))
+                                  measure_collective(comm),
+                                  measure_transfer_drag(comm, bandwidth))
     if comm.rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,17 +14,22 @@ kernel's or MPI's own), and every ring step costs a fixed latency. So below the 
 threshold the two are compared by estimated time per layer (``estimate_layer_seconds``):
 
     attention   A = 4 * NH * d * (T*P + T(T+1)/2) / (N * C)        (same for both)
-    pass-KV     A + max(0, (N-1)(lat + kv/BW) - A(N-1)/N) + 2(N-1) kv / copy
-    pass-Q      A + max(0, (N-1)(lat + q/BW) - A(N-1)/N) + t_call + o/BW + 2((N-1) q + o) / copy
+    pass-KV     A + added((N-1)(lat + kv/BW)) + 2(N-1) kv / copy
+    pass-Q      A + added((N-1)(lat + q/BW)) + t_call + o/BW + 2((N-1) q + o) / copy
+
+    added(x) = max(0, x - W) + drag * min(x, W),   W = A(N-1)/N (the compute it can hide under)
 
 with kv = 2 (T+P)/N * NKV * d * e bytes per ring step, q = T/N * NH * d * e, and o =
 (N-1) T/N * NH * (d+1) * e the partials returned by the Alltoallv (which nothing hides).
 pass-KV is taken only where what it adds to the attention is estimated at least a
 quarter below what pass-Q adds (``EXTRA_MARGIN``); at the Yang et al. crossover pass-KV's
-addition drops to nothing, so the crossover stays where it was.
+addition drops to nothing where transfers cost compute no drag, so the crossover stays
+where it was there.
 C (attention FLOP/s), BW and lat (ring bandwidth and one ring step's latency, the hand-off
-to the communication thread included), t_call (one blocking collective) and copy (bytes/s
-of a host copy) are measured on the actual ranks (calibrate.py). With no copy
+to the communication thread included), t_call (one blocking collective), copy (bytes/s
+of a host copy) and drag (the share of attention compute a concurrent transfer costs:
+MPI's progress loop and the TCP stack on cores the ranks also compute on) are measured
+on the actual ranks (calibrate.py). With no copy
 cost the comparison reduces to Yang et al.'s threshold when P is large.
 """
 
@@ -51,6 +56,9 @@ class LinkAndCompute:
     # (all ranks at once, as in decode), and one small collective as decode issues it.
     stream_bytes_per_s: float = 0.0
     collective_s: float = 0.0
+    # Share of attention compute lost while a ring transfer runs (calibrate.py): a hidden
+    # transfer still costs this much of its duration.
+    transfer_drag: float = 0.0
 
 
 def estimate_layer_seconds(new_tokens: int, cached_tokens: int, cp_size: int, num_heads: int,
@@ -69,9 +77,10 @@ def estimate_layer_seconds(new_tokens: int, cached_tokens: int, cp_size: int, nu
     kv = 2 * total / n * num_kv_heads * d * e
     q = t / n * num_heads * d * e
     returned = (n - 1) * t / n * num_heads * (d + 1) * e
+    drag = measured.transfer_drag
     extra = {
-        "pass-kv": _unhidden((n - 1) * (lat + kv / bw), window) + 2 * (n - 1) * kv / copy,
-        "pass-q": (_unhidden((n - 1) * (lat + q / bw), window) + call + returned / bw
+        "pass-kv": _added((n - 1) * (lat + kv / bw), window, drag) + 2 * (n - 1) * kv / copy,
+        "pass-q": (_added((n - 1) * (lat + q / bw), window, drag) + call + returned / bw
                    + 2 * ((n - 1) * q + returned) / copy),
     }
     # The sums for reading; comparisons use ``extra``, which rounding cannot swallow.
@@ -79,9 +88,13 @@ def estimate_layer_seconds(new_tokens: int, cached_tokens: int, cp_size: int, nu
             **{algo: attention + added for algo, added in extra.items()}}
 
 
-def _unhidden(transfer: float, window: float) -> float:
-    """Transfer time the compute window does not cover (none when equal up to rounding)."""
-    return 0.0 if transfer <= window * (1 + 1e-12) else transfer - window
+def _added(transfer: float, window: float, drag: float) -> float:
+    """What a ring transfer adds to the attention: the part the compute window does not
+    cover (none when equal up to rounding), plus ``drag`` of the part it does (the
+    compute it slows while it runs)."""
+    hidden = min(transfer, window)
+    unhidden = 0.0 if transfer <= window * (1 + 1e-12) else transfer - window
+    return unhidden + drag * hidden
 
 
 def choose_prefill_algo(new_tokens: int, cached_tokens: int, cp_size: int, num_heads: int,
@@ -106,4 +119,5 @@ def choose_prefill_algo(new_tokens: int, cached_tokens: int, cp_size: int, num_h
                   f"(C = {measured.attention_flops / 1e9:.1f} GFLOP/s, "
                   f"BW = {measured.ring_bytes_per_s / 1e9:.2f} GB/s, "
                   f"latency {1e6 * measured.ring_latency_s:.0f} us, "
-                  f"copy {measured.copy_bytes_per_s / 1e9:.1f} GB/s)")
+                  f"copy {measured.copy_bytes_per_s / 1e9:.1f} GB/s, "
+                  f"drag {measured.transfer_drag:.2f})")
