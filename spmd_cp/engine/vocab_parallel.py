@@ -49,7 +49,6 @@ class VocabParallelEmbedding:
         rows = mx.concatenate(received, axis=0)[mx.array(inverse)]
         return rows[None]
 
-
     def _look_up(self, local_ids: np.ndarray) -> mx.array:
         """Rows of this rank's slice; none asked: an empty (0, D) of the rows' dtype
         (MLX's quantized embedding cannot reshape an empty lookup)."""
