@@ -18,7 +18,7 @@ import numpy as np
 
 from ..runtime.comm import Comm
 from ..runtime.device import on_gpu_path, use_fused_attention
-from .block import (_finite_or_zero, block_attention, merge_stacked, pack_partial,
+from .block import (block_attention, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial)
 from .fused import decode_partial, fused_output, in_position_order
 
@@ -90,14 +90,11 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
 
 @mx.compile
 def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
-    """The merged output (NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1):
-    ``merge_stacked``'s arithmetic in the same order (bit for bit, tests/test_one_token.py),
-    compiled and kept in 4-D so that no axis is squeezed and re-expanded: on the CPU path
-    its graph nodes per layer fall from 26 to 9 (engine/one_token.py says why that counts)."""
-    outs, lses = partials[..., :head_dim], partials[..., head_dim:]
-    weights = mx.exp(lses - _finite_or_zero(lses.max(axis=0, keepdims=True)))  # 0: empty
-    total = weights.sum(axis=0)
-    return (weights * outs).sum(axis=0) / mx.where(total > 0, total, 1.0)
+    """The merged output (NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1),
+    compiled, with the lse kept as the packed column: on the CPU path the merge's graph
+    nodes per layer fall from 25 to 11 (engine/one_token.py says why that counts); the
+    same arithmetic as ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
+    return merge_stacked_columns(partials[..., :head_dim], partials[..., head_dim:])[0]
 
 
 def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):

@@ -93,6 +93,15 @@ def _one_token_heads(attn, q, k, v, runs, rotation, head_dim: int):
     return rope_at(attn.rope, q[None], runs)[0], rope_at(attn.rope, k[None], runs)[0], v
 
 
+def heads_to_rows(out: mx.array) -> mx.array:
+    """Attention output (H, n, d) as (1, n, H*d) rows for the output projection. For one
+    token (H, 1, d) is (1, 1, H*d) in memory already: a reshape, no transpose node."""
+    heads, n, d = out.shape
+    if n == 1:
+        return out.reshape(1, 1, heads * d)
+    return out.transpose(1, 0, 2).reshape(1, n, heads * d)
+
+
 def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
     """This rank's keys/values for one layer after (maybe) appending the new k, v."""
     if store:
@@ -226,15 +235,8 @@ class CPModel:
         else:
             ids = mx.array(token_ids, mx.int32)
         h = self.embed_tokens(ids[None])  # (1, n, D)
-        n = h.shape[1]
         modules = modules or self.layers
-        # One token on the CPU path: fewer graph nodes, same arithmetic (one_token.py).
-        lean = lean_graph(n) and len(runs) == 1
-        norm = rms_norm if lean else (lambda module, x: module(x))
-        rope_matrix = None
-        if lean:  # indexed, not iterated: a layer-sharded store fetches what it iterates
-            rope_matrix = self.rope_matrices.at(
-                [modules[i].self_attn.rope for i in range(len(modules))], runs[0][2])
+        norm, rope_matrix = self._norm_and_rope(modules, h.shape[1], runs)
         layers = zip(modules, projections or self.replicated, cache.layers)
         for index, (layer, project, layer_kv) in enumerate(layers):
             if on_layer is not None:
@@ -246,16 +248,22 @@ class CPModel:
                     attn, *project.qkv(norm(layer.input_layernorm, h)), runs, layer_rope)
                 keys, values = local_shard(layer_kv, k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale)
-                out = out.astype(q.dtype)  # float32 partials must not widen the residual
-                if n == 1:  # (H, 1, d) is (1, 1, H*d) in memory: no transpose needed
-                    out = out.reshape(1, 1, out.shape[0] * out.shape[2])
-                else:
-                    out = out.transpose(1, 0, 2).reshape(1, n, out.shape[0] * out.shape[2])
-                h = h + project.output(out)
+                # float32 partials must not widen the residual
+                h = h + project.output(heads_to_rows(out.astype(q.dtype)))
                 h = h + project.mlp(norm(layer.post_attention_layernorm, h))
                 if tracer is not None:
                     mx.eval(h)
         return h[0]
+
+    def _norm_and_rope(self, modules, rows: int, runs):
+        """``norm(module, x)`` and ``rope_matrix(layer_index, head_dim)`` (or None) for a
+        pass over ``rows`` local rows: one token on the CPU path takes one_token.py's
+        forms (fewer graph nodes, the same arithmetic), anything else the modules."""
+        if not (lean_graph(rows) and len(runs) == 1):
+            return (lambda module, x: module(x)), None
+        # Indexed, not iterated: a layer-sharded store fetches the layers it iterates.
+        ropes = [modules[i].self_attn.rope for i in range(len(modules))]
+        return rms_norm, self.rope_matrices.at(ropes, runs[0][2])
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits (n, V) in float32 for hidden states (n, D)."""
