@@ -1,9 +1,11 @@
 """Decode's collectives inside MLX's graph (runtime/graph_comm.py) on real ranks, against
-numpy; and the same greedy tokens through them, through MPI and on one rank."""
+numpy, over MLX's MPI backend (through runtime/mpi_abi.py's adapter) and its ring
+backend; and the same greedy tokens through them, through MPI and on one rank."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -19,16 +21,24 @@ def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None)
     return json.loads(out.read_text())
 
 
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None,
+                              reason="no C compiler here to build the MPI ABI adapter")
+BACKENDS = [pytest.param("mpi", "MLX's MPI backend over MPICH", marks=needs_cc),
+            ("ring", "MLX ring backend")]
+
+
+@pytest.mark.parametrize("backend,described", BACKENDS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_graph_collectives_equal_numpy_on_every_rank(n, tmp_path):
+def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_path):
     """Uneven gathers (rank r contributes r + 1 rows), stack, sums (small ones through
-    all_gather, with and without a leading axis of 1; a 1 MiB one through the ring's
-    all_sum) and max: every rank gets exactly what numpy computes from all ranks' inputs
-    (shapes included)."""
+    all_gather, with and without a leading axis of 1; a 1 MiB one through all_sum) and
+    max: every rank gets exactly what numpy computes from all ranks' inputs (shapes
+    included), over either backend."""
     sys.path.insert(0, str(TESTS))
     from graph_comm_driver import contribution
 
-    records = graph_records(n, tmp_path)
+    records = graph_records(n, tmp_path, env={"SPMD_CP_GRAPH_BACKEND": backend,
+                                              "SPMD_CP_CACHE": str(tmp_path)})
     inputs = [contribution(r) for r in range(n)]
     rows = np.concatenate([np.moveaxis(i["rows"], 1, 2) for i in inputs], axis=-1)
     expected = {
@@ -42,11 +52,27 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, tmp_path):
     }
     for rank, record in enumerate(records):
         assert record["opened"], record["reason"]
-        assert "ring" in record["reason"]
+        assert record["reason"].startswith(described), record["reason"]
         for name, value in expected.items():
             np.testing.assert_array_equal(np.array(record["results"][name]), value,
                                           err_msg=f"{name} on rank {rank}")
         assert record["bytes_sent"] > 0  # counted like Comm's collectives
+
+
+@needs_cc
+def test_auto_takes_the_mpi_adapter_and_falls_back_to_the_ring_when_it_cannot_build(
+        tmp_path):
+    """``auto`` opens MLX's MPI backend where the adapter builds, and the ring backend,
+    naming why not MPI, where it does not (a compiler that fails: CC=false)."""
+    cache = {"SPMD_CP_CACHE": str(tmp_path / "cache")}
+    built = graph_records(2, tmp_path, env=cache)
+    assert all(r["opened"] and r["reason"].startswith("MLX's MPI backend") for r in built)
+    assert list((tmp_path / "cache" / "mpi-abi").glob("adapter-*.so"))  # kept for next time
+    failing = graph_records(2, tmp_path, env={"SPMD_CP_CACHE": str(tmp_path / "empty"),
+                                              "CC": shutil.which("false")})
+    for record in failing:
+        assert record["opened"] and record["reason"].startswith("MLX ring backend")
+        assert "not MPI: rank 0: building the MPI ABI adapter failed" in record["reason"]
 
 
 def test_graph_collectives_stay_closed_where_asked_or_on_the_gpu_path(tmp_path):
@@ -66,12 +92,27 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
     prompt = ["--model", model, "--prompt", "the quick brown fox " * 40, "--max-tokens", "12",
               "--json", "--temp", "0"]
     single = run_cli(1, ["generate", *prompt]).last_json()["token_ids"]
-    for tp in ("on", "off"):
-        for comm in ("mlx", "mpi"):
-            launch = run_cli(2, ["generate", *prompt, "--decode-tp", tp, "--decode-comm", comm])
-            assert launch.last_json()["token_ids"] == single, (tp, comm)
-            said = "in MLX's graph" if comm == "mlx" else "MPI"
-            assert f"decode collectives: {said}" in launch.stderr
+    backends = ["ring"] + (["mpi"] if shutil.which("cc") else [])
+    runs = [("on", "mpi", None), ("off", "mpi", None)]
+    runs += [(tp, "mlx", backend) for tp in ("on", "off") for backend in backends]
+    for tp, comm, backend in runs:
+        env = {"SPMD_CP_GRAPH_BACKEND": backend} if backend else None
+        launch = run_cli(2, ["generate", *prompt, "--decode-tp", tp, "--decode-comm", comm],
+                         env=env)
+        assert launch.last_json()["token_ids"] == single, (tp, comm, backend)
+        said = {"mpi": "MPI (--decode-comm mpi)", "mlx": "in MLX's graph (MLX"}[comm]
+        assert f"decode collectives: {said}" in launch.stderr
+        if backend:
+            assert {"mpi": "MPI backend", "ring": "ring backend"}[backend] in launch.stderr
+
+
+def test_a_graph_backend_that_does_not_exist_is_one_line(tiny_models):
+    launch = run_cli(2, ["generate", "--model", tiny_models["llama"], "--prompt", "hello",
+                         "--max-tokens", "2"], env={"SPMD_CP_GRAPH_BACKEND": "nccl"},
+                     check=False)
+    assert launch.returncode == 2, launch.stderr
+    errors = [line for line in launch.stderr.splitlines() if "error" in line]
+    assert errors and "SPMD_CP_GRAPH_BACKEND='nccl'" in errors[0], launch.stderr
 
 
 def test_decode_comm_mlx_where_it_cannot_open_is_one_line(tmp_path, tiny_models):

@@ -9,10 +9,19 @@ cost more than the collectives (a split step at N = 2: 94 ms, of which its compu
 are graph nodes that its compute thread runs in order: Python builds the whole step,
 evaluates once, and the step costs its compute plus the messages (measured: 61 ms).
 
-MLX's MPI backend needs Open MPI's symbols, so this uses MLX's ``ring`` backend (TCP
-sockets, one per neighbour, the backend mlx.launch uses over Thunderbolt), set up once
-per process from the MPI communicator: every rank opens a port and the addresses are
-exchanged with MPI. Prefill keeps mpi4py (large messages, overlapped on a thread).
+Two MLX backends carry them, opened once per process from the MPI communicator:
+
+- MLX's ``mpi`` backend over the job's own MPICH, through the ABI adapter of
+  runtime/mpi_abi.py (MLX speaks Open MPI's ABI only): each collective is one MPI call
+  on MLX's compute thread, over MPICH's shared memory between ranks on a host (576
+  floats at N = 2: 8 against 32-47 us through the ring). Taken where every rank can
+  build and bind it;
+- else MLX's ``ring`` backend (TCP sockets, one per neighbour, the backend mlx.launch
+  uses over Thunderbolt): every rank opens a port and the addresses are exchanged with
+  MPI.
+
+``SPMD_CP_GRAPH_BACKEND=mpi|ring`` forces one (``auto``, the default, tries them in
+that order). Prefill keeps mpi4py (large messages, overlapped on a thread).
 
 Every rank must evaluate every collective, in the same order: the decode step's
 collectives form one chain (each depends on the previous one through the residual), so
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import mpi_abi
 from .device import on_gpu_path
 
 log = logging.getLogger("spmd_cp")
@@ -133,10 +143,14 @@ def graph_obstacle(comm) -> str | None:
     if comm.size == 1:
         return "one rank"
     if on_gpu_path():
-        return "the GPU path keeps MPI (MLX's ring backend moves host memory)"
-    if not mx.distributed.is_available():
-        return "this MLX has no distributed backend"
+        return "the GPU path keeps MPI (MLX's backends move host memory here)"
     return None
+
+
+def _first_reason(comm, reason: str | None) -> str | None:
+    """Collective: the first rank's reason, "rank r: ...", or None where no rank has one."""
+    reasons = [f"rank {r}: {why}" for r, why in enumerate(comm.allgather_object(reason)) if why]
+    return reasons[0] if reasons else None
 
 
 def _own_address(processor: str, same_host: bool) -> str | None:
@@ -160,12 +174,47 @@ def _free_port(address: str) -> int:
 def open_graph_collectives(comm, mode: str = "auto") -> tuple[GraphCollectives | None, str]:
     """Collective (every rank calls it): graph collectives over ``comm``'s ranks, or None
     and why not. ``mode`` "mpi" never opens them; "mlx" and "auto" open them where every
-    rank can (all or none: a ring needs every rank)."""
+    rank can (all or none: a collective needs every rank), over MLX's MPI backend where
+    every rank can take it, else over its ring backend."""
     if mode == "mpi":
         return None, "--decode-comm mpi"
+    obstacle = _first_reason(comm, graph_obstacle(comm))
+    if obstacle:
+        return None, obstacle
+    backend = mpi_abi.requested_backend()
+    why_not_mpi = f"{mpi_abi.BACKEND_VARIABLE}=ring"
+    if backend != "ring":
+        group, why_not_mpi = _open_mpi(comm)
+        if group is not None:
+            return GraphCollectives(group, comm), "MLX's MPI backend over MPICH (ABI adapter)"
+        if backend == "mpi":
+            return None, f"{mpi_abi.BACKEND_VARIABLE}=mpi: {why_not_mpi}"
+    group, why_not_ring = _open_ring(comm)
+    if group is None:
+        return None, why_not_ring
+    return GraphCollectives(group, comm), f"{why_not_ring}; not MPI: {why_not_mpi}"
+
+
+def _open_mpi(comm):
+    """Collective: (MLX's MPI group, None), or (None, the first rank's reason)."""
+    refused = _first_reason(comm, mpi_abi.local_obstacle())
+    if refused:
+        return None, refused
+    group, failure = None, None
+    try:
+        group = mpi_abi.open_mpi_group(comm.mpi)
+    except (RuntimeError, OSError, ValueError) as error:  # a build or bind that failed
+        failure = str(error)
+    failure = _first_reason(comm, failure)
+    return (None, failure) if failure else (group, None)
+
+
+def _open_ring(comm):
+    """Collective: (MLX's ring group, a description), or (None, the first rank's reason)."""
     from mpi4py import MPI
 
-    obstacle = graph_obstacle(comm)
+    obstacle = None if mx.distributed.is_available(backend="ring") else \
+        "this MLX has no ring backend"
     processor = MPI.Get_processor_name()
     hosts = comm.allgather_object(processor)
     address = None
@@ -188,10 +237,10 @@ def open_graph_collectives(comm, mode: str = "auto") -> tuple[GraphCollectives |
             failure = f"MLX's ring backend did not start: {error}"
     elif group.size() != comm.size or group.rank() != comm.rank:
         failure = f"MLX's ring group is {group.rank()}/{group.size()}, not this communicator"
-    failures = [f"rank {r}: {why}" for r, why in enumerate(comm.allgather_object(failure)) if why]
-    if failures:  # all or none
-        return None, failures[0]
-    return GraphCollectives(group, comm), f"MLX ring backend over {ring.hosts[0].split(':')[0]}"
+    failure = _first_reason(comm, failure)  # all or none
+    if failure:
+        return None, failure
+    return group, f"MLX ring backend over {ring.hosts[0].split(':')[0]}"
 
 
 def _init_ring(rank: int, ring: RingAddresses):
