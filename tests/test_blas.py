@@ -104,9 +104,83 @@ def test_bad_explicit_library_warns_and_keeps_reference(tmp_path):
 
 @needs_openblas
 def test_explicit_library_is_used(tmp_path):
-    (info,), _, _ = run_probe(tmp_path, SPMD_CP_BLAS=OPENBLAS)
-    assert info["env"]["LD_PRELOAD"].split()[0] == OPENBLAS
-    assert info["kind"] == "openblas"
+    (info,), _, _ = run_probe(tmp_path, SPMD_CP_BLAS=OPENBLAS, SPMD_CP_CACHE=str(tmp_path))
+    preloaded = info["env"]["LD_PRELOAD"].split()
+    assert preloaded[-1] == OPENBLAS  # behind the matrix-vector forward, where it builds
+    assert info["kind"] == "openblas" and info["path"] == OPENBLAS
+
+
+# cblas_sgemm as libmlx.so resolves it (the global scope), called with every layout a
+# row-major caller can pass: matrix-vector shapes (the forward's) and others, both
+# transposes, leading dimensions wider than the rows, alpha and beta, and an output
+# full of NaN where beta = 0 (sgemm's contract overwrites it). Then MLX's own products.
+GEMV_PROBE = """
+import ctypes, json, os, sys
+from spmd_cp import blas
+blas.ensure_fast_blas()
+import mlx.core as mx
+import numpy as np
+rng = np.random.default_rng(0)
+sgemm = ctypes.CDLL(None).cblas_sgemm
+P, F = ctypes.c_void_p, ctypes.c_float
+worst, cases = 0.0, 0
+for m, n, k in [(7, 1, 5), (1, 9, 6), (1, 1, 8), (33, 1, 64), (1, 40, 17), (3, 4, 5)]:
+    for ta in (111, 112):
+        for tb in (111, 112):
+            for alpha, beta in [(1.0, 0.0), (0.5, 0.0), (1.0, 1.0), (2.0, -0.5)]:
+                pad = 3  # every leading dimension wider than its rows
+                A = rng.standard_normal((k, m + pad) if ta == 112 else (m, k + pad)).astype(np.float32)
+                B = rng.standard_normal((n, k + pad) if tb == 112 else (k, n + pad)).astype(np.float32)
+                C = rng.standard_normal((m, n + pad)).astype(np.float32)
+                if beta == 0.0:
+                    C[:] = np.nan
+                opA = (A[:, :m].T if ta == 112 else A[:, :k]).astype(np.float64)
+                opB = (B[:, :k].T if tb == 112 else B[:, :n]).astype(np.float64)
+                want = alpha * opA @ opB + (beta * C[:, :n].astype(np.float64) if beta else 0)
+                sgemm(101, ta, tb, m, n, k, F(alpha), P(A.ctypes.data), A.shape[1],
+                      P(B.ctypes.data), B.shape[1], F(beta), P(C.ctypes.data), C.shape[1])
+                worst = max(worst, float(np.abs(C[:, :n] - want).max()))
+                cases += 1
+W = rng.standard_normal((6, 48, 40)).astype(np.float32)
+x = rng.standard_normal((6, 40, 1)).astype(np.float32)
+products = {"W @ x": (mx.array(W) @ mx.array(x), W.astype(np.float64) @ x),
+            "x.T @ W.T": (mx.array(x).swapaxes(1, 2) @ mx.array(W).swapaxes(1, 2),
+                          x.swapaxes(1, 2).astype(np.float64) @ W.swapaxes(1, 2)),
+            "columns": (mx.array(W)[:, 5:30, 3:40] @ mx.array(x)[:, 3:40],
+                        W[:, 5:30, 3:40].astype(np.float64) @ x[:, 3:40])}
+mlx_worst = max(float(np.abs(np.array(got) - want).max()) for got, want in products.values())
+info = blas.describe_blas()
+print("RESULT " + json.dumps({"worst": worst, "cases": cases, "mlx_worst": mlx_worst,
+                              "forward": info["gemv_forward"], "line": info["line"],
+                              "preload": os.environ.get("LD_PRELOAD")}))
+"""
+
+
+def gemv_probe(tmp_path, **env) -> dict:
+    script = tmp_path / "gemv_probe.py"
+    script.write_text(GEMV_PROBE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=clean_env(SPMD_CP_CACHE=str(tmp_path / "cache"), **env),
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+@needs_openblas
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the forward")
+def test_matrix_vector_forward_equals_numpy_in_every_layout(tmp_path):
+    """gemv_forward.c, built and preloaded by the re-exec, computes what sgemm's contract
+    says (float64 numpy reference, float32 rounding) for every layout, and MLX's matmuls
+    go through it; SPMD_CP_GEMV_FORWARD=0 leaves it out and gives the same answers."""
+    forward = gemv_probe(tmp_path)
+    assert forward["forward"] and "through sgemv" in forward["line"], forward["line"]
+    assert "spmd-cp-gemv-forward-" in forward["preload"].split()[0]
+    plain = gemv_probe(tmp_path, SPMD_CP_GEMV_FORWARD="0")
+    assert not plain["forward"] and "gemv-forward" not in plain["preload"]
+    for result in (forward, plain):
+        assert result["cases"] == 96
+        assert result["worst"] < 1e-4, result  # sums of at most 64 products of N(0,1)
+        assert result["mlx_worst"] < 1e-4, result
 
 
 @needs_openblas

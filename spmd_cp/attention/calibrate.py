@@ -193,8 +193,14 @@ def uncounted(comm: Comm):
 
 
 def calibration_file(comm: Comm) -> Path:
+    """One file per set of hosts, rank count and BLAS setup: every rank's BLAS line (the
+    library, its threads, whether the matrix-vector forward is preloaded) is in the key,
+    since the rates measured depend on it (the forward triples decode's read rate)."""
+    from ..blas import describe_blas
+
     hosts = comm.allgather_object(socket.gethostname())
-    key = hashlib.sha256(json.dumps([hosts, comm.size]).encode()).hexdigest()[:16]
+    blas = comm.allgather_object(describe_blas()["line"])
+    key = hashlib.sha256(json.dumps([hosts, comm.size, blas]).encode()).hexdigest()[:16]
     # "v4": transfer_drag added; "v3": the stream rate of decode's W @ x on the CPU (v2
     # timed x @ W.T, 1.5x slower). Versions before v2 read calibration-<key>.json and
     # fail on unknown fields, so the formats keep apart (hosts running either version

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 
+from .gemv_forward import is_forward_library
 from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
                         candidate_paths, preloaded_libraries)
 
@@ -84,16 +85,21 @@ def describe_blas() -> dict:
 
     Returns a dict with `kind` (openblas, mkl, blis, reference, accelerate, unknown), `name`,
     `path`, `threads`, `fast`, `source` ("LD_PRELOAD", "linked", or "not loaded yet" when
-    MLX has not been imported), `mapped` (all BLAS-like libraries mapped) and `line` (also
-    under `summary`), e.g. "BLAS: OpenBLAS 0.3.21 (pthreads) /usr/lib/.../libopenblas.so.0,
-    1 thread per rank" or "BLAS: reference netlib (slow: apt-get install libopenblas0-pthread)".
+    MLX has not been imported), `mapped` (all BLAS-like libraries mapped), `gemv_forward`
+    (whether gemv_forward.c takes the matrix-vector products) and `line` (also under
+    `summary`), e.g. "BLAS: OpenBLAS 0.3.21 (pthreads) /usr/lib/.../libopenblas.so.0,
+    1 thread per rank, matrix-vector products through sgemv" or "BLAS: reference netlib
+    (slow: apt-get install libopenblas0-pthread)".
     """
     if sys.platform == "darwin":
         return {"kind": "accelerate", "name": "Apple Accelerate", "path": None, "threads": None,
-                "fast": True, "source": "linked", "mapped": [], "line": "BLAS: Apple Accelerate",
-                "summary": "BLAS: Apple Accelerate"}
+                "fast": True, "source": "linked", "mapped": [], "gemv_forward": False,
+                "line": "BLAS: Apple Accelerate", "summary": "BLAS: Apple Accelerate"}
     mapped = mapped_blas_libraries()
     path, source = _global_cblas_provider(), "LD_PRELOAD"
+    forward = is_forward_library(path)
+    if forward:  # gemv_forward.c answers first and calls the next preloaded library
+        path = next((p for p in preloaded_libraries() if blas_kind(p) in FAST_KINDS), None)
     if path is None:
         source = "linked"
         linked = [p for p in mapped if blas_kind(p) not in ("numpy-private", None)]
@@ -122,6 +128,8 @@ def describe_blas() -> dict:
     if fast:
         count = f"{threads} thread{'s' if threads != 1 else ''} per rank" if threads else ""
         line = f"BLAS: {name} {path}" + (f", {count}" if count else "")
+        if forward:
+            line += ", matrix-vector products through sgemv"
     elif kind == "reference":
         if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:
             why = f"slow: {ENV_CHOICE}={os.environ[ENV_CHOICE]}"
@@ -133,4 +141,5 @@ def describe_blas() -> dict:
     else:
         line = f"BLAS: {name} {path or ''}".rstrip()
     return {"kind": kind, "name": name, "path": path, "threads": threads, "fast": fast,
-            "source": source, "mapped": mapped, "line": line, "summary": line}
+            "source": source, "mapped": mapped, "gemv_forward": forward, "line": line,
+            "summary": line}

@@ -11,6 +11,7 @@ import ctypes
 import os
 import sys
 
+from .gemv_forward import forward_library
 from .libraries import (ENV_CHOICE, ENV_GUARD, FAST_KINDS, OPT_OUT, blas_kind, default_threads,
                         exports_cblas, find_fast_blas, mlx_bundles_fast_blas,
                         preloaded_libraries, thread_env)
@@ -119,10 +120,13 @@ def ensure_fast_blas(argv: list[str] | None = None) -> str:
 
 
 def _reexec_with(path: str, args: list[str]):
-    """Preload ``path`` and exec this interpreter again; returns only if exec fails."""
+    """Preload ``path`` (behind the matrix-vector forward, gemv_forward.py, where it
+    builds) and exec this interpreter again; returns only if exec fails."""
     saved = dict(os.environ)
     os.environ.update(thread_env(path, default_threads()))
-    os.environ["LD_PRELOAD"] = " ".join([path] + preloaded_libraries())
+    forward, _ = forward_library()
+    os.environ["LD_PRELOAD"] = " ".join(([forward] if forward else []) + [path]
+                                        + preloaded_libraries())
     os.environ[ENV_GUARD] = str(os.getpid())
     for stream in (sys.stdout, sys.stderr):
         try:
