@@ -200,10 +200,18 @@ def _open_mpi(comm):
     refused = _first_reason(comm, mpi_abi.local_obstacle())
     if refused:
         return None, refused
-    group, failure = None, None
+    library, failure = None, None
     try:
-        group = mpi_abi.open_mpi_group(comm.mpi)
-    except (RuntimeError, OSError, ValueError) as error:  # a build or bind that failed
+        library = mpi_abi.adapter_library()
+    except RuntimeError as error:
+        failure = str(error)
+    failure = _first_reason(comm, failure)  # all ranks built it, or none goes on
+    if failure:
+        return None, failure
+    group = None
+    try:
+        group = mpi_abi.open_mpi_group(comm.mpi, library)
+    except (RuntimeError, OSError) as error:  # a bind or an init that failed
         failure = str(error)
     failure = _first_reason(comm, failure)
     return (None, failure) if failure else (group, None)

@@ -6,9 +6,9 @@ all_sum including the graph's own node, against 32-47 us through MLX's ring back
 whose every message crosses a thread pool, a socket thread and TCP). But MLX speaks Open
 MPI's ABI only (pointer handles, ``ompi_mpi_*`` objects, a version check), and the MPI
 wheels users install from pip are MPICH (int handles). ``mpi_abi_adapter.c`` translates:
-this module compiles it once per cache directory with the system's C compiler, binds it
-to the MPICH library mpi4py loaded and to a duplicate of the job's communicator, and
-opens MLX's MPI backend on it.
+this module has it compiled once per cache directory (runtime/native.py), binds it to
+the MPICH library mpi4py loaded and to a duplicate of the job's communicator, and opens
+MLX's MPI backend on it.
 
 Every step that can fail returns a reason instead (no compiler, an Open MPI or other
 non-MPICH library, a build error), and the caller falls back to the ring backend.
@@ -17,18 +17,13 @@ non-MPICH library, a build error), and the caller falls back to the ring backend
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
 from ..errors import UserError
-from .paths import cache_dir
+from . import native
 
 SOURCE = Path(__file__).with_name("mpi_abi_adapter.c")
 
@@ -63,48 +58,30 @@ def local_obstacle() -> str | None:
                 "(the adapter is for MPICH-family libraries)")
     # Not mx.distributed.is_available("mpi"): MLX looks for its MPI library once per
     # process, and must first see MLX_MPI_LIBNAME name the adapter.
-    if _compiler() is None:
+    if not _target().exists() and native.compiler() is None:
         return "no C compiler to build the adapter (cc, or $CC)"
     return None
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
 def adapter_library() -> Path:
-    """The compiled adapter, built into the cache on first use (atomic: every rank on a
-    host may build it at once; the last rename wins with identical bytes). Raises
-    RuntimeError with the compiler's first error line."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + sys.platform.encode()).hexdigest()[:16]
-    target = cache_dir() / "mpi-abi" / f"adapter-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    command = [_compiler() or "cc", "-O2", "-shared", "-fPIC", "-o", scratch, str(SOURCE)]
-    if sys.platform.startswith("linux"):
-        command.append("-ldl")
+    """The compiled adapter (runtime/native.py builds it on first use). Raises
+    RuntimeError naming what failed."""
     try:
-        built = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if built.returncode != 0:
-            first = (built.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise RuntimeError(f"building the MPI ABI adapter failed: {first}")
-        os.replace(scratch, target)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return target
+        return native.build(SOURCE, _target())
+    except RuntimeError as error:
+        raise RuntimeError(f"building the MPI ABI adapter failed: {error}") from error
 
 
-def open_mpi_group(mpi_comm):
-    """MLX's MPI backend as a group over a duplicate of ``mpi_comm``. Collective (the
-    duplicate). Raises RuntimeError where it cannot open."""
+def _target() -> Path:
+    return native.built_path(SOURCE, "mpi-abi", "adapter")
+
+
+def open_mpi_group(mpi_comm, library: Path):
+    """MLX's MPI backend as a group over a duplicate of ``mpi_comm``, through the built
+    adapter ``library``. Collective (the duplicate): every rank must have its library
+    first. Raises RuntimeError where it cannot open."""
     from mpi4py import MPI
 
-    library = adapter_library()
     if _bound:
         if _bound["size"] != mpi_comm.Get_size() or _bound["rank"] != mpi_comm.Get_rank():
             raise RuntimeError("MLX's MPI backend already serves another communicator")

@@ -1,0 +1,61 @@
+"""Small C libraries compiled on first use into the cache directory.
+
+Two pieces of spmd-cp are a few dozen lines of C because they stand in for a C entry point
+another library calls: the BLAS's matrix-vector forward (blas/gemv_forward.c) and the
+MPI ABI adapter MLX's MPI backend loads (runtime/mpi_abi_adapter.c). Neither is worth a
+compiled wheel: each is built with the system's C compiler (``cc``, or ``$CC``) the first
+time it is needed, into ``$SPMD_CP_CACHE/<kind>/<name>-<hash of the source>.so``, and
+reused after. Standard library only (the BLAS forward is built before MLX or MPI load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .paths import cache_dir
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC`` or ``cc`` on the PATH, or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def built_path(source: Path, kind: str, name: str) -> Path:
+    """Where ``source`` built for this platform lives in the cache."""
+    key = hashlib.sha256(source.read_bytes() + sys.platform.encode()).hexdigest()[:16]
+    return cache_dir() / kind / f"{name}-{key}.so"
+
+
+def build(source: Path, target: Path) -> Path:
+    """``target``, compiled from ``source`` unless it exists. Ranks on one host may build
+    it at once: each compiles into a file of its own and renames it into place (the
+    same bytes either way). Raises RuntimeError naming the first line of what failed."""
+    if target.exists():
+        return target
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, or $CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    command = [cc, "-O2", "-shared", "-fPIC", "-o", scratch, str(source)]
+    if sys.platform.startswith("linux"):
+        command.append("-ldl")  # dlopen/dlsym (in libc itself from glibc 2.34)
+    try:
+        built = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if built.returncode != 0:
+            first = (built.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise RuntimeError(f"{Path(cc).name} failed: {first}")
+        os.replace(scratch, target)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"{Path(cc).name} failed: {error}") from error
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
