@@ -111,7 +111,8 @@ def test_explicit_library_is_used(tmp_path):
 
 
 # cblas_sgemm as libmlx.so resolves it (the global scope), called with every layout a
-# row-major caller can pass: matrix-vector shapes (the forward's) and others, both
+# row-major caller can pass: the shapes the forward takes (matrix-vector, a few rows
+# times a small matrix) and others, both
 # transposes, leading dimensions wider than the rows, alpha and beta, and an output
 # full of NaN where beta = 0 (sgemm's contract overwrites it). Then MLX's own products.
 GEMV_PROBE = """
@@ -124,7 +125,10 @@ rng = np.random.default_rng(0)
 sgemm = ctypes.CDLL(None).cblas_sgemm
 P, F = ctypes.c_void_p, ctypes.c_float
 worst, cases = 0.0, 0
-for m, n, k in [(7, 1, 5), (1, 9, 6), (1, 1, 8), (33, 1, 64), (1, 40, 17), (3, 4, 5)]:
+# (2, 64, 300): a few rows times a cached matrix (attention's values), row by row;
+# (3, 600, 600): the same rows times 1.4 MB, left to sgemm
+for m, n, k in [(7, 1, 5), (1, 9, 6), (1, 1, 8), (33, 1, 64), (1, 40, 17), (3, 4, 5),
+                (2, 64, 300), (3, 600, 600)]:
     for ta in (111, 112):
         for tb in (111, 112):
             for alpha, beta in [(1.0, 0.0), (0.5, 0.0), (1.0, 1.0), (2.0, -0.5)]:
@@ -178,8 +182,8 @@ def test_matrix_vector_forward_equals_numpy_in_every_layout(tmp_path):
     plain = gemv_probe(tmp_path, SPMD_CP_GEMV_FORWARD="0")
     assert not plain["forward"] and "gemv-forward" not in plain["preload"]
     for result in (forward, plain):
-        assert result["cases"] == 96
-        assert result["worst"] < 1e-4, result  # sums of at most 64 products of N(0,1)
+        assert result["cases"] == 128
+        assert result["worst"] < 1e-3, result  # sums of at most 600 products of N(0,1)
         assert result["mlx_worst"] < 1e-4, result
 
 
