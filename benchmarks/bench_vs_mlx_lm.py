@@ -8,7 +8,8 @@ For each prompt size (random-ish English-like text cut to exactly that many toke
 model's tokenizer), in every round, alternating:
 
 (a) mlx-lm: a fresh process that calls spmd_cp.blas.ensure_fast_blas() (OpenBLAS, like
-    spmd-cp), loads the model with spmd_cp.models.loader.load_model (the same dequantized float32
+    spmd-cp, but without spmd-cp's matrix-vector forward, SPMD_CP_GEMV_FORWARD=0: mlx-lm
+    as its users run it on OpenBLAS; --mlx-lm-forward gives it the forward too), loads the model with spmd_cp.models.loader.load_model (the same dequantized float32
     weights) and runs mlx-lm's own ``generate_step`` (its default prefill_step_size 2048)
     greedily for --max-tokens tokens, without stopping at EOS;
 (b) ``mpiexec -n N spmd-cp generate --prompt-file F --json --no-chat-template
@@ -137,14 +138,17 @@ def measure(args, configs: list[str], prompts: dict, runs: dict):
                 continue
             path = prompts[size][0]
             for config in configs:
+                env = bl.bench_env(None)
                 if config == "mlx-lm":
                     cmd = [bl.PYTHON, __file__, "--mlx-lm-child", "--prompt-file", path,
                            "--max-tokens", str(args.max_tokens)]
+                    if not args.mlx_lm_forward:
+                        env["SPMD_CP_GEMV_FORWARD"] = "0"
                 elif config == TCP_CONFIG:
                     cmd = tcp_cmd(path, args.max_tokens)
                 else:
                     cmd = spmd_cp_cmd(int(config.split("=")[1]), path, args.max_tokens)
-                r = bl.run_json(cmd, env=bl.bench_env(None), timeout=7200)
+                r = bl.run_json(cmd, env=env, timeout=7200)
                 runs[(size, config)].append(r)
                 bl.log(f"round {rnd + 1}: {size} tokens, {config}: ttft {r['ttft_s']:.1f}s, "
                        f"decode {r['decode_tok_s']:.1f} tok/s, others {r['_others']:.2f}")
@@ -298,6 +302,8 @@ def main():
     parser.add_argument("--skip-memory", action="store_true", help="no forecast section")
     parser.add_argument("--name", default="vs_mlx_lm", help="results file name")
     parser.add_argument("--skip-verify", action="store_true")
+    parser.add_argument("--mlx-lm-forward", action="store_true",
+                        help="give mlx-lm spmd-cp's matrix-vector forward too")
     parser.add_argument("--only-memory", action="store_true")
     parser.add_argument("--mlx-lm-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)

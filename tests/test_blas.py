@@ -161,6 +161,7 @@ print("RESULT " + json.dumps({"worst": worst, "cases": cases, "mlx_worst": mlx_w
 
 
 def gemv_probe(tmp_path, **env) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "gemv_probe.py"
     script.write_text(GEMV_PROBE)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -181,7 +182,10 @@ def test_matrix_vector_forward_equals_numpy_in_every_layout(tmp_path):
     assert "spmd-cp-gemv-forward-" in forward["preload"].split()[0]
     plain = gemv_probe(tmp_path, SPMD_CP_GEMV_FORWARD="0")
     assert not plain["forward"] and "gemv-forward" not in plain["preload"]
-    for result in (forward, plain):
+    # A compiler that fails (and an empty cache): the BLAS alone, as before the forward.
+    unbuilt = gemv_probe(tmp_path / "other", CC=shutil.which("false"))
+    assert not unbuilt["forward"] and unbuilt["preload"].split() == [OPENBLAS]
+    for result in (forward, plain, unbuilt):
         assert result["cases"] == 128
         assert result["worst"] < 1e-3, result  # sums of at most 600 products of N(0,1)
         assert result["mlx_worst"] < 1e-4, result
