@@ -136,6 +136,11 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert written["ring_bytes_per_s"] == calibration["ring_bytes_per_s"]
     assert written["attention_flops"] == calibration["attention_flops"]
     assert summary["auto"]["num_heads"] == 9 and summary["auto"]["num_kv_heads"] == 3
+    # Decode's in-graph collectives opened as --decode-comm auto would, and timed.
+    graph = summary["decode_collectives"]
+    assert graph["opened"] and graph["reason"].startswith("MLX"), graph
+    assert 0 < graph["latency_s"] < 1
+    assert f"decode collectives in MLX's graph: {graph['reason']}" in launch.stdout
     assert "written to " + calibration["file"] in launch.stdout
     assert "model checksum  " + expected in launch.stdout
 

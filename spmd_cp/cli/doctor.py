@@ -238,6 +238,7 @@ def doctor_command(comm, options: dict, outcome: dict):
     report["attention_flops"] = measure_attention_flops(repeats=2)
     reports = comm.allgather_object(report)
     measured, calibration = run_calibration(comm, flags["recalibrate"])
+    decode_collectives = graph_collectives_report(comm)
     problems = find_mismatches(reports)
     outcome["exit_code"] = EXIT_MISMATCH if problems else 0
     if comm.rank != 0:
@@ -253,7 +254,8 @@ def doctor_command(comm, options: dict, outcome: dict):
     summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
                "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
                **{key: [r[key] for r in reports] for key in reports[0]},
-               "calibration": calibration, "auto": crossover, "weights": weights}
+               "calibration": calibration, "decode_collectives": decode_collectives,
+               "auto": crossover, "weights": weights}
     print_report(summary)
     if flags["as_json"]:
         print(json.dumps(summary), flush=True)
@@ -304,6 +306,20 @@ def run_calibration(comm, recalibrate: bool):
         "file": str(cache_file),
     }
     return measured, calibration
+
+
+def graph_collectives_report(comm) -> dict | None:
+    """Collective: which MLX backend decode's in-graph collectives take on these ranks
+    (`--decode-comm auto`), or why none, and one collective's time through it."""
+    from ..attention.calibrate import uncounted
+    from ..runtime.graph_comm import open_graph_collectives
+
+    if comm.size == 1:
+        return None
+    graph, reason = open_graph_collectives(comm, "auto")
+    with uncounted(comm):
+        latency = graph.latency() if graph is not None else None
+    return {"opened": graph is not None, "reason": reason, "latency_s": latency}
 
 
 def stale_calibration(reports: list[dict], measured) -> list[str]:

@@ -28,8 +28,14 @@ def calibration_lines(s: dict) -> list[str]:
         out.append(f"ring Sendrecv (rank r -> r+1, slowest link): "
                    f"{c['ring_bytes_per_s'] / 1e9:.3f} GB/s per direction, "
                    f"{c['ring_latency_s'] * 1e6:.0f} us per small step")
-        out.append(f"small collective (decode): {c['collective_s'] * 1e6:.0f} us; a ring "
+        out.append(f"small collective through mpi4py: {c['collective_s'] * 1e6:.0f} us; a ring "
                    f"transfer slows attention by {100 * c['transfer_drag']:.0f}% while it runs")
+        graph = s.get("decode_collectives")
+        if graph and graph["opened"]:
+            out.append(f"decode collectives in MLX's graph: {graph['reason']}, "
+                       f"{graph['latency_s'] * 1e6:.0f} us each")
+        elif graph:
+            out.append(f"decode collectives through mpi4py: {graph['reason']}")
     out.append(f"weight reads {c['stream_bytes_per_s'] / 1e9:.1f} GB/s per rank (all ranks at "
                f"once); host copies {c['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     out.append(f"attention (slowest rank): {_gflops(c['attention_flops'])}")
