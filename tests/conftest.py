@@ -69,6 +69,28 @@ def run_cli(n: int, args: list[str], **kwargs) -> Launch:
     return run_ranks(n, SPMD_CP + args, **kwargs)
 
 
+def _c_helpers_build() -> bool:
+    """Whether this machine can build spmd-cp's C helpers (runtime/native.py): a C
+    compiler with the C library's headers. Where it cannot, spmd-cp runs without them,
+    and the tests of the helpers are skipped, saying so."""
+    import tempfile
+
+    from spmd_cp.blas import gemv_forward
+    from spmd_cp.runtime import native
+
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            native.build(gemv_forward.SOURCE, Path(scratch) / "probe.so")
+        except RuntimeError:
+            return False
+    return True
+
+
+C_HELPERS_BUILD = _c_helpers_build()
+needs_c_helpers = pytest.mark.skipif(
+    not C_HELPERS_BUILD, reason="no working C compiler here to build spmd-cp's C helpers")
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> str:
     from spmd_cp.models.gguf import default_model_path

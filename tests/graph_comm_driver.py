@@ -50,6 +50,13 @@ def main():
             "max": graph.allreduce(mine["block"] - comm.rank, "max"),
         }
         mx.eval(list(results.values()))
+        # Point to point (MLX looks these up too; the project does not use them): each
+        # rank sends its row to the next and receives the previous rank's. Small
+        # messages: every rank's send completes before its receive is posted.
+        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        mx.eval(mx.distributed.send(mine["row"], right, group=graph.group))
+        results["received"] = mx.distributed.recv_like(mine["row"], left, group=graph.group)
+        mx.eval(results["received"])
         record["results"] = {name: np.array(value).tolist() for name, value in results.items()}
         record["bytes_sent"] = comm.bytes_sent
     records = comm.gather_object(record)

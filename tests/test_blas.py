@@ -15,6 +15,8 @@ import pytest
 
 from spmd_cp import blas
 
+from conftest import needs_c_helpers
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPENBLAS = blas.find_fast_blas("openblas") if sys.platform.startswith("linux") else None
 needs_openblas = pytest.mark.skipif(
@@ -172,7 +174,7 @@ def gemv_probe(tmp_path, **env) -> dict:
 
 
 @needs_openblas
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the forward")
+@needs_c_helpers
 def test_matrix_vector_forward_equals_numpy_in_every_layout(tmp_path):
     """gemv_forward.c, built and preloaded by the re-exec, computes what sgemm's contract
     says (float64 numpy reference, float32 rounding) for every layout, and MLX's matmuls

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import TESTS, run_cli, run_ranks
+from conftest import C_HELPERS_BUILD, TESTS, needs_c_helpers, run_cli, run_ranks
 
 
 def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None) -> list:
@@ -21,9 +21,7 @@ def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None)
     return json.loads(out.read_text())
 
 
-needs_cc = pytest.mark.skipif(shutil.which("cc") is None,
-                              reason="no C compiler here to build the MPI ABI adapter")
-BACKENDS = [pytest.param("mpi", "MLX's MPI backend over MPICH", marks=needs_cc),
+BACKENDS = [pytest.param("mpi", "MLX's MPI backend over MPICH", marks=needs_c_helpers),
             ("ring", "MLX ring backend")]
 
 
@@ -33,7 +31,7 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_
     """Uneven gathers (rank r contributes r + 1 rows), stack, sums (small ones through
     all_gather, with and without a leading axis of 1; a 1 MiB one through all_sum) and
     max: every rank gets exactly what numpy computes from all ranks' inputs (shapes
-    included), over either backend."""
+    included), over either backend; and a send to the next rank arrives."""
     sys.path.insert(0, str(TESTS))
     from graph_comm_driver import contribution
 
@@ -51,6 +49,8 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_
         "max": np.max([i["block"] - r for r, i in enumerate(inputs)], axis=0),
     }
     for rank, record in enumerate(records):
+        np.testing.assert_array_equal(np.array(record["results"]["received"]),
+                                      inputs[(rank - 1) % n]["row"])
         assert record["opened"], record["reason"]
         assert record["reason"].startswith(described), record["reason"]
         for name, value in expected.items():
@@ -59,7 +59,7 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_
         assert record["bytes_sent"] > 0  # counted like Comm's collectives
 
 
-@needs_cc
+@needs_c_helpers
 def test_auto_takes_the_mpi_adapter_and_falls_back_to_the_ring_when_it_cannot_build(
         tmp_path):
     """``auto`` opens MLX's MPI backend where the adapter builds, and the ring backend,
@@ -92,7 +92,7 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
     prompt = ["--model", model, "--prompt", "the quick brown fox " * 40, "--max-tokens", "12",
               "--json", "--temp", "0"]
     single = run_cli(1, ["generate", *prompt]).last_json()["token_ids"]
-    backends = ["ring"] + (["mpi"] if shutil.which("cc") else [])
+    backends = ["ring"] + (["mpi"] if C_HELPERS_BUILD else [])
     runs = [("on", "mpi", None), ("off", "mpi", None)]
     runs += [(tp, "mlx", backend) for tp in ("on", "off") for backend in backends]
     for tp, comm, backend in runs:

@@ -41,9 +41,12 @@ def build(source: Path, target: Path) -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, or $CC)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(handle)
+    except OSError as error:  # e.g. a read-only cache directory
+        raise RuntimeError(f"cannot write {target.parent}: {error}") from error
     command = [cc, "-O2", "-shared", "-fPIC", "-o", scratch, str(source)]
     if sys.platform.startswith("linux"):
         command.append("-ldl")  # dlopen/dlsym (in libc itself from glibc 2.34)
