@@ -96,7 +96,7 @@ class DecodeConfig(_Settings):
     # auto: split when the cached calibration says it pays (engine/decode_choice.py).
     decode_tp: str = "auto"
     # auto: the decode step's collectives run inside MLX's graph (runtime/graph_comm.py)
-    # where every rank can open MLX's ring backend, else through mpi4py.
+    # where every rank can open MLX's MPI or ring backend, else through mpi4py.
     decode_comm: str = "auto"
 
 

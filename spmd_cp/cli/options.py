@@ -110,8 +110,10 @@ def decode_options(fn):
                           "it pays)."),
         click.option("--decode-comm", type=click.Choice(DECODE_COMM_MODES),
                      default=d("decode_comm"), show_default=True,
-                     help="Decode's collectives: inside MLX's graph over its ring backend "
-                          "(mlx), through MPI (mpi), or mlx where every rank can (auto)."),
+                     help="Decode's collectives: inside MLX's graph (mlx: over MLX's MPI "
+                          "backend on this job's MPICH, else its ring backend; "
+                          "SPMD_CP_GRAPH_BACKEND picks), through mpi4py (mpi), or mlx where "
+                          "every rank can (auto)."),
     ])
 
 
