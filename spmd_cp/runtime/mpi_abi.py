@@ -10,8 +10,9 @@ this module has it compiled once per cache directory (runtime/native.py), binds 
 the MPICH library mpi4py loaded and to a duplicate of the job's communicator, and opens
 MLX's MPI backend on it.
 
-Every step that can fail returns a reason instead (no compiler, an Open MPI or other
-non-MPICH library, a build error), and the caller falls back to the ring backend.
+Every step that can fail says why (``local_obstacle``'s reason: an MPI with pointer
+handles such as Open MPI, no compiler; or a RuntimeError: a failed build, bind or init),
+and runtime/graph_comm.py falls back to the ring backend.
 """
 
 from __future__ import annotations
