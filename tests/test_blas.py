@@ -187,6 +187,7 @@ def test_matrix_vector_forward_equals_numpy_in_every_layout(tmp_path):
     # A compiler that fails (and an empty cache): the BLAS alone, as before the forward.
     unbuilt = gemv_probe(tmp_path / "other", CC=shutil.which("false"))
     assert not unbuilt["forward"] and unbuilt["preload"].split() == [OPENBLAS]
+    assert "(no sgemv forward: false failed" in unbuilt["line"], unbuilt["line"]
     for result in (forward, plain, unbuilt):
         assert result["cases"] == 128
         assert result["worst"] < 1e-3, result  # sums of at most 600 products of N(0,1)

@@ -12,10 +12,11 @@ import hashlib
 import json
 import math
 import os
+import shutil
 
 import pytest
 
-from conftest import MPIEXEC, SPMD_CP, run_cli, run_ranks, write_tiny_model
+from conftest import MPIEXEC, SPMD_CP, needs_c_helpers, run_cli, run_ranks, write_tiny_model
 from spmd_cp.attention.choose import LinkAndCompute
 from spmd_cp.cli.doctor import (EXIT_MISMATCH, auto_crossover, find_mismatches, head_counts,
                             model_checksum)
@@ -190,3 +191,19 @@ def test_doctor_reports_rank_missing_the_model(two_models, tmp_path, cache):
     assert launch.returncode == EXIT_MISMATCH, launch.stderr
     assert "model unusable on rank 1" in launch.stdout
     assert f"model not found: {missing}" in launch.stdout
+
+
+@needs_c_helpers
+def test_doctor_warns_where_the_sgemv_forward_did_not_build(cache):
+    """A compiler that fails (and an empty cache): the ranks run on OpenBLAS without the
+    matrix-vector forward, and doctor says so per rank, with why; the decode collectives
+    fall back to the ring backend, named too."""
+    launch = run_cli(2, ["doctor", "--json"], env={"CC": shutil.which("false")}, timeout=120)
+    summary = launch.last_json()
+    assert summary["ok"] and summary["gemv_forward"] == [False, False]
+    skipped = [w for w in summary["warnings"] if "no sgemv forward: false failed" in w]
+    assert [w.split(":")[0] for w in skipped] == ["rank 0 (" + summary["host"][0] + ")",
+                                                  "rank 1 (" + summary["host"][1] + ")"]
+    graph = summary["decode_collectives"]
+    assert graph["opened"] and graph["reason"].startswith("MLX ring backend"), graph
+    assert "not MPI: rank 0: building the MPI ABI adapter failed" in graph["reason"]

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 
-from .gemv_forward import is_forward_library
+from .gemv_forward import ENV_SKIPPED, is_forward_library
 from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
                         candidate_paths, preloaded_libraries)
 
@@ -130,6 +130,8 @@ def describe_blas() -> dict:
         line = f"BLAS: {name} {path}" + (f", {count}" if count else "")
         if forward:
             line += ", matrix-vector products through sgemv"
+        elif os.environ.get(ENV_SKIPPED):  # wanted, but it did not build
+            line += f" (no sgemv forward: {os.environ[ENV_SKIPPED]})"
     elif kind == "reference":
         if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:
             why = f"slow: {ENV_CHOICE}={os.environ[ENV_CHOICE]}"

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 ENV_FORWARD = "SPMD_CP_GEMV_FORWARD"  # "0", "off", "no" or "false": do not preload it
+# Why the re-exec preloaded the BLAS without the forward it wanted (the re-executed
+# process cannot see the build's outcome otherwise): describe.py reports it.
+ENV_SKIPPED = "SPMD_CP_GEMV_FORWARD_SKIPPED"
 SOURCE = Path(__file__).with_name("gemv_forward.c")
 NAME = "spmd-cp-gemv-forward"  # the built file: <cache>/blas/<NAME>-<source hash>.so
 

@@ -11,7 +11,7 @@ import ctypes
 import os
 import sys
 
-from .gemv_forward import forward_library
+from .gemv_forward import ENV_SKIPPED, forward_library, wanted
 from .libraries import (ENV_CHOICE, ENV_GUARD, FAST_KINDS, OPT_OUT, blas_kind, default_threads,
                         exports_cblas, find_fast_blas, mlx_bundles_fast_blas,
                         preloaded_libraries, thread_env)
@@ -124,7 +124,10 @@ def _reexec_with(path: str, args: list[str]):
     builds) and exec this interpreter again; returns only if exec fails."""
     saved = dict(os.environ)
     os.environ.update(thread_env(path, default_threads()))
-    forward, _ = forward_library()
+    forward, why_not = forward_library()
+    os.environ.pop(ENV_SKIPPED, None)
+    if forward is None and wanted():
+        os.environ[ENV_SKIPPED] = why_not
     os.environ["LD_PRELOAD"] = " ".join(([forward] if forward else []) + [path]
                                         + preloaded_libraries())
     os.environ[ENV_GUARD] = str(os.getpid())

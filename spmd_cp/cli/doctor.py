@@ -125,6 +125,7 @@ def local_report() -> dict:
         "blas_threads": blas["threads"],
         "blas_fast": bool(blas["fast"]),
         "blas_line": blas["line"],
+        "gemv_forward": blas["gemv_forward"],
     }
 
 
@@ -178,6 +179,9 @@ def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
     warnings = []
     for rank, report in enumerate(reports):
         if not report["blas_fast"] and report["blas_kind"] != "accelerate":
+            warnings.append(f"rank {rank} ({report['host']}): {report['blas_line']}")
+    for rank, report in enumerate(reports):
+        if report["blas_fast"] and "no sgemv forward" in report["blas_line"]:
             warnings.append(f"rank {rank} ({report['host']}): {report['blas_line']}")
     kinds = {report["blas"] for report in reports}
     if len(kinds) > 1:
