@@ -122,3 +122,26 @@ def test_decode_comm_mlx_where_it_cannot_open_is_one_line(tmp_path, tiny_models)
     assert launch.returncode == 2, launch.stderr
     errors = [line for line in launch.stderr.splitlines() if "error" in line]
     assert errors and "--decode-comm mlx" in errors[0] and "GPU path" in errors[0]
+
+
+def test_auto_keeps_the_faster_of_graph_and_mpi4py_collectives(tiny_models):
+    """``--decode-comm auto`` over the ring with 4 ranks on this machine's cores: where
+    its collective costs more than mpi4py's (the ring's socket threads on oversubscribed
+    cores: milliseconds), decode takes mpi4py and logs both timings, the faster first;
+    either way the tokens are one rank's."""
+    import re
+
+    prompt = ["generate", "--model", tiny_models["llama"], "--prompt", "the quick brown fox " * 20,
+              "--max-tokens", "6", "--json", "--temp", "0"]
+    single = run_cli(1, prompt).last_json()["token_ids"]
+    launch = run_cli(4, prompt, env={"SPMD_CP_GRAPH_BACKEND": "ring"}, timeout=240)
+    assert launch.last_json()["token_ids"] == single
+    said = [line for line in launch.stderr.splitlines() if "decode collectives:" in line]
+    assert said, launch.stderr
+    timed = re.search(r"MPI \((\d+) us per collective through mpi4py against (\d+) us in "
+                      r"MLX's graph \(MLX ring backend", said[0])
+    if timed:
+        assert int(timed.group(1)) < int(timed.group(2)), said[0]
+        assert launch.last_json()["decode_comm"] == "mpi"
+    else:
+        assert "in MLX's graph (MLX ring backend" in said[0], said[0]

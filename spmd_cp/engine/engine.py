@@ -19,7 +19,7 @@ from .cache import ShardedKVCache
 from ..attention.calibrate import calibrate
 from ..errors import UserError
 from ..runtime.comm import Comm
-from ..runtime.graph_comm import open_graph_collectives
+from ..runtime.graph_comm import chained_latency, open_graph_collectives
 from .model import CPModel
 from ..attention.partition import head_tail_positions, owner_of
 from .decode_choice import estimate_split, split_matrix_bytes
@@ -79,6 +79,7 @@ class Engine:
         self.tp_decoder = None
         self.decode_comm = decode_comm
         self.collectives = None  # the decode step's: graph collectives or the Comm itself
+        self._mpi_collective_s = None  # mpi4py's chained collective, where auto timed it
         self.algos_used = []
         self.measured = None
 
@@ -272,6 +273,8 @@ class Engine:
                                        "layers received for a step are freed one by one")
             else:
                 graph, reason = open_graph_collectives(self.comm, self.decode_comm)
+            if graph is not None and self.decode_comm == "auto":
+                graph, reason = self._faster_of(graph, reason)
             if graph is None and self.decode_comm == "mlx":
                 raise UserError(f"--decode-comm mlx: {reason}")
             log.info("decode collectives: %s (%s)", "in MLX's graph" if graph else "MPI",
@@ -279,6 +282,26 @@ class Engine:
             self.collectives = graph or self.comm
             self.decode_comm = "mlx" if graph else "mpi"
         return self.collectives
+
+    def _faster_of(self, graph, reason: str):
+        """``--decode-comm auto``: the graph collectives, unless one costs more than
+        mpi4py's does with its host round trip. Through MLX's MPI backend one costs less
+        than a bare MPI call (8 against 37 us at N = 2), and mpi4py's is not timed; over
+        the ring on oversubscribed cores one took 7.7-9.2 ms (N = 4 on 2 cores, whose
+        mpi4py collectives decoded 3-4x faster), so there both are timed and the faster
+        kept (the mpi4py chain: tens of ms, in the decode setup). The bare MPI call is
+        the calibration's, where one is loaded (``--cp-algo auto`` loads it for the
+        prefill); else mpi4py is timed too. Collective: every rank decides on the same
+        timings."""
+        graph_s = graph.latency()
+        if self.measured is not None and graph_s <= self.measured.collective_s:
+            return graph, reason
+        mpi_s = chained_latency(self.comm, self.comm)
+        if graph_s <= mpi_s:
+            return graph, reason
+        self._mpi_collective_s = mpi_s
+        return None, (f"{1e6 * mpi_s:.0f} us per collective through mpi4py against "
+                      f"{1e6 * graph_s:.0f} us in MLX's graph ({reason})")
 
     def _replicated_over_shards(self) -> bool:
         """Whether decode steps will run replicated over a layer-sharded store. Their
@@ -315,7 +338,7 @@ class Engine:
                 # now (a few ms); MPI's come from the calibration.
                 collectives = self._decode_collectives()
                 collective_s = (collectives.latency() if collectives is not self.comm
-                                else measured.collective_s)
+                                else self._mpi_collective_s or measured.collective_s)
                 estimate = estimate_split(split_matrix_bytes(self.model), self.comm.size,
                                           self.model.num_layers, measured.stream_bytes_per_s,
                                           collective_s)

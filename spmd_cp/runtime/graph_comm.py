@@ -72,6 +72,7 @@ class GraphCollectives:
     def __init__(self, group, comm):
         self.group, self.comm = group, comm
         self.rank, self.size = comm.rank, comm.size
+        self._latency = None
 
     def _count(self, nbytes: int):
         self.comm.bytes_sent += nbytes
@@ -100,26 +101,12 @@ class GraphCollectives:
         self._count((self.size - 1) * array.nbytes)
         return mx.distributed.all_gather(array[None], group=self.group)
 
-    def latency(self, width: int = 1024, repeats: int = 16, rounds: int = 7) -> float:
-        """Seconds per collective as a decode step chains them: ``rounds`` evaluations of
-        ``repeats`` dependent all_sums of ``width`` floats, after one untimed round; the
-        median round on each rank, the slowest rank's median (tens of ms). Its bytes are
-        counted in ``comm.bytes_sent`` like any others (they cross the links: 1.5 MB a
-        rank at N = 4). One round alone varied 61-1,332 us per collective on the
-        2-core machine (first uses of the sockets, the peer's scheduling); the median
-        of seven measured 51-60 us in 24 calls."""
-
-        def timed_round() -> float:
-            chain = mx.ones((1, width), mx.float32)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                chain = self.allreduce(chain * 0.5, "sum")
-            mx.eval(chain)
-            return (time.perf_counter() - start) / repeats
-
-        timed_round()  # the connections' first use
-        seconds = statistics.median(timed_round() for _ in range(rounds))
-        return max(self.comm.allgather_object(seconds))
+    def latency(self) -> float:
+        """Seconds per collective as a decode step chains them (``chained_latency``),
+        measured on first use and kept: every rank asks at the same point."""
+        if self._latency is None:
+            self._latency = chained_latency(self, self.comm)
+        return self._latency
 
     def allreduce(self, array: mx.array, op: str) -> mx.array:
         """Every rank's ``array`` reduced by ``op`` ("sum" or "max"). A small sum is an
@@ -136,6 +123,31 @@ class GraphCollectives:
         self._count(2 * (self.size - 1) * array.nbytes // self.size)
         reduce = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max}[op]
         return reduce(array, group=self.group)
+
+
+def chained_latency(collectives, comm, width: int = 1024, repeats: int = 16,
+                    rounds: int = 7) -> float:
+    """Collective: seconds per collective as a decode step chains them, through
+    ``collectives`` (GraphCollectives, or a Comm, whose every collective evaluates the
+    graph before it and copies through the host): ``rounds`` evaluations of ``repeats``
+    dependent sums of ``width`` floats, after one untimed round; the median round on
+    each rank, the slowest rank's median. Its bytes are counted in ``comm.bytes_sent``
+    like any others (they cross the links: 1.5 MB a rank at N = 4). One round alone
+    varied 61-1,332 us per collective over the ring on the 2-core machine (first uses of
+    the sockets, the peer's scheduling); the median of seven measured 51-60 us in 24
+    calls."""
+
+    def timed_round() -> float:
+        chain = mx.ones((1, width), mx.float32)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            chain = collectives.allreduce(chain * 0.5, "sum")
+        mx.eval(chain)
+        return (time.perf_counter() - start) / repeats
+
+    timed_round()  # the connections' first use
+    seconds = statistics.median(timed_round() for _ in range(rounds))
+    return max(comm.allgather_object(seconds))
 
 
 def graph_obstacle(comm) -> str | None:
