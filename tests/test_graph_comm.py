@@ -141,7 +141,7 @@ def test_auto_keeps_the_faster_of_graph_and_mpi4py_collectives(tiny_models):
     timed = re.search(r"MPI \((\d+) us per collective through mpi4py against (\d+) us in "
                       r"MLX's graph \(MLX ring backend", said[0])
     if timed:
-        assert int(timed.group(1)) < int(timed.group(2)), said[0]
+        assert int(timed.group(1)) <= int(timed.group(2)), said[0]  # rounded to us
         assert launch.last_json()["decode_comm"] == "mpi"
     else:
         assert "in MLX's graph (MLX ring backend" in said[0], said[0]

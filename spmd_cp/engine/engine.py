@@ -285,14 +285,16 @@ class Engine:
 
     def _faster_of(self, graph, reason: str):
         """``--decode-comm auto``: the graph collectives, unless one costs more than
-        mpi4py's does with its host round trip. Through MLX's MPI backend one costs less
-        than a bare MPI call (8 against 37 us at N = 2), and mpi4py's is not timed; over
-        the ring on oversubscribed cores one took 7.7-9.2 ms (N = 4 on 2 cores, whose
-        mpi4py collectives decoded 3-4x faster), so there both are timed and the faster
-        kept (the mpi4py chain: tens of ms, in the decode setup). The bare MPI call is
-        the calibration's, where one is loaded (``--cp-algo auto`` loads it for the
-        prefill); else mpi4py is timed too. Collective: every rank decides on the same
-        timings."""
+        mpi4py's does with its host round trip. Through MLX's MPI backend a collective is
+        the MPI call mpi4py would make, without the round trip: kept untimed. Over the
+        ring on oversubscribed cores one took 7.7-9.2 ms (N = 4 on 2 cores, whose mpi4py
+        collectives decoded 3-4x faster), so there the ring's is timed and, where it
+        exceeds a bare MPI call (the calibration's, where one is loaded: ``--cp-algo
+        auto`` loads it for the prefill), mpi4py's too (tens of ms, in the decode setup;
+        the probes' bytes are counted like any others), and the faster kept. Collective:
+        every rank decides on the same timings."""
+        if graph.backend == "mpi":
+            return graph, reason
         graph_s = graph.latency()
         if self.measured is not None and graph_s <= self.measured.collective_s:
             return graph, reason

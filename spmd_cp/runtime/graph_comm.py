@@ -69,8 +69,9 @@ class GraphCollectives:
     counted on ``comm`` with Comm's formulas. Nothing here evaluates.
     """
 
-    def __init__(self, group, comm):
-        self.group, self.comm = group, comm
+    def __init__(self, group, comm, backend: str):
+        """``backend``: "mpi" or "ring", the MLX backend ``group`` belongs to."""
+        self.group, self.comm, self.backend = group, comm, backend
         self.rank, self.size = comm.rank, comm.size
         self._latency = None
 
@@ -198,13 +199,14 @@ def open_graph_collectives(comm, mode: str = "auto") -> tuple[GraphCollectives |
     if backend != "ring":
         group, why_not_mpi = _open_mpi(comm)
         if group is not None:
-            return GraphCollectives(group, comm), "MLX's MPI backend over MPICH (ABI adapter)"
+            return (GraphCollectives(group, comm, "mpi"),
+                    "MLX's MPI backend over MPICH (ABI adapter)")
         if backend == "mpi":
             return None, f"{mpi_abi.BACKEND_VARIABLE}=mpi: {why_not_mpi}"
     group, why_not_ring = _open_ring(comm)
     if group is None:
         return None, why_not_ring
-    return GraphCollectives(group, comm), f"{why_not_ring}; not MPI: {why_not_mpi}"
+    return GraphCollectives(group, comm, "ring"), f"{why_not_ring}; not MPI: {why_not_mpi}"
 
 
 def _open_mpi(comm):
