@@ -337,7 +337,7 @@ class Engine:
             if self.decode_tp == "auto":
                 measured = self._calibrated()
                 # A collective as this step will issue it: graph collectives are timed
-                # now (a few ms); MPI's come from the calibration.
+                # now (a few ms); mpi4py's as _faster_of timed it, else the calibration's.
                 collectives = self._decode_collectives()
                 collective_s = (collectives.latency() if collectives is not self.comm
                                 else self._mpi_collective_s or measured.collective_s)

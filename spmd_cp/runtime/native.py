@@ -5,13 +5,16 @@ another library calls: the BLAS's matrix-vector forward (blas/gemv_forward.c) an
 MPI ABI adapter MLX's MPI backend loads (runtime/mpi_abi_adapter.c). Neither is worth a
 compiled wheel: each is built with the system's C compiler (``cc``, or ``$CC``) the first
 time it is needed, into ``$SPMD_CP_CACHE/<kind>/<name>-<hash of the source>.so``, and
-reused after. Standard library only (the BLAS forward is built before MLX or MPI load).
+reused after; the forward is preloaded into every rank from there, so that directory
+must be writable by its user only (``~/.cache/spmd-cp`` is). Standard library only (the
+BLAS forward is built before MLX or MPI load).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -27,8 +30,10 @@ def compiler() -> str | None:
 
 
 def built_path(source: Path, kind: str, name: str) -> Path:
-    """Where ``source`` built for this platform lives in the cache."""
-    key = hashlib.sha256(source.read_bytes() + sys.platform.encode()).hexdigest()[:16]
+    """Where ``source`` built for this platform lives in the cache (keyed by the source,
+    the OS and the machine: a cache shared by x86 and ARM hosts keeps one of each)."""
+    target = f"{sys.platform}-{platform.machine()}".encode()
+    key = hashlib.sha256(source.read_bytes() + target).hexdigest()[:16]
     return cache_dir() / kind / f"{name}-{key}.so"
 
 
