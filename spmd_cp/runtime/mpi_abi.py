@@ -88,6 +88,9 @@ def open_mpi_group(mpi_comm, library: Path):
             raise RuntimeError("MLX's MPI backend already serves another communicator")
         return _bound["group"]
     duplicate = mpi_comm.Dup()  # MLX's messages never meet the Python side's
+    # MLX does not check what its MPI calls return: an error there must end the job
+    # (MPI aborts every rank), not leave a rank computing on a buffer never filled.
+    duplicate.Set_errhandler(MPI.ERRORS_ARE_FATAL)
     adapter = ctypes.CDLL(str(library))
     handles = _predefined(MPI, duplicate)
     status = adapter.spmd_cp_bind(str(MPI.__file__).encode(),
