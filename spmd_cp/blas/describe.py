@@ -96,24 +96,41 @@ def describe_blas() -> dict:
                 "fast": True, "source": "linked", "mapped": [], "gemv_forward": False,
                 "line": "BLAS: Apple Accelerate", "summary": "BLAS: Apple Accelerate"}
     mapped = mapped_blas_libraries()
-    path, source = _global_cblas_provider(), "LD_PRELOAD"
+    path, source, forward = _serving_library(mapped)
+    kind = (blas_kind(path) if path else None) or "unknown"
+    threads, name = _threads_and_name(path, kind, mapped)
+    fast = kind in FAST_KINDS
+    line = _summary_line(kind, name, path, threads, forward)
+    return {"kind": kind, "name": name, "path": path, "threads": threads, "fast": fast,
+            "source": source, "mapped": mapped, "gemv_forward": forward, "line": line,
+            "summary": line}
+
+
+def _serving_library(mapped: list[str]) -> tuple[str | None, str, bool]:
+    """(path, source, whether gemv_forward.c answers first) of the library MLX's
+    ``cblas_sgemm`` calls: the global scope's provider, else the BLAS mapped, else (MLX
+    not imported yet) the one a preload or MLX's wheel will bring."""
+    path = _global_cblas_provider()
     forward = is_forward_library(path)
     if forward:  # gemv_forward.c answers first and calls the next preloaded library
         path = next((p for p in preloaded_libraries() if blas_kind(p) in FAST_KINDS), None)
-    if path is None:
-        source = "linked"
-        linked = [p for p in mapped if blas_kind(p) not in ("numpy-private", None)]
-        path = linked[0] if linked else None
-    if path is None:
-        source = "not loaded yet"
-        preload = [p for p in preloaded_libraries() if blas_kind(p) in FAST_KINDS]
-        bundled = []
-        spec = importlib.util.find_spec("mlx")
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            bundled += sorted(glob.glob(os.path.join(os.path.dirname(root), "mlx*.libs",
-                                                     "libblas*.so*")))
-        path = (preload or bundled or [None])[0]
-    kind = (blas_kind(path) if path else None) or "unknown"
+    if path is not None:
+        return path, "LD_PRELOAD", forward
+    linked = [p for p in mapped if blas_kind(p) not in ("numpy-private", None)]
+    if linked:
+        return linked[0], "linked", forward
+    preload = [p for p in preloaded_libraries() if blas_kind(p) in FAST_KINDS]
+    bundled = []
+    spec = importlib.util.find_spec("mlx")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        bundled += sorted(glob.glob(os.path.join(os.path.dirname(root), "mlx*.libs",
+                                                 "libblas*.so*")))
+    return (preload or bundled or [None])[0], "not loaded yet", forward
+
+
+def _threads_and_name(path: str | None, kind: str, mapped: list[str]) -> tuple[int | None, str]:
+    """The library's thread count (asked from it where loaded, else from the environment)
+    and its display name with version and threading model where it says them."""
     loaded = path and os.path.realpath(path) in {os.path.realpath(m) for m in mapped}
     threads, parallel, version = _library_threads(path, kind) if loaded else (None, None, None)
     if kind == "reference":
@@ -124,24 +141,28 @@ def describe_blas() -> dict:
     name = _NAMES.get(kind, "unknown BLAS")
     if parallel:
         name += f" {version} ({parallel})" if version else f" ({parallel})"
-    fast = kind in FAST_KINDS
-    if fast:
+    return threads, name
+
+
+def _summary_line(kind: str, name: str, path: str | None, threads: int | None,
+                  forward: bool) -> str:
+    """The start-up log line: a fast BLAS with its threads and whether the sgemv forward
+    takes the matrix-vector products (or why it was wanted and is missing); the
+    reference BLAS with why it is used."""
+    if kind in FAST_KINDS:
         count = f"{threads} thread{'s' if threads != 1 else ''} per rank" if threads else ""
         line = f"BLAS: {name} {path}" + (f", {count}" if count else "")
         if forward:
-            line += ", matrix-vector products through sgemv"
-        elif os.environ.get(ENV_SKIPPED):  # wanted, but it did not build
-            line += f" (no sgemv forward: {os.environ[ENV_SKIPPED]})"
-    elif kind == "reference":
+            return line + ", matrix-vector products through sgemv"
+        if os.environ.get(ENV_SKIPPED):  # wanted, but it did not build
+            return line + f" (no sgemv forward: {os.environ[ENV_SKIPPED]})"
+        return line
+    if kind == "reference":
         if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:
             why = f"slow: {ENV_CHOICE}={os.environ[ENV_CHOICE]}"
         elif candidate_paths():
             why = f"slow: spmd_cp.blas.ensure_fast_blas() would preload {candidate_paths()[0]}"
         else:
             why = f"slow: {INSTALL_HINT}"
-        line = f"BLAS: {name} ({why})"
-    else:
-        line = f"BLAS: {name} {path or ''}".rstrip()
-    return {"kind": kind, "name": name, "path": path, "threads": threads, "fast": fast,
-            "source": source, "mapped": mapped, "gemv_forward": forward, "line": line,
-            "summary": line}
+        return f"BLAS: {name} ({why})"
+    return f"BLAS: {name} {path or ''}".rstrip()
