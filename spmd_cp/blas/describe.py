@@ -86,7 +86,8 @@ def describe_blas() -> dict:
     Returns a dict with `kind` (openblas, mkl, blis, reference, accelerate, unknown), `name`,
     `path`, `threads`, `fast`, `source` ("LD_PRELOAD", "linked", or "not loaded yet" when
     MLX has not been imported), `mapped` (all BLAS-like libraries mapped), `gemv_forward`
-    (whether gemv_forward.c takes the matrix-vector products) and `line` (also under
+    (whether gemv_forward.c takes the matrix-vector products), `gemv_forward_skipped`
+    (why not, where the re-exec wanted it and its build failed) and `line` (also under
     `summary`), e.g. "BLAS: OpenBLAS 0.3.21 (pthreads) /usr/lib/.../libopenblas.so.0,
     1 thread per rank, matrix-vector products through sgemv" or "BLAS: reference netlib
     (slow: apt-get install libopenblas0-pthread)".
@@ -94,16 +95,19 @@ def describe_blas() -> dict:
     if sys.platform == "darwin":
         return {"kind": "accelerate", "name": "Apple Accelerate", "path": None, "threads": None,
                 "fast": True, "source": "linked", "mapped": [], "gemv_forward": False,
-                "line": "BLAS: Apple Accelerate", "summary": "BLAS: Apple Accelerate"}
+                "gemv_forward_skipped": None, "line": "BLAS: Apple Accelerate",
+                "summary": "BLAS: Apple Accelerate"}
     mapped = mapped_blas_libraries()
     path, source, forward = _serving_library(mapped)
     kind = (blas_kind(path) if path else None) or "unknown"
     threads, name = _threads_and_name(path, kind, mapped)
     fast = kind in FAST_KINDS
-    line = _summary_line(kind, name, path, threads, forward)
+    # the re-exec wanted the forward and says why it did not build (gemv_forward.py)
+    skipped = None if forward or not fast else os.environ.get(ENV_SKIPPED) or None
+    line = _summary_line(kind, name, path, threads, forward, skipped)
     return {"kind": kind, "name": name, "path": path, "threads": threads, "fast": fast,
-            "source": source, "mapped": mapped, "gemv_forward": forward, "line": line,
-            "summary": line}
+            "source": source, "mapped": mapped, "gemv_forward": forward,
+            "gemv_forward_skipped": skipped, "line": line, "summary": line}
 
 
 def _serving_library(mapped: list[str]) -> tuple[str | None, str, bool]:
@@ -145,7 +149,7 @@ def _threads_and_name(path: str | None, kind: str, mapped: list[str]) -> tuple[i
 
 
 def _summary_line(kind: str, name: str, path: str | None, threads: int | None,
-                  forward: bool) -> str:
+                  forward: bool, skipped: str | None) -> str:
     """The start-up log line: a fast BLAS with its threads and whether the sgemv forward
     takes the matrix-vector products (or why it was wanted and is missing); the
     reference BLAS with why it is used."""
@@ -154,8 +158,8 @@ def _summary_line(kind: str, name: str, path: str | None, threads: int | None,
         line = f"BLAS: {name} {path}" + (f", {count}" if count else "")
         if forward:
             return line + ", matrix-vector products through sgemv"
-        if os.environ.get(ENV_SKIPPED):  # wanted, but it did not build
-            return line + f" (no sgemv forward: {os.environ[ENV_SKIPPED]})"
+        if skipped:
+            return line + f" (no sgemv forward: {skipped})"
         return line
     if kind == "reference":
         if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:

@@ -49,7 +49,7 @@ log = logging.getLogger("spmd_cp")
 # Sums whose gathered rows take at most this many bytes go through all_gather (allreduce).
 GATHER_SUM_MAX_BYTES = 1 << 20
 
-_group_cache: dict = {}  # (rank, size, addresses) -> mx.distributed.Group, one per process
+_group_cache: dict = {}  # (backend, rank, size) -> mx.distributed.Group, one per process
 
 
 @dataclass(frozen=True)
@@ -222,11 +222,7 @@ def _open_mpi(comm):
     failure = _first_reason(comm, failure)  # all ranks built it, or none goes on
     if failure:
         return None, failure
-    group = None
-    try:
-        group = mpi_abi.open_mpi_group(comm.mpi, library)
-    except (RuntimeError, OSError) as error:  # a bind or an init that failed
-        failure = str(error)
+    group, failure = _cached_group("mpi", comm, lambda: _init_mpi(comm, library))
     failure = _first_reason(comm, failure)
     return (None, failure) if failure else (group, None)
 
@@ -250,33 +246,55 @@ def _open_ring(comm):
     if reasons:
         return None, reasons[0]
     ring = RingAddresses([where for _, where in answers])
-    key = (comm.rank, comm.size)
-    group, failure = _group_cache.get(key), None
-    if group is None:
-        try:
-            group = _group_cache[key] = _init_ring(comm.rank, ring)
-        except RuntimeError as error:  # e.g. a port another process took meanwhile
-            failure = f"MLX's ring backend did not start: {error}"
-    elif group.size() != comm.size or group.rank() != comm.rank:
-        failure = f"MLX's ring group is {group.rank()}/{group.size()}, not this communicator"
+    # An init may fail on one rank (e.g. a port another process took meanwhile)
+    group, failure = _cached_group("ring", comm, lambda: _init_ring(comm.rank, ring))
     failure = _first_reason(comm, failure)  # all or none
     if failure:
         return None, failure
     return group, f"MLX ring backend over {ring.hosts[0].split(':')[0]}"
 
 
+def _cached_group(backend: str, comm, init):
+    """(MLX's ``backend`` group for ``comm``'s rank and size, None), opened by ``init()``
+    the first time (a process keeps one per backend), or (None, why it did not open)."""
+    key = (backend, comm.rank, comm.size)
+    if key not in _group_cache:
+        try:
+            group = init()
+        except (RuntimeError, OSError) as error:
+            return None, f"MLX's {backend} backend did not start: {error}"
+        if (group.rank(), group.size()) != (comm.rank, comm.size):
+            return None, (f"MLX's {backend} group is {group.rank()}/{group.size()}, "
+                          "not this communicator")
+        _group_cache[key] = group
+    return _group_cache[key], None
+
+
+def _init_mlx(backend: str, environment: dict):
+    """mx.distributed.init(backend) with ``environment`` set for the call only (MLX reads
+    its backends' settings from variables)."""
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    try:
+        return mx.distributed.init(strict=True, backend=backend)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _init_mpi(comm, library):
+    """MLX's MPI backend through the adapter ``library``, bound first to a duplicate of
+    ``comm`` (collective)."""
+    mpi_abi.bind(comm.mpi, library)
+    return _init_mlx("mpi", {"MLX_MPI_LIBNAME": str(library)})
+
+
 def _init_ring(rank: int, ring: RingAddresses):
-    """mx.distributed.init(backend="ring") from a hostfile this rank writes for itself."""
-    saved = {name: os.environ.get(name) for name in ("MLX_RANK", "MLX_HOSTFILE")}
+    """MLX's ring backend from a hostfile this rank writes for itself."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spmd-cp-ring-") as hostfile:
         hostfile.write(ring.hostfile_json())
         hostfile.flush()
-        os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), hostfile.name
-        try:
-            return mx.distributed.init(strict=True, backend="ring")
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        return _init_mlx("ring", {"MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile.name})

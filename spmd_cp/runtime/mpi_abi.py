@@ -6,9 +6,9 @@ all_sum including the graph's own node, against 32-47 us through MLX's ring back
 whose every message crosses a thread pool, a socket thread and TCP). But MLX speaks Open
 MPI's ABI only (pointer handles, ``ompi_mpi_*`` objects, a version check), and the MPI
 wheels users install from pip are MPICH (int handles). ``mpi_abi_adapter.c`` translates:
-this module has it compiled once per cache directory (runtime/native.py), binds it to
-the MPICH library mpi4py loaded and to a duplicate of the job's communicator, and opens
-MLX's MPI backend on it.
+this module has it compiled once per cache directory (runtime/native.py) and binds it to
+the MPICH library mpi4py loaded and to a duplicate of the job's communicator;
+runtime/graph_comm.py then opens MLX's MPI backend with ``MLX_MPI_LIBNAME`` naming it.
 
 Every step that can fail says why (``local_obstacle``'s reason: an MPI with pointer
 handles such as Open MPI, no compiler; or a RuntimeError: a failed build, bind or init),
@@ -21,8 +21,6 @@ import ctypes
 import os
 from pathlib import Path
 
-import mlx.core as mx
-
 from ..errors import UserError
 from . import native
 
@@ -32,7 +30,7 @@ SOURCE = Path(__file__).with_name("mpi_abi_adapter.c")
 # "ring" skips it, "auto" (default) tries it and falls back to the ring backend.
 BACKEND_VARIABLE = "SPMD_CP_GRAPH_BACKEND"
 
-_bound: dict = {}  # the communicator the adapter serves, once per process
+_bound: dict = {}  # the duplicate communicator the adapter serves, once per process
 
 
 def requested_backend() -> str:
@@ -77,16 +75,15 @@ def _target() -> Path:
     return native.built_path(SOURCE, "mpi-abi", "adapter")
 
 
-def open_mpi_group(mpi_comm, library: Path):
-    """MLX's MPI backend as a group over a duplicate of ``mpi_comm``, through the built
-    adapter ``library``. Collective (the duplicate): every rank must have its library
-    first. Raises RuntimeError where it cannot open."""
+def bind(mpi_comm, library: Path):
+    """Bind the built adapter ``library`` to the MPICH library mpi4py loaded and to a
+    duplicate of ``mpi_comm``, MLX's "MPI_COMM_WORLD" from then on (once per process;
+    MLX's group over it is cached by runtime/graph_comm.py). Collective (the duplicate):
+    every rank must have its library first. Raises RuntimeError where it cannot bind."""
     from mpi4py import MPI
 
     if _bound:
-        if _bound["size"] != mpi_comm.Get_size() or _bound["rank"] != mpi_comm.Get_rank():
-            raise RuntimeError("MLX's MPI backend already serves another communicator")
-        return _bound["group"]
+        return
     duplicate = mpi_comm.Dup()  # MLX's messages never meet the Python side's
     # MLX does not check what its MPI calls return: an error there must end the job
     # (MPI aborts every rank), not leave a rank computing on a buffer never filled.
@@ -98,17 +95,4 @@ def open_mpi_group(mpi_comm, library: Path):
                                   (ctypes.c_int * len(handles))(*handles))
     if status != 0:
         raise RuntimeError(f"the MPI ABI adapter could not bind to MPICH (status {status})")
-    saved = os.environ.get("MLX_MPI_LIBNAME")
-    os.environ["MLX_MPI_LIBNAME"] = str(library)
-    try:
-        group = mx.distributed.init(strict=True, backend="mpi")
-    finally:
-        if saved is None:
-            os.environ.pop("MLX_MPI_LIBNAME", None)
-        else:
-            os.environ["MLX_MPI_LIBNAME"] = saved
-    if group.size() != duplicate.Get_size() or group.rank() != duplicate.Get_rank():
-        raise RuntimeError(f"MLX's MPI group is {group.rank()}/{group.size()}, "
-                           "not this communicator")
-    _bound.update(group=group, rank=group.rank(), size=group.size(), comm=duplicate)
-    return group
+    _bound["comm"] = duplicate  # kept: the adapter holds its handle
