@@ -144,6 +144,9 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert f"decode collectives in MLX's graph: {graph['reason']}" in launch.stdout
     assert "written to " + calibration["file"] in launch.stdout
     assert "model checksum  " + expected in launch.stdout
+    # Every thread of every rank under Linux's batch policy (runtime/scheduling.py).
+    assert summary["scheduling"] == ["batch", "batch"]
+    assert "scheduling      batch" in launch.stdout
 
     # Again: the calibration comes from the cache; --recalibrate measures and rewrites it.
     again = run_cli(2, ["doctor", "--json"], env=env, timeout=120).last_json()
@@ -197,9 +200,12 @@ def test_doctor_reports_rank_missing_the_model(two_models, tmp_path, cache):
 def test_doctor_warns_where_the_sgemv_forward_did_not_build(cache):
     """A compiler that fails (and an empty cache): the ranks run on OpenBLAS without the
     matrix-vector forward, and doctor says so per rank, with why; the decode collectives
-    fall back to the ring backend, named too."""
-    launch = run_cli(2, ["doctor", "--json"], env={"CC": shutil.which("false")}, timeout=120)
+    fall back to the ring backend, named too. (Also: SPMD_CP_SCHED=default leaves the
+    threads under Linux's default policy.)"""
+    launch = run_cli(2, ["doctor", "--json"], env={"CC": shutil.which("false"),
+                                                   "SPMD_CP_SCHED": "default"}, timeout=120)
     summary = launch.last_json()
+    assert summary["scheduling"] == ["other", "other"]
     assert summary["ok"] and summary["gemv_forward"] == [False, False]
     skipped = [w for w in summary["warnings"] if "no sgemv forward: false failed" in w]
     assert [w.split(":")[0] for w in skipped] == ["rank 0 (" + summary["host"][0] + ")",

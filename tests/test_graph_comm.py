@@ -106,13 +106,14 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
             assert {"mpi": "MPI backend", "ring": "ring backend"}[backend] in launch.stderr
 
 
-def test_a_graph_backend_that_does_not_exist_is_one_line(tiny_models):
+@pytest.mark.parametrize("variable, value", [("SPMD_CP_GRAPH_BACKEND", "nccl"),
+                                             ("SPMD_CP_SCHED", "fifo")])
+def test_a_runtime_variable_with_a_bad_value_is_one_line(tiny_models, variable, value):
     launch = run_cli(2, ["generate", "--model", tiny_models["llama"], "--prompt", "hello",
-                         "--max-tokens", "2"], env={"SPMD_CP_GRAPH_BACKEND": "nccl"},
-                     check=False)
+                         "--max-tokens", "2"], env={variable: value}, check=False)
     assert launch.returncode == 2, launch.stderr
     errors = [line for line in launch.stderr.splitlines() if "error" in line]
-    assert errors and "SPMD_CP_GRAPH_BACKEND='nccl'" in errors[0], launch.stderr
+    assert errors and f"{variable}='{value}'" in errors[0], launch.stderr
 
 
 def test_decode_comm_mlx_where_it_cannot_open_is_one_line(tmp_path, tiny_models):

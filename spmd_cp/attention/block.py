@@ -17,6 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .exp import softmax_exp
+
 NEG_INF = float("-inf")
 
 # Scores materialised at once, in elements (x4 bytes): bounds attention's activation
@@ -87,7 +89,7 @@ def _tile_attention(q, k, v, q_pos, k_pos, scale):
         scores = mx.where(visible, scores.reshape(num_kv, groups, tq, tk), NEG_INF)
         scores = scores.reshape(num_kv, rows, tk)
         row_max = _finite_or_zero(scores.max(axis=-1, keepdims=True))
-    probs = mx.exp(scores - row_max)
+    probs = softmax_exp(scores, row_max)
     row_sum = probs.sum(axis=-1, keepdims=True)  # >= 1 in a row that sees any key
     if q_pos is not None:
         row_sum_safe = mx.where(row_sum > 0, row_sum, 1.0)  # rows that see no key: out 0
@@ -111,7 +113,7 @@ def _decode_tile(q, k, v, scale):
     groups = num_heads // num_kv
     scores = k @ (q.reshape(num_kv, groups, d) * scale).swapaxes(-1, -2)  # (NKV, Tk, G)
     col_max = scores.max(axis=1, keepdims=True)
-    probs = mx.exp(scores - col_max)
+    probs = softmax_exp(scores, col_max)
     col_sum = probs.sum(axis=1, keepdims=True)  # (NKV, 1, G), >= 1
     out = (probs.swapaxes(-1, -2) @ v) / col_sum.swapaxes(-1, -2)  # (NKV, G, d)
     lse = mx.log(col_sum) + col_max

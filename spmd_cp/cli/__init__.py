@@ -19,6 +19,7 @@ import sys
 import click
 
 from .. import blas
+from ..runtime.scheduling import use_batch_scheduling
 from .batch import batch
 from .doctor import doctor
 from .generate import generate
@@ -27,6 +28,8 @@ from .score import score
 
 
 def main():
+    # On every thread there is now; inherited by later ones and across the re-exec.
+    use_batch_scheduling()
     # Before MPI_Init: possibly re-exec with an optimized BLAS.
     blas.ensure_fast_blas()
     try:

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..models.checksum import model_checksum, model_files
 from ..models.loader import check_model_path, default_model_path, load_model
 from ..models.partial_load import load_rank_share
-from ..runtime import mpi_abi, spmd
+from ..runtime import mpi_abi, scheduling, spmd
 from ..runtime.comm import Comm
 from ..runtime.faults import layer_hook
 from ..runtime.resident import outside_mlx_bytes, resident_peak_bytes
@@ -94,6 +94,7 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
     require_same_path(comm)
     spmd.require_same(comm, mpi_abi.BACKEND_VARIABLE,
                       spmd.everywhere(comm, mpi_abi.requested_backend))
+    spmd.everywhere(comm, scheduling.requested)
     path = run.model_path or spmd.on_root(comm, default_model_path)
     spmd.everywhere(comm, check_model_path, path)
     checksum = spmd.everywhere(comm, model_checksum, path)

@@ -25,8 +25,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from mlx_lm.models.activations import swiglu
 
+from ..attention.exp import swiglu
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from ..runtime.device import on_gpu_path

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.activations import swiglu
 
+from ..attention.exp import swiglu
 from ..runtime.comm import Comm
 from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
 from .vocab_parallel import VocabParallelHead

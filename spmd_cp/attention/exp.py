@@ -1,0 +1,151 @@
+"""``exp`` of attention scores and MLP gates on an x86 CPU: a polynomial fused by ``mx.compile``.
+
+MLX's CPU backend evaluates ``exp`` one element at a time on x86 (its vector types are
+one lane wide there, and each step of its polynomial calls libm's ``fmaf``): 8.7 ns per
+element on the 2-core test machine, where a float32 add costs 0.2 ns. Prefill computes
+one ``exp`` per visible (query, key, head) score, about half of its CPU time at 3K
+tokens, and one per row and hidden unit in the MLPs' SiLU, another 10%
+(docs/CPU_SPEED.md). The same arithmetic written as MLX elementwise ops and compiled is
+a loop the C++ compiler vectorizes: 0.9 ns per element.
+
+The polynomial is the classic single-precision one (Cephes ``expf``): ``x = n ln2 + r``
+with ``n`` the nearest integer to ``x / ln2`` (rounded by adding 1.5 * 2^23, no call
+to ``floor``) and ``ln2`` split in two so that ``r`` is exact; ``e^r`` by a degree-7
+polynomial evaluated in Estrin's form (shallower than Horner's, so MLX fuses it into
+fewer kernels); ``2^n`` built from its exponent bits. Accuracy against a float64
+``exp``: within 2 ulp for ``x`` in [-87.3, 88] (tests/test_exp.py); 0 for ``x <= -88``
+and ``-inf``; a subnormal approximation between (absolute error below 1.2e-38); NaN
+stays NaN. Attention only takes the exponential of scores minus their maximum
+(``x <= 0``), where this is as good as any exp for a softmax: the weights' absolute
+errors stay below one ulp of the largest weight, 1. The SiLU takes ``e^-|g|`` only.
+
+Compiled per input shape: a shapeless compile would take the constants as broadcast
+inputs (nine more graph nodes and strided loops, 2.3 ns per element). Decode's scores
+grow by a key every step, so the compiled functions are kept for the last
+``SHAPES_KEPT`` shapes only, each traced once (0.15 ms): MLX drops a compiled function's
+cache entries with it, so memory stays flat however long the generation.
+
+MLX's CPU compiler is the system's ``g++``; without it ``mx.compile`` silently runs the
+ops one by one (4.8 ns per element and 20 graph nodes), so then, and on GPUs and
+non-x86 CPUs (MLX's Arm build has vector ``exp``), ``mx.exp`` is kept. A call on fewer
+than ``MIN_ELEMENTS`` elements keeps ``mx.exp`` too: the compiled form is six graph
+nodes, which cost more than they save on a short decode row.
+``SPMD_CP_FAST_EXP=0`` keeps MLX's ``exp`` (and mlx-lm's SiLU) everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+from collections import OrderedDict
+
+import mlx.core as mx
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+ENV = "SPMD_CP_FAST_EXP"  # "0", "off", "no" or "false": MLX's exp everywhere
+# Below this many elements the six nodes of the compiled form cost more than the
+# per-element saving (7.8 ns; a node costs 5-8 us on the CPU path).
+MIN_ELEMENTS = 8192
+
+LOG2E = 1.4426950408889634
+LN2_HI = 0.693359375  # ln 2 = LN2_HI + LN2_LO; n * LN2_HI is exact for |n| < 2^10
+LN2_LO = -2.12194440e-4
+ROUNDING_SHIFT = 12582912.0  # 1.5 * 2^23: (y + shift) - shift is y rounded to an integer
+LOWEST = -88.0  # n = -127 here: 2^n's exponent bits are 0, the result 0
+HIGHEST = 88.0  # n = 127: e^88 = 1.7e38, below float32's largest
+# e^r = 1 + r + r^2 (C0 + C1 r + ... + C5 r^5) on |r| <= ln2 / 2 (Cephes expf).
+C0, C1, C2, C3, C4, C5 = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2,
+                          8.3334519073e-3, 1.3981999507e-3, 1.9875691500e-4)
+
+
+def _mantissa_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
+    """``(e^r, bits of 2^n)`` with ``exp(x) = e^r * 2^n``: the elementwise part."""
+    x = mx.minimum(mx.maximum(x, LOWEST), HIGHEST)  # also maps -inf to LOWEST; NaN stays
+    n = (x * LOG2E + ROUNDING_SHIFT) - ROUNDING_SHIFT
+    r = (x - n * LN2_HI) - n * LN2_LO
+    r2 = r * r
+    tail = (C0 + C1 * r) + r2 * (C2 + C3 * r) + (r2 * r2) * (C4 + C5 * r)
+    e_r = (r + 1.0) + r2 * tail
+    return e_r, mx.left_shift(n.astype(mx.int32) + 127, 23)
+
+
+class PerShape:
+    """``mx.compile(function)`` per input shape, kept for the last ``capacity`` shapes
+    (see the module's docstring)."""
+
+    def __init__(self, function, capacity: int):
+        self.function, self.capacity = function, capacity
+        self.compiled: OrderedDict = OrderedDict()
+
+    def __call__(self, *arrays: mx.array):
+        key = tuple((a.shape, a.dtype) for a in arrays)
+        compiled = self.compiled.pop(key, None) or mx.compile(self.function)
+        self.compiled[key] = compiled  # most recently used last
+        if len(self.compiled) > self.capacity:
+            self.compiled.popitem(last=False)
+        return compiled(*arrays)
+
+
+# Enough for a prompt's tile shapes (full, edges, diagonals) and a few decode rows.
+SHAPES_KEPT = 16
+
+
+def _shifted_parts(x: mx.array, shift: mx.array):
+    return _mantissa_and_exponent_bits(x - shift)
+
+
+_compiled_parts = PerShape(_mantissa_and_exponent_bits, SHAPES_KEPT)
+_compiled_shifted_parts = PerShape(_shifted_parts, SHAPES_KEPT)
+
+
+def polynomial_exp(x: mx.array, compiled: bool = True) -> mx.array:
+    """``exp(x)`` of a float32 array by the polynomial above; ``compiled=False`` runs the
+    same ops one by one (the reference for the compiled kernels' arithmetic). (A view
+    cannot be compiled: the exponent bits are viewed as floats outside.)"""
+    e_r, bits = (_compiled_parts if compiled else _mantissa_and_exponent_bits)(x)
+    return e_r * bits.view(mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def polynomial_exp_enabled() -> bool:
+    """Whether this process computes attention's ``exp`` by the compiled polynomial."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    return (mx.default_device().type == mx.DeviceType.cpu
+            and platform.machine().lower() in ("x86_64", "amd64")
+            and shutil.which("g++") is not None)
+
+
+def _polynomial_wanted(x: mx.array) -> bool:
+    return x.size >= MIN_ELEMENTS and x.dtype == mx.float32 and polynomial_exp_enabled()
+
+
+def softmax_exp(scores: mx.array, maxima: mx.array) -> mx.array:
+    """``mx.exp(scores - maxima)``: float32 scores and their (broadcast) maxima, finite,
+    so that every argument is <= 0."""
+    if not _polynomial_wanted(scores):
+        return mx.exp(scores - maxima)
+    e_r, bits = _compiled_shifted_parts(scores, maxima)
+    return e_r * bits.view(mx.float32)
+
+
+def _sigmoid_times(gate: mx.array, up: mx.array, e_r: mx.array, two_to_n: mx.array):
+    """``silu(gate) * up`` from ``t = e^-|gate| = e_r * two_to_n``, stable both ways:
+    ``sigmoid(g) = 1 / (1 + t)`` for g >= 0 and ``t / (1 + t)`` below."""
+    t = e_r * two_to_n
+    return gate * (mx.where(gate >= 0, 1.0, t) / (1.0 + t)) * up
+
+
+_compiled_sigmoid_times = PerShape(_sigmoid_times, SHAPES_KEPT)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` (mlx-lm's ``swiglu``), its exp by the polynomial where attention
+    takes it (``softmax_exp``): prefill's MLPs compute one sigmoid per row and hidden
+    unit, 10% of a 3K-token prefill through MLX's scalar exp."""
+    if not _polynomial_wanted(gate):
+        return mlx_lm_swiglu(gate, up)
+    e_r, bits = _compiled_parts(-mx.abs(gate))
+    return _compiled_sigmoid_times(gate, up, e_r, bits.view(mx.float32))
