@@ -3,6 +3,8 @@
     python benchmarks/bench_generate.py                          # N = 1 2, 2 rounds
     python benchmarks/bench_generate.py --ranks 1 2 4 --rounds 2 --tokens 64
     python benchmarks/bench_generate.py --baseline /work/main/.venv/bin/spmd-cp  # + N=2 of it
+    python benchmarks/bench_generate.py --baseline OTHER --baseline-ranks 1 2
+    python benchmarks/bench_generate.py --compare-env SPMD_CP_FAST_EXP=0 --baseline-ranks 1 2
 
 Every run is exactly
 
@@ -21,8 +23,9 @@ every measured run reads the same calibration, as any run after a user's first d
 Reported per run: prefill tok/s, decode tok/s (the JSON's fields), the decode mode
 `--decode-tp auto` chose and its reason; per rank count the medians, decode speed-up
 over N = 1 and prefill efficiency (prefill tok/s at N over N x that at 1). With
---baseline, every round also runs N = 2 with another installation's spmd-cp (launched by
-the mpiexec next to it), e.g. the code before a change. Results:
+--baseline, every round also runs another installation's spmd-cp (launched by the
+mpiexec next to it; at N = 2, or the --baseline-ranks), e.g. the code before a change;
+with --compare-env NAME=VALUE, this code again with that variable set. Results:
 benchmarks/results/generate.json and .md.
 """
 
@@ -98,10 +101,16 @@ def generate(ranks: int, prompt: Path, tokens: int, env: dict, spmd_cp: str = bl
 
 
 def summarize(runs: list[dict], configs: list[tuple]) -> list[list]:
-    base = {key: bl.median([r[key] for r in runs if r["ranks"] == 1 and r["_variant"] == "this"])
-            for key in ("prefill_tok_s", "decode_tok_s")}
+    """Per (code, N): medians, and the ratios to that code's own N = 1 (this code's where
+    the baseline did not run at N = 1)."""
+    def one_rank(variant: str) -> dict:
+        ones = [r for r in runs if r["ranks"] == 1 and r["_variant"] == variant]
+        return {key: bl.median([r[key] for r in ones])
+                for key in ("prefill_tok_s", "decode_tok_s")} if ones else one_rank("this")
+
     rows = []
     for variant, n in configs:
+        base = one_rank(variant)
         mine = [r for r in runs if r["ranks"] == n and r["_variant"] == variant]
         prefill = bl.median([r["prefill_tok_s"] for r in mine])
         decode = bl.median([r["decode_tok_s"] for r in mine])
@@ -120,7 +129,12 @@ def main():
     parser.add_argument("--tokens", type=int, default=64, help="--max-tokens")
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--name", default="generate", help="results file name")
-    parser.add_argument("--baseline", help="another installation's spmd-cp: N = 2 of it too")
+    parser.add_argument("--baseline", help="another installation's spmd-cp, run beside")
+    parser.add_argument("--baseline-ranks", type=int, nargs="+", default=[2],
+                        help="the rank counts the baseline (or --compare-env) runs at")
+    parser.add_argument("--compare-env", metavar="NAME=VALUE",
+                        help="also run this code with one environment variable set, e.g. "
+                             "SPMD_CP_FAST_EXP=0 (instead of --baseline)")
     args = parser.parse_args()
     command = "python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:])
     if 1 not in args.ranks:
@@ -129,15 +143,23 @@ def main():
         prompt, source, prompt_tokens = make_prompt(args.prompt_tokens, Path(tmp))
         env = bl.bench_env(1, SPMD_CP_CACHE=os.path.join(tmp, "cache"))
         started = time.strftime("%Y-%m-%d %H:%M")
-        configs = [("this", n, bl.SPMD_CP) for n in args.ranks]
-        if args.baseline:
-            configs.insert(args.ranks.index(1) + 1, ("baseline", 2, args.baseline))
-        for _, n, spmd_cp in configs:  # fills the calibration (and float32 weight) cache
+        other = None
+        if args.compare_env:
+            name, _, value = args.compare_env.partition("=")
+            other = (args.compare_env, bl.SPMD_CP, {**env, name: value})
+        elif args.baseline:
+            other = ("baseline", args.baseline, env)
+        configs = []
+        for n in args.ranks:
+            configs.append(("this", n, bl.SPMD_CP, env))
+            if other and n in args.baseline_ranks:
+                configs.append((other[0], n, other[1], other[2]))
+        for _, n, spmd_cp, run_env in configs:  # fills the calibration (and weight) cache
             bl.run_json(launcher(spmd_cp, n) + ["generate", "--prompt", "Hello",
                                                 "--max-tokens", "2", "--json"],
-                        env=env, quiet_wait=0, cwd=tmp)
-        runs = [generate(n, prompt, args.tokens, env, spmd_cp, variant)
-                for _ in range(args.rounds) for variant, n, spmd_cp in configs]
+                        env=run_env, quiet_wait=0, cwd=tmp)
+        runs = [generate(n, prompt, args.tokens, run_env, spmd_cp, variant)
+                for _ in range(args.rounds) for variant, n, spmd_cp, run_env in configs]
     run_rows = [[i // len(configs) + 1, r["_variant"], r["ranks"], f"{r['_load_before']:.2f}",
                  bl.fmt(r["ttft_s"], 1), bl.fmt(r["prefill_tok_s"], 1),
                  bl.fmt(r["decode_tok_s"], 2), r["tokens"], r["algo"], r["_decode_choice"],
@@ -146,10 +168,11 @@ def main():
         bl.header("spmd-cp generate --json, N ranks side by side", command),
         f"started {started}; prompt: {prompt_tokens} tokens (chat template included) "
         f"from {source}; {args.tokens} greedy tokens; OPENBLAS_NUM_THREADS=1; default flags"
-        + (f"; baseline: {args.baseline}" if args.baseline else ""),
+        + (f"; baseline: {args.baseline}" if args.baseline and not args.compare_env else "")
+        + (f"; also with {args.compare_env}" if args.compare_env else ""),
         bl.table(["code", "ranks", "runs", "prefill tok/s", "decode tok/s", "decode vs N=1",
                   "prefill efficiency", "load avg before each run"],
-                 summarize(runs, [(v, n) for v, n, _ in configs])),
+                 summarize(runs, [(v, n) for v, n, _, _ in configs])),
         bl.table(["round", "code", "ranks", "load avg before", "TTFT s", "prefill tok/s",
                   "decode tok/s", "tokens", "prefill algo", "--decode-tp auto chose",
                   "others' cores"], run_rows)])

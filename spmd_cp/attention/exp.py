@@ -113,6 +113,8 @@ def polynomial_exp_enabled() -> bool:
     """Whether this process computes attention's ``exp`` by the compiled polynomial."""
     if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "false"):
         return False
+    if os.environ.get("MLX_DISABLE_COMPILE"):  # mx.compile would run the ops one by one
+        return False
     return (mx.default_device().type == mx.DeviceType.cpu
             and platform.machine().lower() in ("x86_64", "amd64")
             and shutil.which("g++") is not None)
@@ -138,6 +140,11 @@ def _sigmoid_times(gate: mx.array, up: mx.array, e_r: mx.array, two_to_n: mx.arr
     return gate * (mx.where(gate >= 0, 1.0, t) / (1.0 + t)) * up
 
 
+def _negative_abs_parts(gate: mx.array):
+    return _mantissa_and_exponent_bits(-mx.abs(gate))
+
+
+_compiled_negative_abs_parts = PerShape(_negative_abs_parts, SHAPES_KEPT)
 _compiled_sigmoid_times = PerShape(_sigmoid_times, SHAPES_KEPT)
 
 
@@ -147,5 +154,5 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     unit, 10% of a 3K-token prefill through MLX's scalar exp."""
     if not _polynomial_wanted(gate):
         return mlx_lm_swiglu(gate, up)
-    e_r, bits = _compiled_parts(-mx.abs(gate))
+    e_r, bits = _compiled_negative_abs_parts(gate)
     return _compiled_sigmoid_times(gate, up, e_r, bits.view(mx.float32))

@@ -48,6 +48,12 @@ class Forecast:
                 "total_bytes": self.total}
 
 
+def mlp_arrays(elem_bytes: int) -> int:
+    """MLP-wide arrays alive at once per row: gate, up and their product; on the CPU path
+    (float32) also the polynomial exp's two parts inside the SiLU (attention/exp.py)."""
+    return 5 if elem_bytes == 4 else 3
+
+
 def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int,
                         chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
                         score: bool = False, process_bytes: int = 0) -> Forecast:
@@ -60,7 +66,7 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
     kv_tokens = math.ceil(total_tokens / cp_size) + 1
     kv = kv_tokens * shape.kv_bytes_per_token
     rows = math.ceil(chunk_tokens / cp_size) + 1
-    per_row = e * (4 * shape.hidden + 3 * shape.intermediate
+    per_row = e * (4 * shape.hidden + mlp_arrays(e) * shape.intermediate
                    + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2)
     tile = min(SCORE_TILE_ELEMENTS, shape.num_heads * rows * kv_tokens * cp_size)
     attention = 3 * tile * 4

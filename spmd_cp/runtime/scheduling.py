@@ -3,11 +3,11 @@
 A rank is two busy threads: Python builds each step's MLX graph and hands its nodes to
 MLX's compute thread one at a time. Under the default policy each hand-off may wake the
 other thread and preempt the one running; with ranks sharing cores (two ranks on two
-cores: four busy threads) a decode step then spends milliseconds switching between
-them. ``SCHED_BATCH`` is the policy Linux has for CPU-bound, non-interactive work: no
-wake-up preemption, so each thread runs out its slice. It needs no privilege and leaves
-priorities alone. Measured (docs/CPU_SPEED.md): decode at N = 2 on 2 cores 30.6-31.0 ->
-33.7-34.0 tokens/s.
+cores: four busy threads) a decode step's profile had 11.6% of its samples in the
+kernel's scheduler. ``SCHED_BATCH`` is the policy Linux has for CPU-bound,
+non-interactive work: no wake-up preemption, so each thread runs out its slice. It needs
+no privilege and leaves priorities alone. A small gain, measured at N = 2 on 2 cores
+(docs/CPU_SPEED.md, "Thread scheduling").
 
 Set at start-up on every thread there is; threads started later inherit it (MLX's compute
 thread, BLAS and MPI threads), as does the re-executed process (blas/reexec.py).
