@@ -33,6 +33,7 @@ import numpy as np
 
 from .block import block_attention
 from .choose import LinkAndCompute
+from .exp import polynomial_exp_enabled
 from ..runtime.paths import cache_dir
 from ..runtime.comm import Comm, from_wire, to_wire
 
@@ -193,13 +194,15 @@ def uncounted(comm: Comm):
 
 
 def calibration_file(comm: Comm) -> Path:
-    """One file per set of hosts, rank count and BLAS setup: every rank's BLAS line (the
-    library, its threads, whether the matrix-vector forward is preloaded) is in the key,
-    since the rates measured depend on it (the forward triples decode's read rate)."""
+    """One file per set of hosts, rank count and compute setup: every rank's BLAS line
+    (the library, its threads, whether the matrix-vector forward is preloaded) and
+    whether its attention takes the compiled exp are in the key, since the rates
+    measured depend on them (the forward triples decode's read rate, the exp doubles
+    attention's)."""
     from ..blas import describe_blas
 
     hosts = comm.allgather_object(socket.gethostname())
-    blas = comm.allgather_object(describe_blas()["line"])
+    blas = comm.allgather_object([describe_blas()["line"], polynomial_exp_enabled()])
     key = hashlib.sha256(json.dumps([hosts, comm.size, blas]).encode()).hexdigest()[:16]
     # "v4": transfer_drag added; "v3": the stream rate of decode's W @ x on the CPU (v2
     # timed x @ W.T, 1.5x slower). Versions before v2 read calibration-<key>.json and
