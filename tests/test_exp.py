@@ -1,4 +1,4 @@
-"""Attention's exp on the x86 CPU (attention/exp.py) against numpy's float64 exp, and the
+"""Attention's exp and the MLPs' SiLU on the x86 CPU (attention/exp.py) against numpy's float64, and the
 tiled attention that uses it against a dense float64 softmax."""
 
 from __future__ import annotations

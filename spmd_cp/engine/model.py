@@ -25,7 +25,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-
 from ..attention.exp import swiglu
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
