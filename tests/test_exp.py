@@ -1,5 +1,5 @@
-"""Attention's exp and the MLPs' SiLU on the x86 CPU (attention/exp.py) against numpy's float64, and the
-tiled attention that uses it against a dense float64 softmax."""
+"""Attention's exp and the MLPs' SiLU on the x86 CPU (attention/exp.py) against numpy's
+float64, and the tiled attention that uses them against a dense float64 softmax."""
 
 from __future__ import annotations
 
