@@ -16,6 +16,7 @@ from spmd_cp.attention import exp as exp_module
 from spmd_cp.attention.block import PREFILL_TILE, block_attention
 from spmd_cp.attention.exp import LOWEST, polynomial_exp, softmax_exp
 
+from conftest import run_cli
 from test_math import dense_reference
 
 VARIANTS = {  # the compiled kernels, and the same ops one by one
@@ -147,3 +148,19 @@ def test_polynomial_is_used_here_unless_opted_out_or_mlx_cannot_compile(tmp_path
     python_dir = tmp_path / "bin"
     python_dir.mkdir()
     assert _enabled_in_child({"PATH": str(python_dir)}) == "False"
+
+
+def test_generate_where_mlx_cannot_write_its_kernels_gives_the_same_tokens(embedded_model,
+                                                                            tmp_path):
+    # MLX writes the kernels it compiles under $TMPDIR/mlx and raises where it cannot;
+    # every compiled form (this exp and SiLU, the RMSNorm, the decode merge at N = 2) then
+    # keeps its uncompiled ops. A prompt long enough for the polynomial's sizes.
+    prompt = ["generate", "--prompt", "Tell me a long story about a dragon who guards a "
+              "castle on a hill, with many characters, places and a surprising ending.",
+              "--max-tokens", "6", "--json"]
+    env = {"SPMD_CP_CACHE": str(tmp_path)}
+    normal = run_cli(2, prompt, env=env).last_json()["token_ids"]
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    unwritable = run_cli(2, prompt, env={**env, "TMPDIR": str(not_a_directory)})
+    assert unwritable.last_json()["token_ids"] == normal

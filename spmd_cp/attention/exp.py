@@ -1,4 +1,4 @@
-"""``exp`` of attention scores and MLP gates on an x86 CPU: a polynomial fused by ``mx.compile``.
+"""``exp`` of attention scores and MLP gates on x86 CPUs: a polynomial ``mx.compile`` fuses.
 
 MLX's CPU backend evaluates ``exp`` one element at a time on x86 (its vector types are
 one lane wide there, and each step of its polynomial calls libm's ``fmaf``): 8.7 ns per
@@ -26,7 +26,8 @@ grow by a key every step, so the compiled functions are kept for the last
 cache entries with it, so memory stays flat however long the generation.
 
 MLX's CPU compiler is the system's ``g++``; without it ``mx.compile`` silently runs the
-ops one by one (4.8 ns per element and 20 graph nodes), so then, and on GPUs and
+ops one by one (4.8 ns per element and 20 graph nodes), so then, where MLX cannot write
+its kernels (runtime/device.compiled_kernels_work), and on GPUs and
 non-x86 CPUs (MLX's Arm build has vector ``exp``), ``mx.exp`` is kept. A call on fewer
 than ``MIN_ELEMENTS`` elements keeps ``mx.exp`` too: the compiled form is six graph
 nodes, which cost more than they save on a short decode row.
@@ -43,6 +44,8 @@ from collections import OrderedDict
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+from ..runtime.device import compiled_kernels_work
 
 ENV = "SPMD_CP_FAST_EXP"  # "0", "off", "no" or "false": MLX's exp everywhere
 # Below this many elements the six nodes of the compiled form cost more than the
@@ -117,7 +120,7 @@ def polynomial_exp_enabled() -> bool:
         return False
     return (mx.default_device().type == mx.DeviceType.cpu
             and platform.machine().lower() in ("x86_64", "amd64")
-            and shutil.which("g++") is not None)
+            and shutil.which("g++") is not None and compiled_kernels_work())
 
 
 def _polynomial_wanted(x: mx.array) -> bool:
@@ -153,6 +156,8 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     takes it (``softmax_exp``): prefill's MLPs compute one sigmoid per row and hidden
     unit, 10% of a 3K-token prefill through MLX's scalar exp."""
     if not _polynomial_wanted(gate):
-        return mlx_lm_swiglu(gate, up)
+        if compiled_kernels_work():
+            return mlx_lm_swiglu(gate, up)
+        return gate * mx.sigmoid(gate) * up  # mlx-lm's swiglu and MLX's silu are compiled
     e_r, bits = _compiled_negative_abs_parts(gate)
     return _compiled_sigmoid_times(gate, up, e_r, bits.view(mx.float32))

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from ..runtime.device import on_gpu_path, use_fused_attention
+from ..runtime.device import compiled_kernels_work, on_gpu_path, use_fused_attention
 from .block import (block_attention, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial)
 from .fused import decode_partial, fused_output, in_position_order
@@ -81,20 +81,24 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
         partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
         if partials.dtype == mx.float32 and not on_gpu_path():
-            return _merge_float32(partials, q.shape[-1])
+            merge_columns = _merge_float32 if compiled_kernels_work() else _merge_float32_ops
+            return merge_columns(partials, q.shape[-1])
         merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))
         return merged
 
     return attend
 
 
-@mx.compile
-def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
+def _merge_float32_ops(partials: mx.array, head_dim: int) -> mx.array:
     """The merged output (NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1),
-    compiled, with the lse kept as the packed column: on the CPU path the merge's graph
-    nodes per layer fall from 25 to 11 (engine/one_token.py says why that counts); the
-    same arithmetic as ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
+    with the lse kept as the packed column. Compiled (``_merge_float32``), the merge's
+    graph nodes per layer on the CPU path fall from 25 to 11 (engine/one_token.py says
+    why that counts); the same arithmetic as ``merge_stacked``, bit for bit
+    (tests/test_one_token.py)."""
     return merge_stacked_columns(partials[..., :head_dim], partials[..., head_dim:])[0]
+
+
+_merge_float32 = mx.compile(_merge_float32_ops)
 
 
 def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):

@@ -6,9 +6,10 @@ and a window of other ranks' layers: models/partial_load.py WeightLayout), the K
 (every cached token once, split N ways), and the activations of one prefill chunk: this
 rank's rows of the hidden state and MLP (``mlp_arrays``), one attention tile of scores
 (block.SCORE_TILE_ELEMENTS), and the K/V the algorithm holds besides the local shard (one
-travelling shard for the rings, the whole layer for allgather-kv). Those are MLX's arrays; ``process`` is what the rank
-process holds besides them (interpreter, libraries, tokenizer), measured in the running
-process by the caller (runtime/resident.py), so the total is resident memory.
+travelling shard for the rings, the whole layer for allgather-kv). Those are MLX's
+arrays; ``process`` is what the rank process holds besides them (interpreter, libraries,
+tokenizer), measured in the running process by the caller (runtime/resident.py), so the
+total is resident memory.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ job must take the same path (the KV dtype fixes the messages' layout).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -93,3 +94,17 @@ def use_fused_attention() -> bool:
                             f"{', '.join(ATTENTION_KINDS)}")
         return forced == "fused"
     return on_gpu_path()
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernels_work() -> bool:
+    """Whether ``mx.compile``'d functions evaluate here. On the CPU, MLX writes the
+    kernels it generates under the temporary directory (``$TMPDIR/mlx``) and raises at
+    evaluation where it cannot (a ``TMPDIR`` that is missing or read-only); callers then
+    keep their uncompiled forms, the same arithmetic. Probed once, on a tiny function.
+    (Without a compiler MLX evaluates compiled functions op by op, silently: that works.)"""
+    try:
+        mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.ones((4,))))
+        return True
+    except (RuntimeError, ValueError, OSError):
+        return False
