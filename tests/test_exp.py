@@ -153,8 +153,9 @@ def test_polynomial_is_used_here_unless_opted_out_or_mlx_cannot_compile(tmp_path
 def test_generate_where_mlx_cannot_write_its_kernels_gives_the_same_tokens(embedded_model,
                                                                             tmp_path):
     # MLX writes the kernels it compiles under $TMPDIR/mlx and raises where it cannot;
-    # every compiled form (this exp and SiLU, the RMSNorm, the decode merge at N = 2) then
-    # keeps its uncompiled ops. A prompt long enough for the polynomial's sizes.
+    # compilation is then turned off, and every compiled form (this exp and SiLU, the
+    # RMSNorm, the decode merge at N = 2, mlx-lm's sampler) runs its ops one by one. A
+    # prompt long enough for the polynomial's sizes; greedy, and sampled at a temperature.
     prompt = ["generate", "--prompt", "Tell me a long story about a dragon who guards a "
               "castle on a hill, with many characters, places and a surprising ending.",
               "--max-tokens", "6", "--json"]
@@ -164,3 +165,6 @@ def test_generate_where_mlx_cannot_write_its_kernels_gives_the_same_tokens(embed
     not_a_directory.write_text("")
     unwritable = run_cli(2, prompt, env={**env, "TMPDIR": str(not_a_directory)})
     assert unwritable.last_json()["token_ids"] == normal
+    sampled = run_cli(2, prompt + ["--temp", "0.8", "--seed", "3"],
+                      env={**env, "TMPDIR": str(not_a_directory)}).last_json()
+    assert len(sampled["token_ids"]) == 6

@@ -157,8 +157,6 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     takes it (``softmax_exp``): prefill's MLPs compute one sigmoid per row and hidden
     unit, 10% of a 3K-token prefill through MLX's scalar exp."""
     if not _polynomial_wanted(gate):
-        if compiled_kernels_work():
-            return mlx_lm_swiglu(gate, up)
-        return gate * mx.sigmoid(gate) * up  # mlx-lm's swiglu and MLX's silu are compiled
+        return mlx_lm_swiglu(gate, up)
     e_r, bits = _compiled_negative_abs_parts(gate)
     return _compiled_sigmoid_times(gate, up, e_r, bits.view(mx.float32))

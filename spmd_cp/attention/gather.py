@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from ..runtime.device import compiled_kernels_work, on_gpu_path, use_fused_attention
+from ..runtime.device import on_gpu_path, use_fused_attention
 from .block import (block_attention, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial)
 from .fused import decode_partial, fused_output, in_position_order
@@ -81,8 +81,7 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
         partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
         if partials.dtype == mx.float32 and not on_gpu_path():
-            merge_columns = _merge_float32 if compiled_kernels_work() else _merge_float32_ops
-            return merge_columns(partials, q.shape[-1])
+            return _merge_float32(partials, q.shape[-1])
         merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))
         return merged
 

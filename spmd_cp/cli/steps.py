@@ -28,6 +28,7 @@ from ..models.loader import check_model_path, default_model_path, load_model
 from ..models.partial_load import load_rank_share
 from ..runtime import mpi_abi, scheduling, spmd
 from ..runtime.comm import Comm
+from ..runtime.device import compiled_kernels_work
 from ..runtime.faults import layer_hook
 from ..runtime.resident import outside_mlx_bytes, resident_peak_bytes
 from .outputs import Output
@@ -127,6 +128,7 @@ def resolve_model(comm: Comm, run: RunConfig):
 
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
+    compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     return Engine(build_cp_model(loaded, comm), comm, algo=run.cp_algo,
                   prefill_chunk=run.prefill_chunk,
                   on_layer=layer_hook(comm.rank, comm.watchdog),

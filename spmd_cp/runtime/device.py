@@ -98,13 +98,17 @@ def use_fused_attention() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def compiled_kernels_work() -> bool:
-    """Whether ``mx.compile``'d functions evaluate here. On the CPU, MLX writes the
-    kernels it generates under the temporary directory (``$TMPDIR/mlx``) and raises at
-    evaluation where it cannot (a ``TMPDIR`` that is missing or read-only); callers then
-    keep their uncompiled forms, the same arithmetic. Probed once, on a tiny function.
-    (Without a compiler MLX evaluates compiled functions op by op, silently: that works.)"""
+    """Whether ``mx.compile``'d functions evaluate here; where they do not, compilation is
+    turned off for the process (``mx.disable_compile``), so that every compiled function
+    (spmd-cp's, mlx-lm's samplers and SwiGLU, MLX's activations) runs its ops one by one,
+    the same arithmetic. On the CPU, MLX writes the kernels it generates under the
+    temporary directory (``$TMPDIR/mlx``) and raises at evaluation where it cannot (a
+    ``TMPDIR`` that is missing or read-only). Probed once, on a tiny function, before the
+    first forward pass (cli/steps.make_engine). (Without a C++ compiler MLX evaluates
+    compiled functions op by op, silently: that works.)"""
     try:
         mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.ones((4,))))
         return True
     except (RuntimeError, ValueError, OSError):
+        mx.disable_compile()
         return False
