@@ -88,16 +88,13 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     return attend
 
 
-def _merge_float32_ops(partials: mx.array, head_dim: int) -> mx.array:
+@mx.compile
+def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
     """The merged output (NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1),
-    with the lse kept as the packed column. Compiled (``_merge_float32``), the merge's
-    graph nodes per layer on the CPU path fall from 25 to 11 (engine/one_token.py says
-    why that counts); the same arithmetic as ``merge_stacked``, bit for bit
-    (tests/test_one_token.py)."""
+    compiled, with the lse kept as the packed column: on the CPU path the merge's graph
+    nodes per layer fall from 25 to 11 (engine/one_token.py says why that counts); the
+    same arithmetic as ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
     return merge_stacked_columns(partials[..., :head_dim], partials[..., head_dim:])[0]
-
-
-_merge_float32 = mx.compile(_merge_float32_ops)
 
 
 def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):
