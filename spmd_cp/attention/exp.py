@@ -100,15 +100,18 @@ def _shifted_parts(x: mx.array, shift: mx.array):
     return _mantissa_and_exponent_bits(x - shift)
 
 
-_compiled_parts = PerShape(_mantissa_and_exponent_bits, SHAPES_KEPT)
 _compiled_shifted_parts = PerShape(_shifted_parts, SHAPES_KEPT)
 
 
 def polynomial_exp(x: mx.array, compiled: bool = True) -> mx.array:
-    """``exp(x)`` of a float32 array by the polynomial above; ``compiled=False`` runs the
-    same ops one by one (the reference for the compiled kernels' arithmetic). (A view
-    cannot be compiled: the exponent bits are viewed as floats outside.)"""
-    e_r, bits = (_compiled_parts if compiled else _mantissa_and_exponent_bits)(x)
+    """``exp(x)`` of a float32 array by the polynomial above, through attention's compiled
+    kernels (shifted by 0, which changes no bit); ``compiled=False`` runs the same ops one
+    by one (the reference for the compiled kernels' arithmetic). (A view cannot be
+    compiled: the exponent bits are viewed as floats outside.)"""
+    if compiled:
+        e_r, bits = _compiled_shifted_parts(x, mx.array(0.0, mx.float32))
+    else:
+        e_r, bits = _mantissa_and_exponent_bits(x)
     return e_r * bits.view(mx.float32)
 
 

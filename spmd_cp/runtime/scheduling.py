@@ -42,25 +42,22 @@ def _threads() -> list[int]:
         return [0]  # the calling thread
 
 
-def use_batch_scheduling() -> str:
-    """Put every thread of this process under SCHED_BATCH where wanted and possible;
-    returns what was done: "batch", "default" (not wanted), "unsupported", or the error."""
+def use_batch_scheduling() -> None:
+    """Put every thread of this process under SCHED_BATCH where wanted and possible (what
+    each rank runs under, ``doctor`` shows: ``scheduling_of_threads``)."""
     try:
-        if requested() != "batch":
-            return "default"
+        if requested() != "batch" or not hasattr(os, "SCHED_BATCH"):
+            return
     except UserError:
-        return "default"  # every rank reports it before the model loads (cli/steps.py)
-    if not hasattr(os, "SCHED_BATCH"):
-        return "unsupported"
+        return  # every rank reports it before the model loads (cli/steps.py)
     for tid in _threads():
         try:
             if os.sched_getscheduler(tid) == os.SCHED_OTHER:  # leave real-time or idle
                 os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
         except ProcessLookupError:
             continue  # the thread ended meanwhile
-        except OSError as error:  # e.g. a seccomp-restricted container
-            return f"not set: {error.strerror or error}"
-    return "batch"
+        except OSError:  # e.g. a seccomp-restricted container: the policy stays
+            return
 
 
 def scheduling_of_threads() -> str:
