@@ -21,6 +21,7 @@ from spmd_cp.attention.choose import LinkAndCompute
 from spmd_cp.cli.doctor import (EXIT_MISMATCH, auto_crossover, find_mismatches, head_counts,
                             model_checksum)
 from spmd_cp.errors import UserError
+from spmd_cp.runtime import huge_pages
 
 
 @pytest.fixture
@@ -147,6 +148,14 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     # Every thread of every rank under Linux's batch policy (runtime/scheduling.py).
     assert summary["scheduling"] == ["batch", "batch"]
     assert "scheduling      batch" in launch.stdout
+    # Each rank's malloc advice (runtime/huge_pages.py): the re-exec onto OpenBLAS added
+    # it, on every rank alike.
+    advice = summary["huge_pages"]
+    assert len(advice) == 2 and advice[0] == advice[1], advice
+    if summary["blas_kind"][0] == "openblas" and huge_pages.system_mode() is not None:
+        assert advice[0].startswith("glibc.malloc.hugetlb=1")
+        assert advice[0].endswith(f"THP {huge_pages.system_mode()}")
+        assert "huge pages      " + advice[0] in launch.stdout
 
     # Again: the calibration comes from the cache; --recalibrate measures and rewrites it.
     again = run_cli(2, ["doctor", "--json"], env=env, timeout=120).last_json()
@@ -201,11 +210,15 @@ def test_doctor_warns_where_the_sgemv_forward_did_not_build(cache):
     """A compiler that fails (and an empty cache): the ranks run on OpenBLAS without the
     matrix-vector forward, and doctor says so per rank, with why; the decode collectives
     fall back to the ring backend, named too. (Also: SPMD_CP_SCHED=default leaves the
-    threads under Linux's default policy.)"""
+    threads under Linux's default policy, SPMD_CP_HUGE_PAGES=off malloc as it is.)"""
     launch = run_cli(2, ["doctor", "--json"], env={"CC": shutil.which("false"),
-                                                   "SPMD_CP_SCHED": "default"}, timeout=120)
+                                                   "SPMD_CP_SCHED": "default",
+                                                   "SPMD_CP_HUGE_PAGES": "off"}, timeout=120)
     summary = launch.last_json()
     assert summary["scheduling"] == ["other", "other"]
+    if huge_pages.system_mode() is not None:
+        assert summary["huge_pages"] == [
+            f"not advised (SPMD_CP_HUGE_PAGES=off), THP {huge_pages.system_mode()}"] * 2
     assert summary["ok"] and summary["gemv_forward"] == [False, False]
     skipped = [w for w in summary["warnings"] if "no sgemv forward: false failed" in w]
     assert [w.split(":")[0] for w in skipped] == ["rank 0 (" + summary["host"][0] + ")",

@@ -105,6 +105,7 @@ def local_report() -> dict:
 
     from ..blas import describe_blas, usable_cpus
     from ..runtime.device import BackendInfo
+    from ..runtime.huge_pages import describe as huge_pages
     from ..runtime.scheduling import scheduling_of_threads
 
     blas = describe_blas()
@@ -129,6 +130,7 @@ def local_report() -> dict:
         "gemv_forward": blas["gemv_forward"],
         "gemv_forward_skipped": blas["gemv_forward_skipped"],
         "scheduling": scheduling_of_threads(),
+        "huge_pages": huge_pages(),
     }
 
 
@@ -381,10 +383,11 @@ def print_report(s: dict):
     labels = dict(COMPARED)
     out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
     for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "backend",
-                "device", "compute_path", "scheduling", "model_path", "model_checksum"):
+                "device", "compute_path", "scheduling", "huge_pages", "model_path",
+                "model_checksum"):
         values = s[key]
         mark = "" if len(set(values)) == 1 else "   (differs)"
-        label = labels.get(key, key).replace(" version", "")
+        label = labels.get(key, key.replace("_", " ")).replace(" version", "")
         if key == "model_path":
             label = "model"
             mark = "" if len(set(values)) == 1 else "   (paths differ; checksums are compared)"

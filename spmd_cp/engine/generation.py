@@ -173,6 +173,8 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     prefill_s = time.perf_counter() - start
 
     def sample(logits):
+        if options.temp == 0:  # the argmax of the logits is that of the log-probabilities
+            return mx.argmax(logits, axis=-1)  # (skips a logsumexp over the vocabulary)
         return sampler((logits - mx.logsumexp(logits, keepdims=True))[None])[0]
 
     tokens: list[int] = []
