@@ -18,8 +18,8 @@ import pytest
 
 from conftest import MPIEXEC, SPMD_CP, needs_c_helpers, run_cli, run_ranks, write_tiny_model
 from spmd_cp.attention.choose import LinkAndCompute
-from spmd_cp.cli.doctor import (EXIT_MISMATCH, auto_crossover, find_mismatches, head_counts,
-                            model_checksum)
+from spmd_cp.cli.doctor import auto_crossover, head_counts, model_checksum
+from spmd_cp.cli.doctor_checks import EXIT_MISMATCH, find_mismatches
 from spmd_cp.errors import UserError
 from spmd_cp.runtime import huge_pages
 

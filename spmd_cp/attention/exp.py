@@ -15,9 +15,10 @@ polynomial evaluated in Estrin's form (shallower than Horner's, so MLX fuses it 
 fewer kernels); ``2^n`` built from its exponent bits. Accuracy against a float64
 ``exp``: within 2 ulp for ``x`` in [-87.3, 88] (tests/test_exp.py); 0 for ``x <= -88``
 and ``-inf``; a subnormal approximation between (absolute error below 1.2e-38); NaN
-stays NaN; defined for ``x <= 88`` only (no clip above: the callers pass ``x <= 0``). Attention only takes the exponential of scores minus their maximum
-(``x <= 0``), where this is as good as any exp for a softmax: the weights' absolute
-errors stay below one ulp of the largest weight, 1. The SiLU takes ``e^-|g|`` only.
+stays NaN; defined for ``x <= 88`` only (no clip above: the callers pass ``x <= 0``).
+Attention only takes the exponential of scores minus their maximum (``x <= 0``), where
+this is as good as any exp for a softmax: the weights' absolute errors stay below one
+ulp of the largest weight, 1. The SiLU takes ``e^-|g|`` only.
 
 Compiled per input shape: a shapeless compile would take the constants as broadcast
 inputs (nine more graph nodes and strided loops, 2.3 ns per element). Decode's scores
@@ -103,15 +104,20 @@ def _shifted_parts(x: mx.array, shift: mx.array):
 _compiled_shifted_parts = PerShape(_shifted_parts, SHAPES_KEPT)
 
 
+def _compiled_exp(x: mx.array, shift: mx.array) -> mx.array:
+    """``exp(x - shift)`` through the compiled kernels. (A view cannot be compiled: the
+    exponent bits are viewed as floats outside.)"""
+    e_r, bits = _compiled_shifted_parts(x, shift)
+    return e_r * bits.view(mx.float32)
+
+
 def polynomial_exp(x: mx.array, compiled: bool = True) -> mx.array:
     """``exp(x)`` of a float32 array by the polynomial above, through attention's compiled
     kernels (shifted by 0, which changes no bit); ``compiled=False`` runs the same ops one
-    by one (the reference for the compiled kernels' arithmetic). (A view cannot be
-    compiled: the exponent bits are viewed as floats outside.)"""
+    by one (the reference for the compiled kernels' arithmetic)."""
     if compiled:
-        e_r, bits = _compiled_shifted_parts(x, mx.array(0.0, mx.float32))
-    else:
-        e_r, bits = _mantissa_and_exponent_bits(x)
+        return _compiled_exp(x, mx.array(0.0, mx.float32))
+    e_r, bits = _mantissa_and_exponent_bits(x)
     return e_r * bits.view(mx.float32)
 
 
@@ -136,8 +142,7 @@ def softmax_exp(scores: mx.array, maxima: mx.array) -> mx.array:
     so that every argument is <= 0."""
     if not _polynomial_wanted(scores):
         return mx.exp(scores - maxima)
-    e_r, bits = _compiled_shifted_parts(scores, maxima)
-    return e_r * bits.view(mx.float32)
+    return _compiled_exp(scores, maxima)
 
 
 def _sigmoid_times(gate: mx.array, up: mx.array, e_r: mx.array, two_to_n: mx.array):

@@ -27,29 +27,10 @@ import click
 
 from ..models.checksum import model_checksum
 from ..models.gguf_header import head_counts
-from .doctor_report import calibration_lines, rank_table
+from .doctor_checks import EXIT_MISMATCH, SLOW_RANK_FACTOR, find_mismatches, find_warnings
+from .doctor_report import print_report
 from ..errors import UserError  # standard library only: importing this module (cli.py does,
 # before the BLAS re-exec) must not load MLX or MPI
-
-EXIT_MISMATCH = 3
-
-# (report key, label): fields that must be equal on every rank. A different model file
-# breaks exactness outright; a different spmd-cp / MLX / mlx-lm can compute differently
-# or disagree on the message sequence; a different MPI or mpi4py can fail to interoperate.
-COMPARED = (
-    ("model_checksum", "model checksum"),
-    ("spmd_cp", "spmd-cp version"),
-    ("mlx", "MLX version"),
-    ("mlx_lm", "mlx-lm version"),
-    ("mpi4py", "mpi4py version"),
-    ("mpi_library", "MPI library"),
-    ("python", "Python version"),
-    ("compute_path", "compute path"),  # fixes the KV dtype: the messages' layout
-)
-
-# A rank this much slower at attention than the fastest one holds up every ring step
-# (smaller gaps are within the noise of a shared machine).
-SLOW_RANK_FACTOR = 3.0
 
 
 # -- the auto crossover (pure) -------------------------------------------------------------
@@ -89,7 +70,7 @@ def auto_crossover(num_heads: int, num_kv_heads: int, elem_bytes: int, cp_size: 
     return result
 
 
-# -- per-rank facts and the comparison (pure) ------------------------------------------------
+# -- this rank's facts -----------------------------------------------------------------------
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -132,82 +113,6 @@ def local_report() -> dict:
         "scheduling": scheduling_of_threads(),
         "huge_pages": huge_pages(),
     }
-
-
-def _rank_list(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
-
-
-def _hosts_of(ranks: list[int], reports: list[dict]) -> str:
-    hosts = list(dict.fromkeys(reports[r]["host"] for r in ranks))
-    return ("host " if len(hosts) == 1 else "hosts ") + ", ".join(hosts)
-
-
-def _short(key: str, value) -> str:
-    return value[:16] + "..." if key == "model_checksum" and value else str(value)
-
-
-def find_mismatches(reports: list[dict]) -> list[str]:
-    """One sentence per field that differs between ranks (empty when all agree).
-
-    The value most ranks have (ties: the one rank 0 has) is the reference; the sentence
-    names the other ranks first, e.g. "model checksum differs: rank 2 (host b) has
-    1a2b..., ranks 0,1 have 9f8e...".
-    """
-    problems = []
-    for rank, report in enumerate(reports):
-        if report.get("model_error"):
-            problems.append(f"model unusable on rank {rank} ({_hosts_of([rank], reports)}): "
-                            f"{report['model_error']}")
-    for key, label in COMPARED:
-        groups: dict = {}
-        for rank, report in enumerate(reports):
-            if key == "model_checksum" and report.get("model_error"):
-                continue  # already reported above
-            groups.setdefault(report.get(key), []).append(rank)
-        if len(groups) < 2:
-            continue
-        ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
-        (reference, reference_ranks), others = ordered[0], ordered[1:]
-        parts = [f"{_rank_list(ranks)} ({_hosts_of(ranks, reports)}) "
-                 f"{'has' if len(ranks) == 1 else 'have'} {_short(key, value)}"
-                 for value, ranks in sorted(others, key=lambda item: item[1][0])]
-        parts.append(f"{_rank_list(reference_ranks)} "
-                     f"{'has' if len(reference_ranks) == 1 else 'have'} "
-                     f"{_short(key, reference)}")
-        problems.append(f"{label} differs: " + ", ".join(parts))
-    return problems
-
-
-def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
-    """Differences that do not break exactness but cost speed."""
-    warnings = []
-    for rank, report in enumerate(reports):
-        slow = not report["blas_fast"] and report["blas_kind"] != "accelerate"
-        if slow or report["gemv_forward_skipped"]:  # the line says why
-            warnings.append(f"rank {rank} ({report['host']}): {report['blas_line']}")
-    kinds = {report["blas"] for report in reports}
-    if len(kinds) > 1:
-        warnings.append("BLAS differs between ranks (" + "; ".join(
-            f"{_rank_list([r])}: {report['blas']}" for r, report in enumerate(reports))
-            + "): the slowest rank sets the pace")
-    by_host: dict = {}
-    for rank, report in enumerate(reports):
-        by_host.setdefault(report["host"], []).append(rank)
-    for host, ranks in by_host.items():
-        threads = sum(reports[r]["blas_threads"] or 1 for r in ranks)
-        cpus = reports[ranks[0]]["cpus"]
-        if threads > cpus:
-            warnings.append(f"host {host}: {len(ranks)} ranks use {threads} BLAS threads in all "
-                            f"on {cpus} CPUs (oversubscribed: set OPENBLAS_NUM_THREADS, or "
-                            "launch with launch/spmd-cp-run)")
-    fastest = max(flops)
-    for rank, rate in enumerate(flops):
-        if rate * SLOW_RANK_FACTOR < fastest:
-            warnings.append(f"rank {rank} ({reports[rank]['host']}) computes attention "
-                            f"{fastest / rate:.1f}x slower than the fastest rank: every ring "
-                            "step waits for it")
-    return warnings
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -372,31 +277,3 @@ def describe_weights(model_path: str, cp_size: int, warnings: list[str]) -> dict
     return {"replicated_bytes": layout.replicated, "prefetch_layers": PREFETCH_LAYERS,
             "sharded_bytes": layout.per_rank(cp_size, PREFETCH_LAYERS) if cp_size > 1 else None,
             "memory_limit_bytes": limit, "auto_shards": auto}
-
-
-def print_report(s: dict):
-    """The human-readable report (rank 0, stdout)."""
-    n, hosts = s["ranks"], s["hosts"]
-    out = [f"spmd-cp doctor: {n} rank{'s' if n != 1 else ''} on {len(hosts)} "
-           f"host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})", ""]
-    out += rank_table(s) + [""]
-    labels = dict(COMPARED)
-    out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
-    for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "backend",
-                "device", "compute_path", "scheduling", "huge_pages", "model_path",
-                "model_checksum"):
-        values = s[key]
-        mark = "" if len(set(values)) == 1 else "   (differs)"
-        label = labels.get(key, key.replace("_", " ")).replace(" version", "")
-        if key == "model_path":
-            label = "model"
-            mark = "" if len(set(values)) == 1 else "   (paths differ; checksums are compared)"
-        out.append(f"  {label:<15} {values[0]}{mark}")
-    out.append("")
-    if s["problems"]:
-        out += [f"MISMATCH (exit status {EXIT_MISMATCH}):"] + [f"  {p}" for p in s["problems"]]
-        out.append("")
-    if s["warnings"]:
-        out += ["warnings:"] + [f"  {w}" for w in s["warnings"]] + [""]
-    out += calibration_lines(s)
-    print("\n".join(out), flush=True)

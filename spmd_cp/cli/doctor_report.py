@@ -1,7 +1,10 @@
-"""The parts of `spmd-cp doctor`'s human-readable report (rank 0): the rank table, the
-calibration and what --cp-algo auto will do with it."""
+"""`spmd-cp doctor`'s human-readable report (rank 0): the rank table, what every rank
+shares, the mismatches and warnings, the calibration and what --cp-algo auto will do
+with it."""
 
 from __future__ import annotations
+
+from .doctor_checks import COMPARED, EXIT_MISMATCH
 
 
 def _gflops(rate: float) -> str:
@@ -97,3 +100,31 @@ def describe_weight_layout(w: dict | None, n: int) -> list[str]:
                  f"{'exceed' if shards else 'fit'} the default --memory-limit, "
                  f"{gb(w['memory_limit_bytes'])} per rank)")
     return lines
+
+
+def print_report(s: dict):
+    """The human-readable report (rank 0, stdout)."""
+    n, hosts = s["ranks"], s["hosts"]
+    out = [f"spmd-cp doctor: {n} rank{'s' if n != 1 else ''} on {len(hosts)} "
+           f"host{'s' if len(hosts) != 1 else ''} ({', '.join(hosts)})", ""]
+    out += rank_table(s) + [""]
+    labels = dict(COMPARED)
+    out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
+    for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "backend",
+                "device", "compute_path", "scheduling", "huge_pages", "model_path",
+                "model_checksum"):
+        values = s[key]
+        mark = "" if len(set(values)) == 1 else "   (differs)"
+        label = labels.get(key, key.replace("_", " ")).replace(" version", "")
+        if key == "model_path":
+            label = "model"
+            mark = "" if len(set(values)) == 1 else "   (paths differ; checksums are compared)"
+        out.append(f"  {label:<15} {values[0]}{mark}")
+    out.append("")
+    if s["problems"]:
+        out += [f"MISMATCH (exit status {EXIT_MISMATCH}):"] + [f"  {p}" for p in s["problems"]]
+        out.append("")
+    if s["warnings"]:
+        out += ["warnings:"] + [f"  {w}" for w in s["warnings"]] + [""]
+    out += calibration_lines(s)
+    print("\n".join(out), flush=True)

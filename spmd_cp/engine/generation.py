@@ -150,6 +150,16 @@ def _overlapped(engine: Engine, cache, logits, sample, max_tokens: int, stop):
             token = next_token
 
 
+def token_sampler(options: SamplingConfig):
+    """``sample(logits (V,)) -> token`` (a scalar mx.array) as ``options`` ask: mlx-lm's
+    sampler over the log-probabilities, or for greedy decoding the argmax of the logits
+    themselves (the same token, without a logsumexp over the vocabulary per step)."""
+    if options.temp == 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    sampler = make_sampler(options.temp, options.top_p, options.min_p, top_k=options.top_k)
+    return lambda logits: sampler((logits - mx.logsumexp(logits, keepdims=True))[None])[0]
+
+
 def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingConfig,
              write=None, prefill_progress=None, overlap: bool | None = None) -> Generation:
     """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens.
@@ -162,7 +172,7 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         overlap = overlap_by_default(comm)
     check_overlap(comm, overlap)  # before the prefill's work
     is_root = comm.rank == 0
-    sampler = make_sampler(options.temp, options.top_p, options.min_p, top_k=options.top_k)
+    sample = token_sampler(options)
     if is_root and options.seed is not None:
         mx.random.seed(options.seed)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -171,11 +181,6 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     start = time.perf_counter()
     logits, _ = engine.prefill(cache, prompt_ids, progress=prefill_progress)
     prefill_s = time.perf_counter() - start
-
-    def sample(logits):
-        if options.temp == 0:  # the argmax of the logits is that of the log-probabilities
-            return mx.argmax(logits, axis=-1)  # (skips a logsumexp over the vocabulary)
-        return sampler((logits - mx.logsumexp(logits, keepdims=True))[None])[0]
 
     tokens: list[int] = []
 

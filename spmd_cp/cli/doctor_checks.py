@@ -1,0 +1,100 @@
+"""`spmd-cp doctor`'s comparison of the ranks' reports (pure, standard library only):
+what must be equal on every rank, and what differs in a way that costs speed."""
+
+from __future__ import annotations
+
+EXIT_MISMATCH = 3
+
+# (report key, label): fields that must be equal on every rank. A different model file
+# breaks exactness outright; a different spmd-cp / MLX / mlx-lm can compute differently
+# or disagree on the message sequence; a different MPI or mpi4py can fail to interoperate.
+COMPARED = (
+    ("model_checksum", "model checksum"),
+    ("spmd_cp", "spmd-cp version"),
+    ("mlx", "MLX version"),
+    ("mlx_lm", "mlx-lm version"),
+    ("mpi4py", "mpi4py version"),
+    ("mpi_library", "MPI library"),
+    ("python", "Python version"),
+    ("compute_path", "compute path"),  # fixes the KV dtype: the messages' layout
+)
+
+# A rank this much slower at attention than the fastest one holds up every ring step
+# (smaller gaps are within the noise of a shared machine).
+SLOW_RANK_FACTOR = 3.0
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _hosts_of(ranks: list[int], reports: list[dict]) -> str:
+    hosts = list(dict.fromkeys(reports[r]["host"] for r in ranks))
+    return ("host " if len(hosts) == 1 else "hosts ") + ", ".join(hosts)
+
+
+def _short(key: str, value) -> str:
+    return value[:16] + "..." if key == "model_checksum" and value else str(value)
+
+
+def find_mismatches(reports: list[dict]) -> list[str]:
+    """One sentence per field that differs between ranks (empty when all agree).
+
+    The value most ranks have (ties: the one rank 0 has) is the reference; the sentence
+    names the other ranks first, e.g. "model checksum differs: rank 2 (host b) has
+    1a2b..., ranks 0,1 have 9f8e...".
+    """
+    problems = []
+    for rank, report in enumerate(reports):
+        if report.get("model_error"):
+            problems.append(f"model unusable on rank {rank} ({_hosts_of([rank], reports)}): "
+                            f"{report['model_error']}")
+    for key, label in COMPARED:
+        groups: dict = {}
+        for rank, report in enumerate(reports):
+            if key == "model_checksum" and report.get("model_error"):
+                continue  # already reported above
+            groups.setdefault(report.get(key), []).append(rank)
+        if len(groups) < 2:
+            continue
+        ordered = sorted(groups.items(), key=lambda item: (-len(item[1]), item[1][0]))
+        (reference, reference_ranks), others = ordered[0], ordered[1:]
+        parts = [f"{_rank_list(ranks)} ({_hosts_of(ranks, reports)}) "
+                 f"{'has' if len(ranks) == 1 else 'have'} {_short(key, value)}"
+                 for value, ranks in sorted(others, key=lambda item: item[1][0])]
+        parts.append(f"{_rank_list(reference_ranks)} "
+                     f"{'has' if len(reference_ranks) == 1 else 'have'} "
+                     f"{_short(key, reference)}")
+        problems.append(f"{label} differs: " + ", ".join(parts))
+    return problems
+
+
+def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
+    """Differences that do not break exactness but cost speed."""
+    warnings = []
+    for rank, report in enumerate(reports):
+        slow = not report["blas_fast"] and report["blas_kind"] != "accelerate"
+        if slow or report["gemv_forward_skipped"]:  # the line says why
+            warnings.append(f"rank {rank} ({report['host']}): {report['blas_line']}")
+    kinds = {report["blas"] for report in reports}
+    if len(kinds) > 1:
+        warnings.append("BLAS differs between ranks (" + "; ".join(
+            f"{_rank_list([r])}: {report['blas']}" for r, report in enumerate(reports))
+            + "): the slowest rank sets the pace")
+    by_host: dict = {}
+    for rank, report in enumerate(reports):
+        by_host.setdefault(report["host"], []).append(rank)
+    for host, ranks in by_host.items():
+        threads = sum(reports[r]["blas_threads"] or 1 for r in ranks)
+        cpus = reports[ranks[0]]["cpus"]
+        if threads > cpus:
+            warnings.append(f"host {host}: {len(ranks)} ranks use {threads} BLAS threads in all "
+                            f"on {cpus} CPUs (oversubscribed: set OPENBLAS_NUM_THREADS, or "
+                            "launch with launch/spmd-cp-run)")
+    fastest = max(flops)
+    for rank, rate in enumerate(flops):
+        if rate * SLOW_RANK_FACTOR < fastest:
+            warnings.append(f"rank {rank} ({reports[rank]['host']}) computes attention "
+                            f"{fastest / rate:.1f}x slower than the fastest rank: every ring "
+                            "step waits for it")
+    return warnings
