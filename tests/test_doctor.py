@@ -21,7 +21,7 @@ from spmd_cp.attention.choose import LinkAndCompute
 from spmd_cp.cli.doctor import auto_crossover, head_counts, model_checksum
 from spmd_cp.cli.doctor_checks import EXIT_MISMATCH, find_mismatches
 from spmd_cp.errors import UserError
-from spmd_cp.runtime import huge_pages
+from spmd_cp.runtime import allocator, huge_pages
 
 
 @pytest.fixture
@@ -148,14 +148,20 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     # Every thread of every rank under Linux's batch policy (runtime/scheduling.py).
     assert summary["scheduling"] == ["batch", "batch"]
     assert "scheduling      batch" in launch.stdout
-    # Each rank's malloc advice (runtime/huge_pages.py): the re-exec onto OpenBLAS added
-    # it, on every rank alike.
-    advice = summary["huge_pages"]
+    # Each rank's allocator (runtime/allocator.py) and its huge-page advice
+    # (runtime/huge_pages.py): the re-exec onto OpenBLAS set them, on every rank alike.
+    malloc, advice = summary["allocator"], summary["huge_pages"]
     assert len(advice) == 2 and advice[0] == advice[1], advice
-    if summary["blas_kind"][0] == "openblas" and huge_pages.system_mode() is not None:
-        assert advice[0].startswith("glibc.malloc.hugetlb=1")
-        assert advice[0].endswith(f"THP {huge_pages.system_mode()}")
-        assert "huge pages      " + advice[0] in launch.stdout
+    assert len(malloc) == 2 and malloc[0] == malloc[1], malloc
+    if summary["blas_kind"][0] == "openblas":
+        jemalloc = allocator.find_jemalloc() is not None
+        assert malloc[0].startswith("jemalloc " if jemalloc else "glibc malloc (no jemalloc")
+        assert "allocator       " + malloc[0] in launch.stdout
+        if huge_pages.system_mode() is not None:
+            assert advice[0].startswith("jemalloc thp:always" if jemalloc
+                                        else "glibc.malloc.hugetlb=1")
+            assert advice[0].endswith(f"THP {huge_pages.system_mode()}")
+            assert "huge pages      " + advice[0] in launch.stdout
 
     # Again: the calibration comes from the cache; --recalibrate measures and rewrites it.
     again = run_cli(2, ["doctor", "--json"], env=env, timeout=120).last_json()

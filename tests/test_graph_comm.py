@@ -108,7 +108,8 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
 
 @pytest.mark.parametrize("variable, value", [("SPMD_CP_GRAPH_BACKEND", "nccl"),
                                              ("SPMD_CP_SCHED", "fifo"),
-                                             ("SPMD_CP_HUGE_PAGES", "always")])
+                                             ("SPMD_CP_HUGE_PAGES", "always"),
+                                             ("SPMD_CP_ALLOCATOR", "tcmalloc")])
 def test_a_runtime_variable_with_a_bad_value_is_one_line(tiny_models, variable, value):
     launch = run_cli(2, ["generate", "--model", tiny_models["llama"], "--prompt", "hello",
                          "--max-tokens", "2"], env={variable: value}, check=False)

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from spmd_cp.errors import UserError
-from spmd_cp.runtime import huge_pages
+from spmd_cp.runtime import allocator, huge_pages
 
 from test_blas import clean_env, needs_openblas
 
@@ -26,7 +26,7 @@ from spmd_cp import blas
 blas.ensure_fast_blas()
 import mlx.core as mx
 import numpy as np
-from spmd_cp.runtime import huge_pages
+from spmd_cp.runtime import allocator, huge_pages
 mx.random.seed(0)
 w = mx.random.normal((4096, 4096))  # 64 MiB of MLX's own, from malloc
 x = mx.random.normal((4096, 1))
@@ -37,6 +37,7 @@ a, v = np.array(w, np.float64), np.array(x, np.float64)
 err = float(np.abs(np.array(y)[:, 0] - (a @ v)[:, 0]).max())
 print("RESULT " + json.dumps({"tunables": os.environ.get("GLIBC_TUNABLES"),
       "describe": huge_pages.describe(), "huge": huge, "mode": huge_pages.system_mode(),
+      "allocator": allocator.describe(), "malloc_conf": os.environ.get("MALLOC_CONF"),
       "err": err}), flush=True)
 """
 
@@ -45,7 +46,8 @@ def run_probe(tmp_path, **env):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     base = clean_env(**env)
-    for name in (huge_pages.TUNABLES, huge_pages.ENV):  # only what the test sets
+    for name in (huge_pages.TUNABLES, huge_pages.ENV, allocator.ENV, allocator.CONF):
+        # only what the test sets
         if name not in env:
             base.pop(name, None)
     proc = subprocess.run([sys.executable, str(script)], env=base,
@@ -103,8 +105,10 @@ def test_system_mode_reads_the_kernels_choice():
 
 @needs_openblas
 def test_a_reexecuted_process_holds_its_large_buffers_in_huge_pages(tmp_path):
-    info = run_probe(tmp_path)
-    assert info["tunables"] == OURS
+    """glibc's malloc (jemalloc's own advice: test_allocator.py)."""
+    info = run_probe(tmp_path, SPMD_CP_ALLOCATOR="glibc")
+    assert info["tunables"] == OURS and info["malloc_conf"] is None
+    assert info["allocator"] == "glibc malloc (SPMD_CP_ALLOCATOR=glibc)"
     if info["mode"] is None:
         assert info["describe"] == "unavailable (no transparent huge pages)"
         return
@@ -119,13 +123,14 @@ def test_a_reexecuted_process_holds_its_large_buffers_in_huge_pages(tmp_path):
 
 @needs_openblas
 def test_opted_out_or_user_set_processes_keep_their_own(tmp_path):
-    info = run_probe(tmp_path, SPMD_CP_HUGE_PAGES="off")
+    info = run_probe(tmp_path, SPMD_CP_HUGE_PAGES="off", SPMD_CP_ALLOCATOR="glibc")
     assert info["tunables"] is None
     if info["mode"] is None:
         return  # nothing to advise
     assert info["describe"] == f"not advised (SPMD_CP_HUGE_PAGES=off), THP {info['mode']}"
     if info["mode"] == "madvise":  # nothing else in the process asks for huge pages
         assert info["huge"] < BIG // 2, info
-    info = run_probe(tmp_path, GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    info = run_probe(tmp_path, GLIBC_TUNABLES="glibc.malloc.hugetlb=0",
+                     SPMD_CP_ALLOCATOR="glibc")
     assert info["tunables"] == "glibc.malloc.hugetlb=0"
     assert info["describe"].startswith("glibc.malloc.hugetlb=0")

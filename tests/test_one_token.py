@@ -12,7 +12,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from spmd_cp.attention.block import merge_stacked, pack_partial
 from spmd_cp.attention.gather import _merge_float32
+from spmd_cp.engine.model import _one_token_heads, heads_to_rows
 from spmd_cp.engine.one_token import EXACT_AS_MATRIX, RopeMatrices, rms_norm, rotation_matrix
+from spmd_cp.engine.weight_slices import WeightMatrix, times_transposed
 
 ROPES = {
     "plain": dict(dims=64, base=100000.0, traditional=False, scaling_config=None),
@@ -84,7 +86,41 @@ def test_compiled_decode_merge_equals_the_uncompiled_one_and_numpy():
     outs = mx.concatenate([outs[:2], mx.zeros((1, 9, 1, 64))])
     lses = mx.concatenate([lses[:2], mx.full((1, 9, 1), -mx.inf)])
     packed = mx.stack([pack_partial(outs[r], lses[r], mx.float32) for r in range(3)])
-    got = _merge_float32(packed, 64)
+    got = _merge_float32(packed, 64)  # the stacking axis kept: (1, NH, 1, d)
+    assert got.shape == (1, 9, 1, 64)
+    got = got[0]
     np.testing.assert_array_equal(np.array(got), np.array(merge_stacked(outs, lses)[0]))
     np.testing.assert_allclose(np.array(got), numpy_merge(np.array(outs), np.array(lses)),
                                rtol=2e-6, atol=1e-6)
+
+
+def test_row_form_products_equal_the_folded_ones_bit_for_bit_and_numpy():
+    """A (1, D) row times a weight's transposed view (one graph node) against the same
+    row as (1, 1, D) run as W @ x with reshapes (three), and numpy in float64: plain
+    weights as the replicated and the split steps hold them, a row slice (a view) too."""
+    weight = mx.random.normal((1536, 576), key=mx.random.key(8))
+    row = mx.random.normal((1, 576), key=mx.random.key(9))
+    for matrix in (WeightMatrix(weight), WeightMatrix(weight).rows(512, 1024)):
+        got = matrix(row)
+        folded = times_transposed(row.reshape(1, 1, 576), matrix.weight)
+        assert got.shape == (1, matrix.out_width) and folded.shape == (1, 1, matrix.out_width)
+        np.testing.assert_array_equal(np.array(got), np.array(folded)[0])
+        reference = np.array(row, np.float64) @ np.array(matrix.weight, np.float64).T
+        np.testing.assert_allclose(np.array(got), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_row_form_heads_rotate_as_the_module_bit_for_bit():
+    """``_one_token_heads`` on (1, H*d) rows: the rotation multiplies (H, d) heads; the
+    result is the module's RoPE of (H, 1, d) heads, and v is only reshaped."""
+    rope = make_rope("plain")
+    attn = nn.Module()
+    attn.n_heads, attn.n_kv_heads, attn.rope = 9, 3, rope
+    q, k, v = (mx.random.normal((1, h * 64), key=mx.random.key(10 + h)) for h in (9, 3, 3))
+    rotation = rotation_matrix(rope, 64, 777)
+    got = _one_token_heads(attn, q, k, v, [(0, 1, 777)], rotation, 64)
+    for heads, row, count in zip(got, (q, k), (9, 3)):
+        expected = rope(row.reshape(1, count, 1, 64), offset=777)[0]
+        assert heads.shape == (count, 1, 64)
+        np.testing.assert_array_equal(np.array(heads), np.array(expected))
+    np.testing.assert_array_equal(np.array(got[2]), np.array(v).reshape(3, 1, 64))
+    assert heads_to_rows(got[0], row_form=True).shape == (1, 9 * 64)

@@ -51,18 +51,19 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 def merge_stacked(outs: mx.array, lses: mx.array):
     """Merge partials stacked on a leading axis: outs (P, ..., d), lses (P, ...)."""
     out, lse = merge_stacked_columns(outs, lses[..., None])
-    return out, lse[..., 0]
+    return out[0], lse[0, ..., 0]
 
 
 def merge_stacked_columns(outs: mx.array, lses: mx.array):
     """``merge_stacked`` with each lse as a column beside its output, lses (P, ..., 1),
-    as packed partials carry it: no axis squeezed and re-expanded (the decode merge,
-    gather.py, takes it so on the CPU path, where graph nodes count)."""
-    lse_max = _finite_or_zero(lses.max(axis=0))
+    as packed partials carry it, and the stacking axis kept: (1, ..., d) and (1, ..., 1).
+    No axis squeezed and re-expanded (the decode merge, gather.py, takes it so on the
+    CPU path, where graph nodes count)."""
+    lse_max = _finite_or_zero(lses.max(axis=0, keepdims=True))
     weights = mx.exp(lses - lse_max)  # (P, ..., 1): 0 for empty partials
-    total = weights.sum(axis=0)
+    total = weights.sum(axis=0, keepdims=True)
     lse = mx.log(total) + lse_max  # -inf where every partial is empty
-    out = (weights * outs).sum(axis=0) / mx.where(total > 0, total, 1.0)
+    out = (weights * outs).sum(axis=0, keepdims=True) / mx.where(total > 0, total, 1.0)
     return out, lse
 
 

@@ -196,15 +196,17 @@ def uncounted(comm: Comm):
 def calibration_file(comm: Comm) -> Path:
     """One file per set of hosts, rank count and compute setup: every rank's BLAS line
     (the library, its threads, whether the matrix-vector forward is preloaded), whether
-    its attention takes the compiled exp and whether its buffers are on huge pages are in
-    the key, since the rates measured depend on them (the forward triples decode's read
-    rate, the exp doubles attention's, huge pages change how fast weights stream)."""
+    its attention takes the compiled exp, its allocator and whether its buffers are on huge
+    pages are in the key, since the rates measured depend on them (the forward triples
+    decode's read rate, the exp doubles attention's, huge pages change how fast weights
+    stream)."""
     from ..blas import describe_blas
+    from ..runtime.allocator import describe as allocator
     from ..runtime.huge_pages import describe as huge_pages
 
     hosts = comm.allgather_object(socket.gethostname())
     blas = comm.allgather_object([describe_blas()["line"], polynomial_exp_enabled(),
-                                  huge_pages()])
+                                  allocator(), huge_pages()])
     key = hashlib.sha256(json.dumps([hosts, comm.size, blas]).encode()).hexdigest()[:16]
     # "v4": transfer_drag added; "v3": the stream rate of decode's W @ x on the CPU (v2
     # timed x @ W.T, 1.5x slower). Versions before v2 read calibration-<key>.json and

@@ -81,7 +81,7 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
         partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
         if partials.dtype == mx.float32 and not on_gpu_path():
-            return _merge_float32(partials, q.shape[-1])
+            return _merge_float32(partials, q.shape[-1]).reshape(q.shape)
         merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))
         return merged
 
@@ -90,10 +90,11 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
 
 @mx.compile
 def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
-    """The merged output (NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1),
-    compiled, with the lse kept as the packed column: on the CPU path the merge's graph
-    nodes per layer fall from 25 to 11 (engine/one_token.py says why that counts); the
-    same arithmetic as ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
+    """The merged output (1, NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1)
+    (heads_to_rows takes it as it is), compiled, with the lse kept as the packed column
+    and no axis squeezed: on the CPU path the merge's graph nodes per layer fall from 25
+    to 8 (engine/one_token.py says why that counts); the same arithmetic as
+    ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
     return merge_stacked_columns(partials[..., :head_dim], partials[..., head_dim:])[0]
 
 

@@ -63,7 +63,7 @@ def blas_kind(path: str) -> str | None:
     return None
 
 
-def _library_dirs() -> list[str]:
+def library_dirs() -> list[str]:
     multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
     dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}", "/usr/lib64", "/usr/lib",
             "/usr/local/lib", "/opt/OpenBLAS/lib", os.path.join(sys.prefix, "lib")]
@@ -84,7 +84,7 @@ def _mkl_wheel_libraries() -> list[str]:
 def candidate_paths() -> list[str]:
     """Existing files that may be an optimized BLAS, best first (not yet verified)."""
     seen, found = set(), []
-    paths = [os.path.join(d, rel) for d in _library_dirs() for rel in _RELATIVE_CANDIDATES]
+    paths = [os.path.join(d, rel) for d in library_dirs() for rel in _RELATIVE_CANDIDATES]
     for path in paths + _mkl_wheel_libraries():
         real = os.path.realpath(path)
         if os.path.isfile(real) and real not in seen and blas_kind(real) in FAST_KINDS:

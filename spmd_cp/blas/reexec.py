@@ -11,7 +11,7 @@ import ctypes
 import os
 import sys
 
-from ..runtime import huge_pages
+from ..runtime import allocator, huge_pages
 from .gemv_forward import ENV_SKIPPED, forward_library, wanted
 from .libraries import (ENV_CHOICE, ENV_GUARD, FAST_KINDS, OPT_OUT, blas_kind, default_threads,
                         exports_cblas, find_fast_blas, mlx_bundles_fast_blas,
@@ -122,16 +122,19 @@ def ensure_fast_blas(argv: list[str] | None = None) -> str:
 
 def _reexec_with(path: str, args: list[str]):
     """Preload ``path`` (behind the matrix-vector forward, gemv_forward.py, where it
-    builds) and exec this interpreter again, with glibc's huge-page advice for large
-    blocks (runtime/huge_pages.py); returns only if exec fails."""
+    builds) and jemalloc where installed (runtime/allocator.py), and exec this
+    interpreter again, with the allocator's huge-page advice for large blocks
+    (runtime/huge_pages.py); returns only if exec fails."""
     saved = dict(os.environ)
     os.environ.update(thread_env(path, default_threads()))
-    os.environ.update(huge_pages.startup_environment())
+    malloc, malloc_settings = allocator.startup_choice()
+    os.environ.update(malloc_settings if malloc else huge_pages.startup_environment())
     forward, why_not = forward_library()
     os.environ.pop(ENV_SKIPPED, None)
     if forward is None and wanted():
         os.environ[ENV_SKIPPED] = why_not
-    os.environ["LD_PRELOAD"] = " ".join(([forward] if forward else []) + [path]
+    os.environ["LD_PRELOAD"] = " ".join(([malloc] if malloc else [])
+                                        + ([forward] if forward else []) + [path]
                                         + preloaded_libraries())
     os.environ[ENV_GUARD] = str(os.getpid())
     for stream in (sys.stdout, sys.stderr):

@@ -86,6 +86,7 @@ def local_report() -> dict:
 
     from ..blas import describe_blas, usable_cpus
     from ..runtime.device import BackendInfo
+    from ..runtime.allocator import describe as allocator
     from ..runtime.huge_pages import describe as huge_pages
     from ..runtime.scheduling import scheduling_of_threads
 
@@ -111,6 +112,7 @@ def local_report() -> dict:
         "gemv_forward": blas["gemv_forward"],
         "gemv_forward_skipped": blas["gemv_forward_skipped"],
         "scheduling": scheduling_of_threads(),
+        "allocator": allocator(),
         "huge_pages": huge_pages(),
     }
 

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..models.checksum import model_checksum, model_files
 from ..models.loader import check_model_path, default_model_path, load_model
 from ..models.partial_load import load_rank_share
-from ..runtime import huge_pages, mpi_abi, scheduling, spmd
+from ..runtime import allocator, huge_pages, mpi_abi, scheduling, spmd
 from ..runtime.comm import Comm
 from ..runtime.device import compiled_kernels_work
 from ..runtime.faults import layer_hook
@@ -97,6 +97,7 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
                       spmd.everywhere(comm, mpi_abi.requested_backend))
     spmd.everywhere(comm, scheduling.requested)
     spmd.everywhere(comm, huge_pages.requested)
+    spmd.everywhere(comm, allocator.requested)
     path = run.model_path or spmd.on_root(comm, default_model_path)
     spmd.everywhere(comm, check_model_path, path)
     checksum = spmd.everywhere(comm, model_checksum, path)
@@ -116,10 +117,11 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str):
         loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized)
     # From here on every rank is in lockstep: a long wait means a peer is gone.
     spmd.hot_phase(comm, run.comm_timeout)
+    allocator.release_free_memory()  # the load's copies, before the forecast measures
     blas_info = describe_blas()
-    log.info("model %s loaded in %.1fs; %s; huge pages: %s", loaded.path,
+    log.info("model %s loaded in %.1fs; %s; malloc: %s; huge pages: %s", loaded.path,
              time.perf_counter() - start, blas_info.get("summary", blas_info),
-             huge_pages.describe())
+             allocator.describe(), huge_pages.describe())
     return loaded
 
 

@@ -61,12 +61,12 @@ def rope_at(rope: nn.Module, x: mx.array, runs) -> mx.array:
 def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matrix=None):
     """(1, n, H*d) projections -> (H, n, d) heads, with Qwen3's q/k norms and RoPE at the
     global positions ``runs`` (see ``contiguous_runs``). ``rope_matrix(head_dim)``, for
-    one token: the (d, d) matrix of the module's RoPE at its position, or None
-    (one_token.py)."""
-    n = q.shape[1]
+    one token in the row form, (1, H*d) projections: the (d, d) matrix of the module's
+    RoPE at its position, or None (one_token.py)."""
     head_dim = q.shape[-1] // attn.n_heads  # explicit: a rank may hold 0 rows
     if rope_matrix is not None:
         return _one_token_heads(attn, q, k, v, runs, rope_matrix(head_dim), head_dim)
+    n = q.shape[1]
     q = q.reshape(1, n, attn.n_heads, head_dim)
     k = k.reshape(1, n, attn.n_kv_heads, head_dim)
     v = v.reshape(1, n, attn.n_kv_heads, head_dim)
@@ -79,25 +79,29 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matr
 
 
 def _one_token_heads(attn, q, k, v, runs, rotation, head_dim: int):
-    """``heads_with_rope`` of one token: (1, 1, H*d) is (H, 1, d) in memory already, so
-    reshapes replace the transposes, and RoPE is a matmul where ``rotation`` is given
-    and the heads are float32 (fewer graph nodes: one_token.py)."""
-    q = q.reshape(attn.n_heads, 1, head_dim)
-    k = k.reshape(attn.n_kv_heads, 1, head_dim)
+    """``heads_with_rope`` of one token: a (1, H*d) row is (H, 1, d) in memory already,
+    so reshapes replace the transposes, and RoPE is a matmul where ``rotation`` is given
+    and the heads are float32 (fewer graph nodes: one_token.py), on (H, d) matrices
+    (MLX folds a (H, 1, d) operand with two more nodes)."""
+    heads = ((q, attn.n_heads), (k, attn.n_kv_heads))
+    q, k = (x.reshape(count, head_dim) for x, count in heads)
     v = v.reshape(attn.n_kv_heads, 1, head_dim)
     if hasattr(attn, "q_norm"):  # over each head's d: the same on this layout
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rotation is not None and q.dtype == k.dtype == mx.float32:
-        return q @ rotation, k @ rotation, v
-    return rope_at(attn.rope, q[None], runs)[0], rope_at(attn.rope, k[None], runs)[0], v
+        q, k = q @ rotation, k @ rotation
+    else:
+        q, k = (rope_at(attn.rope, x[None, :, None], runs)[0, :, 0] for x in (q, k))
+    return q[:, None], k[:, None], v
 
 
-def heads_to_rows(out: mx.array) -> mx.array:
-    """Attention output (H, n, d) as (1, n, H*d) rows for the output projection. For one
-    token (H, 1, d) is (1, 1, H*d) in memory already: a reshape, no transpose node."""
+def heads_to_rows(out: mx.array, row_form: bool = False) -> mx.array:
+    """Attention output (H, n, d) as (1, n, H*d) rows for the output projection, or as
+    (1, H*d) for one token in the row form (one_token.py). For one token (H, 1, d) is
+    either in memory already: a reshape, no transpose node."""
     heads, n, d = out.shape
     if n == 1:
-        return out.reshape(1, 1, heads * d)
+        return out.reshape(1, heads * d) if row_form else out.reshape(1, 1, heads * d)
     return out.transpose(1, 0, 2).reshape(1, n, heads * d)
 
 
@@ -233,9 +237,10 @@ class CPModel:
             ids = token_ids.astype(mx.int32)
         else:
             ids = mx.array(token_ids, mx.int32)
-        h = self.embed_tokens(ids[None])  # (1, n, D)
         modules = modules or self.layers
-        norm, rope_matrix = self._norm_and_rope(modules, h.shape[1], runs)
+        norm, rope_matrix = self._norm_and_rope(modules, ids.shape[0], runs)
+        row_form = rope_matrix is not None  # one token on the CPU path: (1, D) rows
+        h = self.embed_tokens(ids if row_form else ids[None])  # (1, D) or (1, n, D)
         layers = zip(modules, projections or self.replicated, cache.layers)
         for index, (layer, project, layer_kv) in enumerate(layers):
             if on_layer is not None:
@@ -248,16 +253,17 @@ class CPModel:
                 keys, values = local_shard(layer_kv, k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale)
                 # float32 partials must not widen the residual
-                h = h + project.output(heads_to_rows(out.astype(q.dtype)))
+                h = h + project.output(heads_to_rows(out.astype(q.dtype), row_form))
                 h = h + project.mlp(norm(layer.post_attention_layernorm, h))
                 if tracer is not None:
                     mx.eval(h)
-        return h[0]
+        return h if row_form else h[0]
 
     def _norm_and_rope(self, modules, rows: int, runs):
         """``norm(module, x)`` and ``rope_matrix(layer_index, head_dim)`` (or None) for a
         pass over ``rows`` local rows: one token on the CPU path takes one_token.py's
-        forms (fewer graph nodes, the same arithmetic), anything else the modules."""
+        forms (the row form, fewer graph nodes, the same arithmetic), anything else the
+        modules."""
         if not (lean_graph(rows) and len(runs) == 1):
             return (lambda module, x: module(x)), None
         # Indexed, not iterated: a layer-sharded store fetches the layers it iterates.

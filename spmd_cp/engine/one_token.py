@@ -17,6 +17,10 @@ fallbacks, 29 and 11 nodes, four times per layer. For a single token:
   keep running as themselves.
 - RMSNorm through ``mx.compile``: the elementwise tail fused into one node (3 instead
   of 11), the same arithmetic in the same order.
+- The row form: the hidden state is a (1, D) row, not (1, 1, D). MLX multiplies a 2-D
+  row by a weight's transposed view in one node (weight_slices.is_cpu_row), where a
+  row with a leading axis is folded with a reshape on each side; RoPE's matrices
+  multiply (H, d) heads for the same reason. The same BLAS call (sgemv), the same bits.
 
 The GPU path keeps MLX's fused kernels; float32 is the only dtype taken this way (a
 half-precision RoPE rounds differently from a matmul in that precision).

@@ -22,7 +22,7 @@ from ..runtime.comm import Comm
 
 
 class VocabParallelEmbedding:
-    """``embed(ids (1, n)) -> (1, n, D)`` from a vocabulary-sliced embedding module."""
+    """``embed(ids) -> ids.shape + (D,)`` from a vocabulary-sliced embedding module."""
 
     def __init__(self, module, rows: tuple[int, int], comm: Comm):
         self.module, self.comm = module, comm
@@ -47,7 +47,7 @@ class VocabParallelEmbedding:
         inverse = np.empty_like(order)
         inverse[order] = np.arange(order.size)
         rows = mx.concatenate(received, axis=0)[mx.array(inverse)]
-        return rows[None]
+        return rows.reshape(*ids.shape, width)  # as nn.Embedding: the ids' shape + (D,)
 
     def _look_up(self, local_ids: np.ndarray) -> mx.array:
         """Rows of this rank's slice; none asked: an empty (0, D) of the rows' dtype

@@ -13,19 +13,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 
+def is_cpu_row(x: mx.array) -> bool:
+    """Whether ``x`` is one (1, in) row on MLX's CPU backend: a decode step's row form
+    (engine/one_token.py), whose products with a weight's transposed view take one graph
+    node (a (1, 1, in) row makes MLX fold it in two more)."""
+    return x.ndim == 2 and x.shape[0] == 1 and mx.default_device().type == mx.DeviceType.cpu
+
+
 def times_transposed(x: mx.array, weight: mx.array) -> mx.array:
-    """``x @ weight.T`` (weight (out, in)). One row (a decode step) on MLX's CPU backend
-    runs as ``weight @ x`` instead: the same products, but MLX hands BLAS an untransposed
-    matrix-vector product, which streams the weight 1.7x faster than the row times the
-    transposed weight (14.5 vs 8.6 GB/s over 212 MB of 1536 x 576 matrices, one OpenBLAS
-    thread; docs/BENCHMARKS.md section 7). Decode is that stream."""
-    if x.size == x.shape[-1] and mx.default_device().type == mx.DeviceType.cpu:
+    """``x @ weight.T`` (weight (out, in)).
+
+    One (1, in) row on MLX's CPU backend is a matrix-vector product either way: BLAS
+    gets the transposed flag for ``weight.T`` (a view), gemv_forward.c hands it to sgemv
+    as the same call as ``weight @ x``, and without the forward OpenBLAS 0.3.21 streams
+    it at least as fast, with the same bits (one thread: 15.7 against 9.9 GB/s for a
+    49152 x 576 head, 11.8 against 10.9 for 1536 x 576; 36.8 and 35.2 GB/s through the
+    forward both ways). A row with leading axes, (1, 1, in), runs as ``weight @ x`` with
+    reshapes around it: three nodes, where its product with ``weight.T`` takes four."""
+    if x.size == x.shape[-1] and x.ndim != 2 and mx.default_device().type == mx.DeviceType.cpu:
         return (weight @ x.reshape(-1, 1)).reshape(*x.shape[:-1], weight.shape[0])
     return x @ weight.T
 
@@ -86,9 +98,17 @@ class WeightMatrix:
             return 1
         return math.lcm(self.quant.group_size, 32 // math.gcd(self.quant.bits, 32))
 
+    @cached_property
+    def transposed(self) -> mx.array:
+        """W.T as a view (no copy), evaluated once: a decode row's product is then one
+        graph node."""
+        view = self.weight.T
+        mx.eval(view)
+        return view
+
     def __call__(self, x: mx.array) -> mx.array:
         if self.quant is None:
-            y = times_transposed(x, self.weight)
+            y = x @ self.transposed if is_cpu_row(x) else times_transposed(x, self.weight)
         else:
             q = self.quant
             y = mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.biases,

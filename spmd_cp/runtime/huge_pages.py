@@ -22,7 +22,8 @@ over 3K tokens), the same peak resident memory.
 glibc reads its tunables only when a program starts, so the variable rides on the
 re-execution that preloads the BLAS (blas/reexec.py): a rank that is not re-executed
 (the user preloaded a BLAS, or none was found) runs as started. A tunable the user set
-is kept. ``SPMD_CP_HUGE_PAGES=off`` leaves malloc alone. Standard library only (this
+is kept. Where the re-execution preloads jemalloc (allocator.py) glibc's malloc is not
+used; jemalloc gets the same advice through its own ``thp:always``. ``SPMD_CP_HUGE_PAGES=off`` leaves malloc alone. Standard library only (this
 runs before MLX or MPI is loaded).
 """
 
@@ -110,11 +111,21 @@ def glibc_version() -> tuple[int, int] | None:
 
 def describe() -> str:
     """What this process does about huge pages, e.g. "glibc.malloc.hugetlb=1, THP madvise"
-    (the same on ranks set up alike: doctor compares it)."""
+    or, where malloc is jemalloc, "jemalloc thp:always, THP madvise" (the same on ranks
+    set up alike: doctor compares it)."""
+    from .allocator import jemalloc_version
+
     mode = system_mode()
-    setting = _tunables(os.environ.get(TUNABLES, "")).get(HUGETLB)
     if mode is None:
         return "unavailable (no transparent huge pages)"
+    if jemalloc_version() is not None:  # malloc is jemalloc (allocator.py): its own advice
+        conf = os.environ.get("MALLOC_CONF", "")
+        if "thp:always" in conf.replace(" ", "").split(","):
+            return f"jemalloc thp:always, THP {mode}"
+        why = f"{ENV}=off" if os.environ.get(ENV, "").strip().lower() == "off" else \
+            f"MALLOC_CONF={conf}"
+        return f"not advised ({why}), THP {mode}"
+    setting = _tunables(os.environ.get(TUNABLES, "")).get(HUGETLB)
     if setting is None:
         why = f"{ENV}=off" if os.environ.get(ENV, "").strip().lower() == "off" else \
             "not re-executed"
