@@ -86,10 +86,13 @@ class PerShape:
 
     def __call__(self, *arrays: mx.array):
         key = tuple((a.shape, a.dtype) for a in arrays)
-        compiled = self.compiled.pop(key, None) or mx.compile(self.function)
-        self.compiled[key] = compiled  # most recently used last
-        if len(self.compiled) > self.capacity:
-            self.compiled.popitem(last=False)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.compiled[key] = mx.compile(self.function)
+            if len(self.compiled) > self.capacity:
+                self.compiled.popitem(last=False)
+        else:
+            self.compiled.move_to_end(key)  # most recently used last
         return compiled(*arrays)
 
 

@@ -65,6 +65,7 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     graph collectives (runtime/graph_comm.py) that leave the merge inside MLX's graph.
     """
     fused = use_fused_attention() if fused is None else fused
+    compiled_merge = not on_gpu_path()  # asked once a step, not once a layer
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         if comm.size == 1:
@@ -80,7 +81,7 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
             total = summed[..., -1:]
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
         partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
-        if partials.dtype == mx.float32 and not on_gpu_path():
+        if partials.dtype == mx.float32 and compiled_merge:
             return _merge_float32(partials, q.shape[-1]).reshape(q.shape)
         merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))
         return merged

@@ -148,8 +148,10 @@ def doctor_command(comm, options: dict, outcome: dict):
     report = local_report()
     hosts = comm.allgather_object(report["host"])
     report.update(check_model(comm, options["model_path"], hosts, report["host"]))
-    # Every rank's attention speed now, under the load the ranks put on their hosts together.
-    report["attention_flops"] = measure_attention_flops(repeats=2)
+    # Every rank's attention speed now, under the load the ranks put on their hosts together:
+    # the best of 6 calls after the warm-ups (a fresh process on jemalloc's huge pages
+    # ramps up over its first four; docs/CPU_SPEED.md, "The allocator").
+    report["attention_flops"] = measure_attention_flops(repeats=6)
     reports = comm.allgather_object(report)
     measured, calibration = run_calibration(comm, flags["recalibrate"])
     decode_collectives = graph_collectives_report(comm)

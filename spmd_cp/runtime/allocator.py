@@ -6,7 +6,7 @@ over are ``malloc`` calls, about 20 a node and 48,000 a decode step of SmolLM2-1
 glibc's malloc takes a block freed by another thread back through its arena's lock and
 slow paths (7.7% of a rank's samples at N = 2 on the 2-core test machine); jemalloc's
 per-thread caches return such blocks to their arena in batches. Side by side on that
-machine (docs/CPU_SPEED.md, "The allocator"): decode 4-5% faster at N = 1 and 8-10% at
+machine (docs/CPU_SPEED.md, "The allocator"): decode 4-5% faster at N = 1 and 7-9% at
 N = 2 (where each rank's two threads share a core, so the allocator's time adds to the
 step), prefill as fast, peak resident memory 11-12% higher (jemalloc's size classes and
 its huge pages).
@@ -14,8 +14,8 @@ its huge pages).
 What it starts with (``MALLOC_CONF``):
 - ``dirty_decay_ms:-1,muzzy_decay_ms:-1``: freed pages stay with the process for its
   next use rather than go back to the kernel after jemalloc's default 10 s. With the
-  default a 3K-token prefill at N = 2 was 12% slower (pages returned mid-prefill and
-  faulted in again). Between phases, after loading and after a prefill, the CLI hands
+  default a 3K-token prefill at N = 2 ran 12% slower in a hand run (pages returned
+  mid-prefill and faulted in again). Between phases, after loading and after a prefill, the CLI hands
   them back (``release_free_memory``): a phase's peak is not kept for the next one, nor
   counted as the process's own memory by the memory forecast.
 - ``thp:always`` while huge pages are on (``SPMD_CP_HUGE_PAGES``): jemalloc's own
