@@ -57,7 +57,7 @@ def _attention_probe(num_heads=8, num_kv_heads=2, head_dim=64, tq=256, tk=1024):
 def measure_attention_flops(repeats=3) -> float:
     """FLOP/s of block attention (the best of ``repeats`` calls after two warm-ups: in a
     fresh process the first calls fault in their buffers, 5-30 against 55-59 GFLOP/s
-    on the 2-core test machine, the second one still now and then)."""
+    on the 2-core test machine, over up to four calls on jemalloc's huge pages)."""
     call, flop = _attention_probe()
     call()  # warm-ups
     call()

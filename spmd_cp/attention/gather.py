@@ -91,10 +91,10 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
 
 @mx.compile
 def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
-    """The merged output (1, NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1)
-    (heads_to_rows takes it as it is), compiled, with the lse kept as the packed column
-    and no axis squeezed: on the CPU path the merge's graph nodes per layer fall from 25
-    to 8 (engine/one_token.py says why that counts); the same arithmetic as
+    """The merged output (1, NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1),
+    compiled, with the lse kept as the packed column and no axis squeezed: on the CPU
+    path the merge's graph nodes per layer fall from 25 to 9 with the caller's reshape
+    (engine/one_token.py says why that counts); the same arithmetic as
     ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
     return merge_stacked_columns(partials[..., :head_dim], partials[..., head_dim:])[0]
 

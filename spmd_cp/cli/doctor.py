@@ -85,8 +85,8 @@ def local_report() -> dict:
     from mpi4py import MPI
 
     from ..blas import describe_blas, usable_cpus
-    from ..runtime.device import BackendInfo
     from ..runtime.allocator import describe as allocator
+    from ..runtime.device import BackendInfo
     from ..runtime.huge_pages import describe as huge_pages
     from ..runtime.scheduling import scheduling_of_threads
 

@@ -15,12 +15,14 @@ What it starts with (``MALLOC_CONF``):
 - ``dirty_decay_ms:-1,muzzy_decay_ms:-1``: freed pages stay with the process for its
   next use rather than go back to the kernel after jemalloc's default 10 s. With the
   default a 3K-token prefill at N = 2 ran 12% slower in a hand run (pages returned
-  mid-prefill and faulted in again). Between phases, after loading and after a prefill, the CLI hands
-  them back (``release_free_memory``): a phase's peak is not kept for the next one, nor
-  counted as the process's own memory by the memory forecast.
+  mid-prefill and faulted in again). Between phases, after loading and after a
+  prefill, the CLI hands them back (``release_free_memory``): a phase's peak is not
+  kept for the next one, nor counted as the process's own memory by the memory
+  forecast.
 - ``thp:always`` while huge pages are on (``SPMD_CP_HUGE_PAGES``): jemalloc's own
   ``madvise(MADV_HUGEPAGE)`` on its memory, what glibc's ``malloc.hugetlb`` does
-  otherwise (decode at N = 1 was 10% slower without it).
+  otherwise (decode at N = 1 8-10% slower without it; a 3K prefill 3-4% faster, an 8K
+  one within 1%: docs/CPU_SPEED.md).
 
 ``LD_PRELOAD`` is read only when a program starts, so the library rides on the
 re-execution that preloads the BLAS (blas/reexec.py), as huge_pages.py's tunables do: a
@@ -86,7 +88,7 @@ def requested() -> str:
 
 
 def users_allocator(environ=os.environ) -> str | None:
-    """An allocator the user preloads (a ``LD_PRELOAD`` entry named like jemalloc,
+    """An allocator the user preloads (an ``LD_PRELOAD`` entry named like jemalloc,
     tcmalloc or mimalloc), or None."""
     for entry in environ.get("LD_PRELOAD", "").replace(":", " ").split():
         if "malloc" in os.path.basename(entry):
