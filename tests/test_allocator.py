@@ -31,7 +31,8 @@ def test_find_jemalloc_looks_in_the_directories_given(tmp_path):
     holding.mkdir()
     (holding / "libjemalloc.so.2").write_bytes(b"")
     assert allocator.find_jemalloc([str(empty)]) is None
-    assert allocator.find_jemalloc([str(empty), str(holding)]) == str(holding / "libjemalloc.so.2")
+    found = allocator.find_jemalloc([str(empty), str(holding)])
+    assert found == str(holding / "libjemalloc.so.2")
 
 
 def test_requested_values_and_one_line_errors(monkeypatch, tmp_path):
@@ -105,7 +106,8 @@ def test_a_reexecuted_process_allocates_with_jemalloc_on_huge_pages(tmp_path):
 def test_opt_outs_keep_glibc_or_the_users_settings(tmp_path):
     info = run_probe(tmp_path, SPMD_CP_ALLOCATOR="glibc")
     assert info["allocator"] == "glibc malloc (SPMD_CP_ALLOCATOR=glibc)"
-    assert info["malloc_conf"] is None and info["tunables"].startswith("glibc.malloc.hugetlb=1")
+    assert info["malloc_conf"] is None
+    assert info["tunables"].startswith("glibc.malloc.hugetlb=1")
     info = run_probe(tmp_path, SPMD_CP_HUGE_PAGES="off")
     assert info["allocator"].startswith("jemalloc ") and info["malloc_conf"] == RETAIN
     if info["mode"] is not None:

@@ -23,8 +23,9 @@ glibc reads its tunables only when a program starts, so the variable rides on th
 re-execution that preloads the BLAS (blas/reexec.py): a rank that is not re-executed
 (the user preloaded a BLAS, or none was found) runs as started. A tunable the user set
 is kept. Where the re-execution preloads jemalloc (allocator.py) glibc's malloc is not
-used; jemalloc gets the same advice through its own ``thp:always``. ``SPMD_CP_HUGE_PAGES=off`` leaves malloc alone. Standard library only (this
-runs before MLX or MPI is loaded).
+used; jemalloc gets the same advice through its own ``thp:always``.
+``SPMD_CP_HUGE_PAGES=off`` leaves malloc alone. Standard library only (this runs before
+MLX or MPI is loaded).
 """
 
 from __future__ import annotations
