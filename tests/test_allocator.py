@@ -22,8 +22,6 @@ JEMALLOC = allocator.find_jemalloc() if sys.platform.startswith("linux") else No
 needs_jemalloc = pytest.mark.skipif(
     JEMALLOC is None, reason=f"no jemalloc here ({allocator.INSTALL_HINT})")
 
-RETAIN = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
-
 
 def test_find_jemalloc_looks_in_the_directories_given(tmp_path):
     empty, holding = tmp_path / "empty", tmp_path / "lib"
@@ -35,12 +33,14 @@ def test_find_jemalloc_looks_in_the_directories_given(tmp_path):
     assert found == str(holding / "libjemalloc.so.2")
 
 
+RETAIN = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
 def test_requested_values_and_one_line_errors(monkeypatch, tmp_path):
     monkeypatch.delenv(allocator.ENV, raising=False)
-    assert allocator.requested() == "auto"
-    for value, expected in (("glibc", "glibc"), (" AUTO ", "auto")):
-        monkeypatch.setenv(allocator.ENV, value)
-        assert allocator.requested() == expected
+    assert allocator.requested() == "glibc"
+    monkeypatch.setenv(allocator.ENV, " GLIBC ")
+    assert allocator.requested() == "glibc"
     library = tmp_path / "libjemalloc.so.2"
     library.write_bytes(b"")
     monkeypatch.setenv(allocator.ENV, str(library))
@@ -63,6 +63,8 @@ def test_requested_values_and_one_line_errors(monkeypatch, tmp_path):
 def test_startup_choice_settings_and_what_the_user_set_stands(monkeypatch):
     for name in (allocator.ENV, huge_pages.ENV):
         monkeypatch.delenv(name, raising=False)
+    assert allocator.startup_choice({}) == (None, {})  # glibc unless asked
+    monkeypatch.setenv(allocator.ENV, "jemalloc")
     assert allocator.startup_choice({}) == (JEMALLOC, {"MALLOC_CONF": RETAIN + ",thp:always"})
     # The user's MALLOC_CONF and the user's own allocator stand; other preloads do not count.
     assert allocator.startup_choice({"MALLOC_CONF": "narenas:2"}) == (JEMALLOC, {})
@@ -70,8 +72,6 @@ def test_startup_choice_settings_and_what_the_user_set_stands(monkeypatch):
     assert allocator.startup_choice({"LD_PRELOAD": "/opt/lib/libfoo.so"})[0] == JEMALLOC
     monkeypatch.setenv(huge_pages.ENV, "off")
     assert allocator.startup_choice({}) == (JEMALLOC, {"MALLOC_CONF": RETAIN})
-    monkeypatch.setenv(allocator.ENV, "glibc")
-    assert allocator.startup_choice({}) == (None, {})
     monkeypatch.setenv(allocator.ENV, "bogus")  # reported later, as one line
     assert allocator.startup_choice({}) == (None, {})
 
@@ -89,7 +89,7 @@ def test_this_test_process_runs_the_allocator_it_was_started_with():
 @needs_openblas
 @needs_jemalloc
 def test_a_reexecuted_process_allocates_with_jemalloc_on_huge_pages(tmp_path):
-    info = run_probe(tmp_path)
+    info = run_probe(tmp_path, SPMD_CP_ALLOCATOR="jemalloc")
     assert info["allocator"].startswith("jemalloc "), info
     assert info["malloc_conf"] == RETAIN + ",thp:always"
     assert info["tunables"] is None  # glibc's tunables only where glibc allocates
@@ -103,18 +103,17 @@ def test_a_reexecuted_process_allocates_with_jemalloc_on_huge_pages(tmp_path):
 
 @needs_openblas
 @needs_jemalloc
-def test_opt_outs_keep_glibc_or_the_users_settings(tmp_path):
-    info = run_probe(tmp_path, SPMD_CP_ALLOCATOR="glibc")
-    assert info["allocator"] == "glibc malloc (SPMD_CP_ALLOCATOR=glibc)"
-    assert info["malloc_conf"] is None
+def test_glibc_by_default_and_what_the_user_set_stands(tmp_path):
+    info = run_probe(tmp_path)  # the default
+    assert info["allocator"] == "glibc malloc" and info["malloc_conf"] is None
     assert info["tunables"].startswith("glibc.malloc.hugetlb=1")
-    info = run_probe(tmp_path, SPMD_CP_HUGE_PAGES="off")
+    info = run_probe(tmp_path, SPMD_CP_ALLOCATOR="jemalloc", SPMD_CP_HUGE_PAGES="off")
     assert info["allocator"].startswith("jemalloc ") and info["malloc_conf"] == RETAIN
     if info["mode"] is not None:
         assert info["describe"] == f"not advised (SPMD_CP_HUGE_PAGES=off), THP {info['mode']}"
     if info["mode"] == "madvise":  # nothing else in the process asks for huge pages
         assert info["huge"] < BIG // 2, info
-    info = run_probe(tmp_path, MALLOC_CONF="narenas:2")
+    info = run_probe(tmp_path, SPMD_CP_ALLOCATOR="jemalloc", MALLOC_CONF="narenas:2")
     assert info["allocator"].startswith("jemalloc ") and info["malloc_conf"] == "narenas:2"
     if info["mode"] is not None:
         assert info["describe"] == f"not advised (MALLOC_CONF=narenas:2), THP {info['mode']}"
@@ -146,7 +145,7 @@ def test_freed_pages_are_kept_until_released_between_phases(tmp_path):
     script = tmp_path / "release.py"
     script.write_text(RELEASE_PROBE)
     big = 256 << 20
-    for chosen, jemalloc in (("auto", True), ("glibc", False)):
+    for chosen, jemalloc in (("jemalloc", True), ("glibc", False)):
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                               timeout=120, env=clean_env(SPMD_CP_ALLOCATOR=chosen))
         assert proc.returncode == 0, proc.stderr

@@ -13,6 +13,14 @@
  * decode attention's probabilities of a query group times a head's values, one sgemv per
  * row (30 layers of 3 heads x 1,500 keys: 8.5 against 10.4 ms).
  *
+ * And decode attention's two products over a long KV shard, one pass each where sgemm
+ * packs its operand first (30 layers of 3 heads over 8,160 keys, one thread: the scores,
+ * keys times a query group's few columns, 12.7 ms at 15 GB/s of keys, and the values,
+ * a few rows of probabilities times values that no longer stay in cache, 18.8 ms at
+ * 10 GB/s, where a plain read of the keys streams 32 GB/s):
+ *   - few columns: each key row's dot products with the n <= 8 query columns;
+ *   - few rows over a long matrix: m <= 8 rows of accumulators, one pass over its rows.
+ *
  * Preloaded ahead of the BLAS (blas/reexec.py), so MLX's cblas_sgemm resolves here;
  * every other product goes to the next library's cblas_sgemm unchanged. The forwarded product sums in sgemv's order, not sgemm's: the
  * same values to float32 rounding, not the same bits.
@@ -24,6 +32,74 @@
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111 };
 enum { FEW_ROWS = 4, CACHED_BYTES = 1 << 20 }; /* within a 2 MiB L2 */
+/* The one-pass kernels: at most this many columns (rows), at least this many rows
+ * (products) streamed, and accumulator rows at most this wide (on the stack). */
+enum { FEW_COLUMNS = 8, LONG_ROWS = 64, STREAM_ROWS = 8, MAX_WIDTH = 512 };
+
+/* Vector code for CPUs that have it, chosen when the library loads (GCC's ifunc
+ * clones); LOOPS_VECTORIZED also vectorizes loops of a runtime length (-O3: the
+ * build's -O2 leaves them scalar; the dot products' fixed lanes are faster at -O2:
+ * 17.0 against 12.7 GB/s of keys). Elsewhere the plain code. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#define LOOPS_VECTORIZED \
+  __attribute__((target_clones("arch=haswell", "default"), optimize("O3")))
+#else
+#define VECTOR_CLONES
+#define LOOPS_VECTORIZED
+#endif
+
+/* sum x[i] * y[i] over i < k, in eight interleaved partial sums (vector lanes). */
+static inline float dot(const float *x, const float *y, int k) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (int l = 0; l < 8; l++) lane[l] += x[i + l] * y[i + l];
+  float sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+              ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  for (; i < k; i++) sum += x[i] * y[i];
+  return sum;
+}
+
+/* c (m x n, n <= FEW_COLUMNS) = alpha A (m x k, rows lda apart) B' + beta c, where
+ * column j of B' is the k values at b + j * ldb: each row of A read once, its n dot
+ * products in cache. */
+VECTOR_CLONES
+static void few_columns(int m, int n, int k, float alpha, const float *a, int lda,
+                        const float *b, int ldb, float beta, float *c, int ldc) {
+  for (int i = 0; i < m; i++) {
+    const float *row = a + (ptrdiff_t)i * lda;
+    float *out = c + (ptrdiff_t)i * ldc;
+    for (int j = 0; j < n; j++) {
+      float value = alpha * dot(row, b + (ptrdiff_t)j * ldb, k);
+      out[j] = beta == 0.0f ? value : value + beta * out[j];
+    }
+  }
+}
+
+/* c (m x n, m <= STREAM_ROWS, n <= MAX_WIDTH) = alpha op(A) B + beta c, B (k x n) rows
+ * ldb apart, op(A)'s entry (i, r) at a[i * row_step + r * col_step]: one pass over B's
+ * rows, each added into the m rows of accumulators (in r's order). */
+LOOPS_VECTORIZED
+static void few_rows_streamed(int m, int n, int k, float alpha, const float *a,
+                              ptrdiff_t row_step, ptrdiff_t col_step, const float *b,
+                              int ldb, float beta, float *c, int ldc) {
+  float sums[STREAM_ROWS][MAX_WIDTH];
+  for (int i = 0; i < m; i++)
+    for (int j = 0; j < n; j++) sums[i][j] = 0.0f;
+  for (int r = 0; r < k; r++) {
+    const float *b_row = b + (ptrdiff_t)r * ldb;
+    for (int i = 0; i < m; i++) {
+      float weight = a[i * row_step + r * col_step];
+      for (int j = 0; j < n; j++) sums[i][j] += weight * b_row[j];
+    }
+  }
+  for (int i = 0; i < m; i++) {
+    float *out = c + (ptrdiff_t)i * ldc;
+    for (int j = 0; j < n; j++)
+      out[j] = beta == 0.0f ? alpha * sums[i][j] : alpha * sums[i][j] + beta * out[j];
+  }
+}
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
@@ -79,6 +155,21 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       next_sgemv(ROW_MAJOR, b_plain ? 112 : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
                  alpha, b, ldb, a_row, a_plain ? 1 : lda, beta, c_row, 1);
     }
+    return;
+  }
+  if (order == ROW_MAJOR && k > 0 && n > 0 && n <= FEW_COLUMNS && m >= LONG_ROWS &&
+      a_plain && !b_plain) {
+    /* Decode attention's scores: a shard's keys (m x k) times a query group's few
+     * columns, given as its rows (B transposed). */
+    few_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  if (order == ROW_MAJOR && k >= LONG_ROWS && m > 0 && m <= STREAM_ROWS && n > 0 &&
+      n <= MAX_WIDTH && b_plain) {
+    /* Decode attention's values beyond the cache: a query group's probabilities (few
+     * rows, stored either way) times a long shard of values. */
+    few_rows_streamed(m, n, k, alpha, a, a_plain ? lda : 1, a_plain ? 1 : lda, b, ldb,
+                      beta, c, ldc);
     return;
   }
   next_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

@@ -1,34 +1,29 @@
-"""A rank's memory allocator: jemalloc where it is installed, preloaded with the BLAS.
+"""A rank's memory allocator: glibc's malloc, or jemalloc on request, preloaded with the BLAS.
 
 MLX's CPU backend allocates on the Python thread and frees on its compute thread: every
 graph node's output buffer, the set of buffers the node keeps alive and the task it hands
 over are ``malloc`` calls, about 20 a node and 48,000 a decode step of SmolLM2-135M.
 glibc's malloc takes a block freed by another thread back through its arena's lock and
 slow paths (7.7% of a rank's samples at N = 2 on the 2-core test machine); jemalloc's
-per-thread caches return such blocks to their arena in batches. Side by side on that
-machine (docs/CPU_SPEED.md, "The allocator"): decode 4-5% faster at N = 1 and 7-9% at
-N = 2 (where each rank's two threads share a core, so the allocator's time adds to the
-step), prefill as fast, peak resident memory 11-12% higher (jemalloc's size classes and
-its huge pages).
+per-thread caches return such blocks to their arena in batches.
 
-What it starts with (``MALLOC_CONF``):
-- ``dirty_decay_ms:-1,muzzy_decay_ms:-1``: freed pages stay with the process for its
-  next use rather than go back to the kernel after jemalloc's default 10 s. With the
-  default a 3K-token prefill at N = 2 ran 12% slower in a hand run (pages returned
-  mid-prefill and faulted in again). Between phases, after loading and after a
-  prefill, the CLI hands them back (``release_free_memory``): a phase's peak is not
-  kept for the next one, nor counted as the process's own memory by the memory
-  forecast.
-- ``thp:always`` while huge pages are on (``SPMD_CP_HUGE_PAGES``): jemalloc's own
-  ``madvise(MADV_HUGEPAGE)`` on its memory, what glibc's ``malloc.hugetlb`` does
-  otherwise (decode at N = 1 8-10% slower without it; a 3K prefill 3-4% faster, an 8K
-  one within 1%: docs/CPU_SPEED.md).
+``SPMD_CP_ALLOCATOR=jemalloc`` (or the path of a jemalloc library) preloads it with
+``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`` (and ``thp:always`` while huge pages
+are on: jemalloc's own ``madvise(MADV_HUGEPAGE)``, what glibc's ``malloc.hugetlb`` does
+otherwise). Measured on the 2-core test machine (docs/CPU_SPEED.md, "The allocator"):
+decode 4-5% faster at N = 1 and 7-9% at N = 2, a 3K prefill as fast; but keeping every
+freed page is what makes it fast, and over a long prompt the freed tiles of many sizes
+pile up: an 8K-token prefill on one rank peaked at 9.4 GB resident against glibc's
+2.1 GB. With jemalloc's own decay (pages back after 10 s unused) the peak was 1.9 GB but
+a 3K prefill at N = 2 11% slower and decode no faster. So glibc stays the default and
+jemalloc is for decode-bound runs on short prompts. Between phases, after loading and
+after a prefill, the CLI hands jemalloc's unused pages back (``release_free_memory``),
+so a phase's leftovers are neither held through the next nor counted by the memory
+forecast as the process's own.
 
 ``LD_PRELOAD`` is read only when a program starts, so the library rides on the
 re-execution that preloads the BLAS (blas/reexec.py), as huge_pages.py's tunables do: a
-rank that is not re-executed keeps glibc's malloc. ``SPMD_CP_ALLOCATOR`` chooses:
-``auto`` (the default: jemalloc where found), ``jemalloc`` (an error where none is
-found), ``glibc``, or a path to a jemalloc library. An allocator the user preloads
+rank that is not re-executed keeps glibc's malloc. An allocator the user preloads
 (jemalloc, tcmalloc, mimalloc) and a ``MALLOC_CONF`` the user sets are kept. Standard
 library only (this runs before MLX or MPI is loaded).
 """
@@ -41,8 +36,8 @@ import os
 from ..errors import UserError
 from . import huge_pages
 
-ENV = "SPMD_CP_ALLOCATOR"  # "auto" (default), "jemalloc", "glibc" or a library's path
-CHOICES = ("auto", "jemalloc", "glibc")
+ENV = "SPMD_CP_ALLOCATOR"  # "glibc" (default), "jemalloc" or a jemalloc library's path
+CHOICES = ("glibc", "jemalloc")
 LIBRARY_NAMES = ("libjemalloc.so.2", "libjemalloc.so")
 INSTALL_HINT = "apt-get install libjemalloc2"
 CONF = "MALLOC_CONF"
@@ -66,12 +61,12 @@ def find_jemalloc(dirs: list[str] | None = None) -> str | None:
 
 
 def requested() -> str:
-    """``SPMD_CP_ALLOCATOR``: "auto" (also when unset), "glibc", or the path of the
-    jemalloc library to preload ("jemalloc": the one found). UserError, in one line, for
-    anything else, a path that is no file, or "jemalloc" where none is installed."""
+    """``SPMD_CP_ALLOCATOR``: "glibc" (also when unset) or the path of the jemalloc
+    library to preload ("jemalloc": the one found). UserError, in one line, for anything
+    else, a path that is no file, or "jemalloc" where none is installed."""
     raw = os.environ.get(ENV, "").strip()
-    value = raw.lower() or "auto"
-    if value in ("auto", "glibc"):
+    value = raw.lower() or "glibc"
+    if value == "glibc":
         return value
     if value == "jemalloc":
         path = find_jemalloc()
@@ -98,17 +93,14 @@ def users_allocator(environ=os.environ) -> str | None:
 
 def startup_choice(environ=os.environ) -> tuple[str | None, dict]:
     """(the jemalloc library to preload or None, the variables to start with) for a
-    re-executed rank. None: glibc asked for, none installed, the user's own allocator
-    preloaded, or a bad ``SPMD_CP_ALLOCATOR`` (every rank reports that as one line
-    before the model loads: cli/steps.py)."""
+    re-executed rank. None: glibc (the default), the user's own allocator preloaded, or
+    a bad ``SPMD_CP_ALLOCATOR`` (every rank reports that as one line before the model
+    loads: cli/steps.py)."""
     try:
-        choice = requested()
+        library = requested()
     except UserError:
         return None, {}
-    if choice == "glibc" or users_allocator(environ):
-        return None, {}
-    library = find_jemalloc() if choice == "auto" else choice
-    if library is None:
+    if library == "glibc" or users_allocator(environ):
         return None, {}
     if CONF in environ:
         return library, {}  # the user's settings stand
@@ -116,8 +108,7 @@ def startup_choice(environ=os.environ) -> tuple[str | None, dict]:
         huge = huge_pages.requested() == "on"
     except UserError:
         huge = False
-    conf = RETAIN_FREED_PAGES + (f",{HUGE_PAGES}" if huge else "")
-    return library, {CONF: conf}
+    return library, {CONF: RETAIN_FREED_PAGES + (f",{HUGE_PAGES}" if huge else "")}
 
 
 def _mallctl():
@@ -159,17 +150,14 @@ def jemalloc_version() -> str | None:
 
 
 def describe(environ=os.environ) -> str:
-    """The allocator this process runs, e.g. "jemalloc 5.3.0" or "glibc malloc (not
-    re-executed)" (the same on ranks set up alike: doctor compares it)."""
+    """The allocator this process runs, e.g. "jemalloc 5.3.0" or "glibc malloc" (the
+    same on ranks set up alike: doctor compares it)."""
     version = jemalloc_version()
     if version is not None:
         return f"jemalloc {version}"
     own = users_allocator(environ)
     if own:
         return f"{os.path.basename(own)} (preloaded by the user)"
-    value = environ.get(ENV, "").strip().lower()
-    if value == "glibc":
-        return f"glibc malloc ({ENV}=glibc)"
-    if find_jemalloc() is None:
-        return f"glibc malloc (no jemalloc: {INSTALL_HINT})"
-    return "glibc malloc (not re-executed)"
+    if environ.get(ENV, "").strip().lower() not in ("", "glibc"):
+        return "glibc malloc (not re-executed)"  # asked for jemalloc, no BLAS re-exec
+    return "glibc malloc"
