@@ -11,9 +11,9 @@ per-thread caches return such blocks to their arena in batches.
 ``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1`` (and ``thp:always`` while huge pages
 are on: jemalloc's own ``madvise(MADV_HUGEPAGE)``, what glibc's ``malloc.hugetlb`` does
 otherwise). Measured on the 2-core test machine (docs/CPU_SPEED.md, "The allocator"):
-decode 4-5% faster at N = 1 and 7-9% at N = 2, a 3K prefill as fast; but keeping every
-freed page is what makes it fast, and over a long prompt the freed tiles of many sizes
-pile up: an 8K-token prefill on one rank peaked at 9.4 GB resident against glibc's
+decode 4-5% faster at N = 1 and 7-9% at N = 2, a 3K prefill from 3% slower (N = 2) to
+5% faster (N = 1); but keeping every freed page is what makes it fast, and over a long
+prompt the freed tiles of many sizes pile up: an 8K-token prefill on one rank peaked at 9.4 GB resident against glibc's
 2.1 GB. With jemalloc's own decay (pages back after 10 s unused) the peak was 1.9 GB but
 a 3K prefill at N = 2 11% slower and decode no faster. So glibc stays the default and
 jemalloc is for decode-bound runs on short prompts. Between phases, after loading and
@@ -31,6 +31,7 @@ library only (this runs before MLX or MPI is loaded).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 from ..errors import UserError
@@ -111,9 +112,10 @@ def startup_choice(environ=os.environ) -> tuple[str | None, dict]:
     return library, {CONF: RETAIN_FREED_PAGES + (f",{HUGE_PAGES}" if huge else "")}
 
 
+@functools.lru_cache(maxsize=None)
 def _mallctl():
     """jemalloc's ``mallctl`` where this process allocates with jemalloc (which exports
-    it when it replaces malloc), else None."""
+    it when it replaces malloc), else None (fixed when the process starts: kept)."""
     try:
         mallctl = ctypes.CDLL(None).mallctl
     except (AttributeError, OSError):

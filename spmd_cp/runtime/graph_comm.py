@@ -81,17 +81,15 @@ class GraphCollectives:
     def allgather_rows(self, array: mx.array, axis: int, counts: list) -> mx.array:
         """Every rank's ``array`` concatenated along ``axis`` (``counts[r]`` rows from rank r;
         MLX's all_gather needs equal shapes, so shorter pieces travel padded)."""
-        if array.ndim == 2 and array.shape[0] == 1 and axis in (1, -1) and \
-                min(counts) == max(counts):  # a decode row: (N, w) is (1, N * w) in memory
-            self._count((self.size - 1) * array.nbytes)
-            gathered = mx.distributed.all_gather(array, group=self.group)
-            return gathered.reshape(1, -1)
-        moved = mx.moveaxis(array, axis, 0)
+        self._count((self.size - 1) * array.nbytes)
         widest = max(counts)
+        if array.ndim == 2 and array.shape[0] == 1 and axis in (1, -1) and \
+                min(counts) == widest:  # a decode row: (N, w) is (1, N * w) in memory
+            return mx.distributed.all_gather(array, group=self.group).reshape(1, -1)
+        moved = mx.moveaxis(array, axis, 0)
         if moved.shape[0] < widest:
             pad = mx.zeros((widest - moved.shape[0],) + moved.shape[1:], moved.dtype)
             moved = mx.concatenate([moved, pad])
-        self._count((self.size - 1) * array.nbytes)
         gathered = mx.distributed.all_gather(moved, group=self.group)  # (N * widest, ...)
         if min(counts) < widest:
             gathered = mx.concatenate([gathered[r * widest:r * widest + c]
