@@ -66,6 +66,18 @@ def test_compiled_kernels_compute_the_ops_arithmetic_bit_for_bit():
         maxima = scores.max(axis=-1, keepdims=True)
         np.testing.assert_array_equal(np.array(softmax_exp(scores, maxima)),
                                       np.array(polynomial_exp(scores - maxima, compiled=False)))
+        scaled = (scores - maxima) * mx.array(0.125 / 3, mx.float32)  # decode: scale inside
+        np.testing.assert_array_equal(np.array(softmax_exp(scores, maxima, 0.125 / 3)),
+                                      np.array(polynomial_exp(scaled, compiled=False)))
+
+
+def test_scaled_softmax_exp_of_a_short_row_is_mlx_exp_bit_for_bit():
+    # Below MIN_ELEMENTS the scaled form is MLX's exp in one compiled node.
+    scores = mx.array(np.random.default_rng(2).uniform(-30, 5, (3, 3, 500)).astype(np.float32))
+    maxima = scores.max(axis=-1, keepdims=True)
+    scale = mx.array(0.088388, mx.float32)
+    np.testing.assert_array_equal(np.array(softmax_exp(scores, maxima, 0.088388)),
+                                  np.array(mx.exp((scores - maxima) * scale)))
 
 
 def test_compiled_functions_are_kept_for_the_last_shapes_only():

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
-from spmd_cp.attention.block import merge_stacked, pack_partial
-from spmd_cp.attention.gather import _merge_float32
+from spmd_cp.attention.block import (block_attention, decode_partial_packed, merge_stacked,
+                                     pack_partial)
+from spmd_cp.attention.gather import _merge_float32, _merge_sums
 from spmd_cp.engine.model import _one_token_heads, heads_to_rows
 from spmd_cp.engine.one_token import EXACT_AS_MATRIX, RopeMatrices, rms_norm, rotation_matrix
 from spmd_cp.engine.weight_slices import WeightMatrix, times_transposed
@@ -92,6 +93,42 @@ def test_compiled_decode_merge_equals_the_uncompiled_one_and_numpy():
     np.testing.assert_array_equal(np.array(got), np.array(merge_stacked(outs, lses)[0]))
     np.testing.assert_allclose(np.array(got), numpy_merge(np.array(outs), np.array(lses)),
                                rtol=2e-6, atol=1e-6)
+
+
+def numpy_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float):
+    """One query row (NH, 1, d) over grouped keys and values (NKV, T, d), float64."""
+    num_heads, _, d = q.shape
+    grouped = q.astype(np.float64).reshape(keys.shape[0], -1, d)
+    scores = np.einsum("hgd,htd->hgt", grouped, keys.astype(np.float64)) * scale
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    out = weights @ values.astype(np.float64) / weights.sum(axis=-1, keepdims=True)
+    return out.reshape(num_heads, 1, d)
+
+
+def test_unnormalized_decode_partials_merge_to_numpy_attention():
+    """The CPU path's decode partials (sums not yet divided, the max score beside them)
+    of three shards, one empty, merged: numpy's attention over all the keys; and one
+    shard alone through block_attention's decode tile, the same rows."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((9, 1, 64)).astype(np.float32)
+    shards = [rng.standard_normal((2, 3, length, 64)).astype(np.float32) * 2
+              for length in (700, 0, 1300)]
+    scale = 64 ** -0.5
+    packed = [decode_partial_packed(mx.array(q), mx.array(k), mx.array(v), scale)
+              for k, v in shards]
+    assert packed[1].shape == (3, 3, 66)
+    merged = _merge_sums(mx.stack(packed), 64, mx.array(scale, mx.float32))
+    keys = np.concatenate([k for k, _ in shards], axis=1)
+    values = np.concatenate([v for _, v in shards], axis=1)
+    want = numpy_attention(q, keys, values, scale)
+    np.testing.assert_allclose(np.array(merged).reshape(9, 1, 64), want, rtol=2e-5, atol=2e-6)
+    out, lse = block_attention(mx.array(q), mx.array(keys), mx.array(values), np.array([2000]),
+                               np.arange(2000), scale)
+    np.testing.assert_allclose(np.array(out), want, rtol=2e-5, atol=2e-6)
+    scores = np.einsum("hgd,htd->hgt", q.astype(np.float64).reshape(3, 3, 64), keys) * scale
+    top = scores.max(axis=-1)
+    want_lse = (np.log(np.exp(scores - top[..., None]).sum(axis=-1)) + top).reshape(9, 1)
+    np.testing.assert_allclose(np.array(lse), want_lse, rtol=1e-6, atol=1e-5)
 
 
 def test_row_form_products_equal_the_folded_ones_bit_for_bit_and_numpy():

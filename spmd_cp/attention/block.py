@@ -102,23 +102,58 @@ def _tile_attention(q, k, v, q_pos, k_pos, scale):
 
 
 def _decode_tile(q, k, v, scale):
-    """``_tile_attention`` of one query row that sees every key, as (out, lse).
+    """``_tile_attention`` of one query row that sees every key, as (out, lse)."""
+    num_heads, _, d = q.shape
+    values, total, row_max = decode_sums(q, k, v, scale)
+    out = values / total  # (NKV, G, d); total >= 1
+    lse = mx.log(total) + row_max * scale
+    return out.reshape(num_heads, 1, d), lse.reshape(num_heads, 1)
 
-    The scores are computed transposed, keys @ q: (NKV, Tk, d) @ (NKV, d, G). The keys
-    are then BLAS's untransposed operand, which MLX's CPU backend multiplies 1.3x faster
-    than the row times the transposed keys (30 layers over 3,000 keys: 22.9 vs 28.8 ms),
-    and the products, hence the results, are bit for bit the same.
+
+def decode_sums(q, k, v, scale):
+    """One query row (NH, 1, d) over keys it sees all of (at least one), unnormalized:
+    ``(probs @ v (NKV, G, d), sum of probs (NKV, G, 1), max score (NKV, G, 1))`` with
+    ``probs = exp((score - max) * scale)`` and the scores not scaled.
+
+    The query group's rows times the keys given as columns, (NKV, G, d) @ (NKV, d, Tk):
+    the scores lie along each query's row, so the softmax reduces contiguous rows, and
+    the scale rides in the exp's kernel; no transposes. On the CPU path the product is
+    blas/gemv_forward.c's one pass over the keys (the same dot products, bit for bit, as
+    the keys times the query's columns); fewer graph nodes count there (one_token.py).
     """
     num_heads, _, d = q.shape
     num_kv = k.shape[0]
-    groups = num_heads // num_kv
-    scores = k @ (q.reshape(num_kv, groups, d) * scale).swapaxes(-1, -2)  # (NKV, Tk, G)
-    col_max = scores.max(axis=1, keepdims=True)
-    probs = softmax_exp(scores, col_max)
-    col_sum = probs.sum(axis=1, keepdims=True)  # (NKV, 1, G), >= 1
-    out = (probs.swapaxes(-1, -2) @ v) / col_sum.swapaxes(-1, -2)  # (NKV, G, d)
-    lse = mx.log(col_sum) + col_max
-    return out.reshape(num_heads, 1, d), lse.reshape(num_heads, 1)
+    scores = q.reshape(num_kv, num_heads // num_kv, d) @ k.swapaxes(-1, -2)  # (NKV, G, Tk)
+    row_max = scores.max(axis=-1, keepdims=True)
+    probs = softmax_exp(scores, row_max, scale)
+    return probs @ v, probs.sum(axis=-1, keepdims=True), row_max
+
+
+def decode_partial_packed(q, k, v, scale) -> mx.array:
+    """A decode query's float32 partial over this rank's whole shard for the decode
+    merge (``merge_packed_sums``), unnormalized: (NKV, G, d + 2) holding ``decode_sums``'
+    three parts side by side (d + 1 floats per head on the wire, as ``pack_partial``'s).
+    An empty shard is zeros with a max of -inf, which the merge weighs 0."""
+    num_heads, _, d = q.shape
+    num_kv = k.shape[0]
+    if k.shape[1] == 0:
+        shape = (num_kv, num_heads // num_kv, 1)
+        return mx.concatenate([mx.zeros(shape[:2] + (d + 1,), mx.float32),
+                               mx.full(shape, NEG_INF, mx.float32)], axis=-1)
+    return mx.concatenate(decode_sums(q, k.astype(mx.float32), v.astype(mx.float32), scale),
+                          axis=-1)
+
+
+def merge_packed_sums(partials: mx.array, head_dim: int, scale: mx.array) -> mx.array:
+    """The exact merge of stacked ``decode_partial_packed`` partials (P, NKV, G, d + 2),
+    as (NKV, G, d): each part's sums weighted by ``exp((max - top) * scale)``, then the
+    values' sum over the probabilities' sum. The top max is finite: the rank that stored
+    the query's own key sees at least that one. ``scale``: a float32 scalar array."""
+    maxima = partials[..., head_dim + 1:]
+    top = maxima.max(axis=0, keepdims=True)
+    weights = mx.exp((maxima - top) * scale)  # 0 for an empty shard
+    sums = (weights * partials[..., :head_dim + 1]).sum(axis=0, keepdims=True)
+    return (sums[..., :head_dim] / sums[..., head_dim:])[0]
 
 
 def tile_ranges(positions: np.ndarray, size: int) -> list[tuple[int, int]]:

@@ -104,13 +104,28 @@ def _shifted_parts(x: mx.array, shift: mx.array):
     return _mantissa_and_exponent_bits(x - shift)
 
 
+def _scaled_parts(x: mx.array, shift: mx.array, scale: mx.array):
+    return _mantissa_and_exponent_bits((x - shift) * scale)
+
+
 _compiled_shifted_parts = PerShape(_shifted_parts, SHAPES_KEPT)
+_compiled_scaled_parts = PerShape(_scaled_parts, SHAPES_KEPT)
 
 
-def _compiled_exp(x: mx.array, shift: mx.array) -> mx.array:
-    """``exp(x - shift)`` through the compiled kernels. (A view cannot be compiled: the
-    exponent bits are viewed as floats outside.)"""
-    e_r, bits = _compiled_shifted_parts(x, shift)
+def _scaled_mlx_exp(x: mx.array, shift: mx.array, scale: mx.array) -> mx.array:
+    return mx.exp((x - shift) * scale)  # compiled: one node
+
+
+_scaled_exp = PerShape(_scaled_mlx_exp, SHAPES_KEPT)
+
+
+def _compiled_exp(x: mx.array, shift: mx.array, scale: mx.array | None = None) -> mx.array:
+    """``exp((x - shift) * scale)`` through the compiled kernels. (A view cannot be
+    compiled: the exponent bits are viewed as floats outside.)"""
+    if scale is None:
+        e_r, bits = _compiled_shifted_parts(x, shift)
+    else:
+        e_r, bits = _compiled_scaled_parts(x, shift, scale)
     return e_r * bits.view(mx.float32)
 
 
@@ -140,12 +155,19 @@ def _polynomial_wanted(x: mx.array) -> bool:
     return x.size >= MIN_ELEMENTS and x.dtype == mx.float32 and polynomial_exp_enabled()
 
 
-def softmax_exp(scores: mx.array, maxima: mx.array) -> mx.array:
+def softmax_exp(scores: mx.array, maxima: mx.array, scale: float | None = None) -> mx.array:
     """``mx.exp(scores - maxima)``: float32 scores and their (broadcast) maxima, finite,
-    so that every argument is <= 0."""
+    so that every argument is <= 0. With ``scale`` (> 0): ``exp((scores - maxima) *
+    scale)``, the softmax of scores not yet scaled, in the same kernels (decode's
+    scores: no graph nodes to scale the query first)."""
+    if scale is None:
+        if not _polynomial_wanted(scores):
+            return mx.exp(scores - maxima)
+        return _compiled_exp(scores, maxima)
+    factor = mx.array(scale, mx.float32)
     if not _polynomial_wanted(scores):
-        return mx.exp(scores - maxima)
-    return _compiled_exp(scores, maxima)
+        return _scaled_exp(scores, maxima, factor)
+    return _compiled_exp(scores, maxima, factor)
 
 
 def _sigmoid_times(gate: mx.array, up: mx.array, e_r: mx.array, two_to_n: mx.array):

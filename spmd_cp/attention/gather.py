@@ -18,7 +18,8 @@ import numpy as np
 
 from ..runtime.comm import Comm
 from ..runtime.device import on_gpu_path, use_fused_attention
-from .block import (block_attention, merge_stacked, merge_stacked_columns, pack_partial,
+from .block import (SCORE_TILE_ELEMENTS, block_attention, decode_partial_packed,
+                    merge_packed_sums, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial)
 from .fused import decode_partial, fused_output, in_position_order
 
@@ -70,6 +71,11 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     def attend(q, keys, values, q_pos, k_pos, scale):
         if comm.size == 1:
             return single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused)
+        if compiled_merge and merge == "allgather" and not fused and _whole_shard(
+                q, keys, q_pos, k_pos):
+            partials = comm.allgather_stack(decode_partial_packed(q, keys, values, scale))
+            merged = _merge_sums(partials, q.shape[-1], mx.array(scale, mx.float32))
+            return merged.reshape(q.shape)
         if fused:
             out, lse = decode_partial(q, keys, values, q_pos, k_pos, scale)
         else:
@@ -87,6 +93,19 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
         return merged
 
     return attend
+
+
+def _whole_shard(q, keys, q_pos, k_pos) -> bool:
+    """Whether one float32 query row sees this rank's whole shard in one score tile
+    (decode on the CPU path): then its partial travels unnormalized
+    (block.decode_partial_packed), in fewer graph nodes than (out, lse)."""
+    return (q.shape[1] == 1 and q.dtype == keys.dtype == mx.float32
+            and (k_pos.size == 0 or q_pos[0] >= k_pos.max())
+            and q.shape[0] * keys.shape[1] <= SCORE_TILE_ELEMENTS)
+
+
+# Compiled once (the shapes of a model's decode partials stay; only N varies them).
+_merge_sums = mx.compile(merge_packed_sums)
 
 
 @mx.compile

@@ -62,17 +62,20 @@ static inline float dot(const float *x, const float *y, int k) {
 }
 
 /* c (m x n, n <= FEW_COLUMNS) = alpha A (m x k, rows lda apart) B' + beta c, where
- * column j of B' is the k values at b + j * ldb: each row of A read once, its n dot
- * products in cache. */
+ * column j of B' is the k values at b + j * ldb and c's entry (i, j) is at
+ * c[i * c_row + j * c_column]: each row of A read once, its n dot products in cache.
+ * (c transposed, c_row = 1, is the same product with the roles of A and B swapped.) */
 VECTOR_CLONES
 static void few_columns(int m, int n, int k, float alpha, const float *a, int lda,
-                        const float *b, int ldb, float beta, float *c, int ldc) {
+                        const float *b, int ldb, float beta, float *c, ptrdiff_t c_row,
+                        ptrdiff_t c_column) {
   for (int i = 0; i < m; i++) {
     const float *row = a + (ptrdiff_t)i * lda;
-    float *out = c + (ptrdiff_t)i * ldc;
+    float *out = c + (ptrdiff_t)i * c_row;
     for (int j = 0; j < n; j++) {
       float value = alpha * dot(row, b + (ptrdiff_t)j * ldb, k);
-      out[j] = beta == 0.0f ? value : value + beta * out[j];
+      float *entry = out + j * c_column;
+      *entry = beta == 0.0f ? value : value + beta * *entry;
     }
   }
 }
@@ -143,6 +146,14 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     }
     return;
   }
+  if (order == ROW_MAJOR && k > 0 && m > 0 && m <= FEW_COLUMNS && n >= LONG_ROWS &&
+      a_plain && !b_plain) {
+    /* The same scores the other way round: a query group's few rows times a shard's
+     * keys given as rows (B transposed), each key row's dot products written down a
+     * column of c. */
+    few_columns(n, m, k, alpha, b, ldb, a, lda, beta, c, 1, ldc);
+    return;
+  }
   if (next_sgemv != NULL && order == ROW_MAJOR && k > 0 && n > 0 && m <= FEW_ROWS &&
       (size_t)k * n * sizeof(float) <= CACHED_BYTES) {
     /* A few rows times a matrix that stays in cache between them (decode attention:
@@ -161,7 +172,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       a_plain && !b_plain) {
     /* Decode attention's scores: a shard's keys (m x k) times a query group's few
      * columns, given as its rows (B transposed). */
-    few_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    few_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, 1);
     return;
   }
   if (order == ROW_MAJOR && k >= LONG_ROWS && m > 0 && m <= STREAM_ROWS && n > 0 &&
