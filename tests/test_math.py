@@ -105,14 +105,14 @@ def test_decode_row_against_head_tail_keys_matches_dense():
     np.testing.assert_allclose(np.array(lse), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("extra_keys", [-2000, 1])  # MLX's fused kernel, then block_attention
+@pytest.mark.parametrize("extra_keys", [-40, 0, 1, 2000])  # MLX's fused kernel, then the tile
 def test_single_rank_decode_attention_matches_dense_on_both_sides_of_the_fused_cutoff(extra_keys):
     from mpi4py import MPI
 
-    from spmd_cp.attention.gather import FUSED_DECODE_MAX_KEYS, decode_attention
+    from spmd_cp.attention.gather import decode_attention, fused_decode_max_keys
     from spmd_cp.runtime.comm import Comm
 
-    num_keys = FUSED_DECODE_MAX_KEYS + extra_keys
+    num_keys = fused_decode_max_keys(6) + extra_keys
     rng = np.random.default_rng(3)
     q = rng.normal(size=(6, 1, 16)).astype(np.float32) * 3
     k = rng.normal(size=(2, num_keys, 16)).astype(np.float32) * 3

@@ -21,6 +21,7 @@ from ..runtime.device import on_gpu_path, use_fused_attention
 from .block import (SCORE_TILE_ELEMENTS, block_attention, decode_partial_packed,
                     merge_packed_sums, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial)
+from .exp import SOFTMAX_MIN_ELEMENTS, polynomial_exp_enabled
 from .fused import decode_partial, fused_output, in_position_order
 
 
@@ -49,10 +50,20 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
 DECODE_MERGES = ("allgather", "allreduce")
 
 # On one rank nothing is merged, so no lse is needed and MLX's fused attention can serve
-# the decode query. Below about 2K keys it wins (30 layers over 1K keys: 6.8 vs 10.4 ms,
-# and a smaller graph to build per step); above, block_attention's folded GQA matmul is
-# faster on this CPU (over 4K keys: 31 vs 49 ms; benchmarks/decode_overhead.py).
+# the decode query. It wins over few keys: 30 layers of 9 heads over 128 keys 1.03 against
+# 1.13 ms. Where the softmax takes the compiled exp (exp.SOFTMAX_MIN_ELEMENTS scores),
+# block_attention's decode tile is faster: over 256 / 1K / 3K keys 1.46 / 3.97 / 10.0
+# against 1.64 / 5.66 / 15.6 ms. Without the compiled exp the fused attention serves up
+# to FUSED_DECODE_MAX_KEYS (the measured crossing then: 30 layers over 1K keys 6.8 vs
+# 10.4 ms, over 4K 49 vs 31; benchmarks/decode_overhead.py).
 FUSED_DECODE_MAX_KEYS = 2048
+
+
+def fused_decode_max_keys(num_heads: int) -> int:
+    """The most keys one rank's decode query attends to through MLX's fused attention."""
+    if polynomial_exp_enabled():
+        return -(-SOFTMAX_MIN_ELEMENTS // num_heads) - 1  # the tile from its compiled exp on
+    return FUSED_DECODE_MAX_KEYS
 
 
 def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = None):
@@ -123,7 +134,7 @@ def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):
     if fused:
         return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None],
                                                     scale=scale)[0]
-    if keys.shape[1] <= FUSED_DECODE_MAX_KEYS:
+    if keys.shape[1] <= fused_decode_max_keys(q.shape[0]):
         q, keys, values = (x.astype(mx.float32)[None] for x in (q, keys, values))
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)[0]
     return block_attention(q, keys, values, q_pos, k_pos, scale)[0]
