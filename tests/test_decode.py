@@ -95,6 +95,56 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
         np.testing.assert_array_equal(keys_a, keys_b)
 
 
+def test_positions_and_token_ids_grow_in_place_as_plain_concatenation_would():
+    """The cache's per-rank positions and token ids (buffers that double as they fill)
+    through prefill-like and decode-like appends, truncation and rollback: equal to
+    numpy concatenation and filtering of the same records, step by step."""
+    from spmd_cp.engine.cache import ShardedKVCache
+
+    cache = ShardedKVCache(num_layers=1, cp_rank=1, cp_size=3)
+    want_positions = [np.zeros(0, np.int64) for _ in range(3)]
+    want_ids = np.zeros(0, np.int64)
+    rng = np.random.default_rng(4)
+
+    def append(counts):
+        nonlocal want_ids
+        start, pieces = cache.num_tokens, []
+        for count in counts:
+            pieces.append(np.arange(start, start + count))
+            start += count
+        ids = rng.integers(0, 1000, start - cache.num_tokens)
+        cache.add_positions(pieces, ids)
+        for rank, piece in enumerate(pieces):
+            want_positions[rank] = np.concatenate([want_positions[rank], piece])
+        want_ids = np.concatenate([want_ids, ids])
+
+    def check():
+        for got, want in zip(cache.rank_positions, want_positions):
+            assert got.tolist() == want.tolist()
+        assert cache.token_ids.tolist() == want_ids.tolist()
+        assert cache.positions.tolist() == want_positions[1].tolist()
+        assert cache.num_tokens == want_ids.size == sum(p.size for p in want_positions)
+
+    append([40, 30, 50])  # a prefill
+    check()
+    for step in range(300):  # decode tokens, one rank at a time: the buffers grow
+        append([1 if rank == step % 3 else 0 for rank in range(3)])
+        check()
+    cache.truncate(200)  # back to a shared document
+    want_positions = [p[p < 200] for p in want_positions]
+    want_ids = want_ids[:200]
+    check()
+    checkpoint = cache.checkpoint()
+    append([5, 0, 7])
+    cache.set_token(201, 17)
+    want_ids[201] = 17
+    check()
+    cache.rollback(checkpoint)
+    want_positions = [p[p < 200] for p in want_positions]
+    want_ids = want_ids[:200]
+    check()
+
+
 def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
     """state()/from_state() (what prompt caches save and load) keep the K/V, positions,
     token ids and decode placement: the next decode step gives the same logits; and a

@@ -78,12 +78,18 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     """
     fused = use_fused_attention() if fused is None else fused
     compiled_merge = not on_gpu_path()  # asked once a step, not once a layer
+    newest = {}  # the shard's newest position, found once a step: every layer's is the same
+
+    def newest_key(k_pos: np.ndarray) -> int:
+        if newest.get("of") is not k_pos:
+            newest.update(of=k_pos, position=int(k_pos.max()) if k_pos.size else -1)
+        return newest["position"]
 
     def attend(q, keys, values, q_pos, k_pos, scale):
         if comm.size == 1:
             return single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused)
         if compiled_merge and merge == "allgather" and not fused and _whole_shard(
-                q, keys, q_pos, k_pos):
+                q, keys, q_pos, newest_key(k_pos)):
             partials = comm.allgather_stack(decode_partial_packed(q, keys, values, scale))
             merged = _merge_sums(partials, q.shape[-1], mx.array(scale, mx.float32))
             return merged.reshape(q.shape)
@@ -106,13 +112,13 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     return attend
 
 
-def _whole_shard(q, keys, q_pos, k_pos) -> bool:
-    """Whether one float32 query row sees this rank's whole shard in one score tile
-    (decode on the CPU path): then its partial travels unnormalized
-    (block.decode_partial_packed), in fewer graph nodes than (out, lse)."""
+def _whole_shard(q, keys, q_pos, newest_key: int) -> bool:
+    """Whether one float32 query row sees this rank's whole shard (its newest position
+    ``newest_key``, -1 if empty) in one score tile (decode on the CPU path): then its
+    partial travels unnormalized (block.decode_partial_packed), in fewer graph nodes
+    than (out, lse)."""
     return (q.shape[1] == 1 and q.dtype == keys.dtype == mx.float32
-            and (k_pos.size == 0 or q_pos[0] >= k_pos.max())
-            and q.shape[0] * keys.shape[1] <= SCORE_TILE_ELEMENTS)
+            and q_pos[0] >= newest_key and q.shape[0] * keys.shape[1] <= SCORE_TILE_ELEMENTS)
 
 
 # Compiled once (the shapes of a model's decode partials stay; only N varies them).

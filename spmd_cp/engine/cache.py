@@ -67,6 +67,37 @@ class LayerKV:
         return 2 * self.offset * per_token
 
 
+class GrowingInts:
+    """An int64 array appended to at its end, in a buffer that doubles as it fills: a
+    decode step's one position costs O(1), not a copy of every position so far (8 MB a
+    token at a million). ``values`` is a view; an append or a truncation may reuse the
+    buffer's tail, so a view held across them may change (none is: readers take the
+    current one)."""
+
+    def __init__(self):
+        self._buffer = np.zeros(0, np.int64)
+        self._size = 0
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._buffer[:self._size]
+
+    def extend(self, values) -> np.ndarray:
+        values = np.asarray(values, np.int64).reshape(-1)
+        end = self._size + values.size
+        if end > self._buffer.size:
+            grown = np.zeros(max(end, 2 * self._buffer.size, 64), np.int64)
+            grown[:self._size] = self._buffer[:self._size]
+            self._buffer = grown
+        self._buffer[self._size:end] = values
+        self._size = end
+        return self.values
+
+    def truncate(self, size: int) -> np.ndarray:
+        self._size = min(self._size, size)
+        return self.values
+
+
 class Checkpoint(NamedTuple):
     """What ``ShardedKVCache.rollback`` returns to: a length and the decode placement."""
 
@@ -87,9 +118,11 @@ class ShardedKVCache:
         self.cp_size = cp_size
         # Every rank's cached positions, in cache order. Partitioning is deterministic,
         # so all ranks keep identical copies without communicating (8 bytes a token).
-        self.rank_positions = [np.zeros(0, np.int64) for _ in range(cp_size)]
+        self._positions = [GrowingInts() for _ in range(cp_size)]
+        self.rank_positions = [p.values for p in self._positions]  # views, in rank order
         self.num_tokens = 0  # tokens cached across all ranks (= next global position)
-        self.token_ids = np.zeros(0, np.int64)  # the id at every global position
+        self._token_ids = GrowingInts()
+        self.token_ids = self._token_ids.values  # the id at every global position (a view)
         self.decode_steps = 0  # tokens added by decode: the placement rule counts them
         self.decode_owner = 0
 
@@ -105,9 +138,9 @@ class ShardedKVCache:
     def add_positions(self, rank_positions: list[np.ndarray], token_ids: np.ndarray):
         """Record a forward pass's new positions on every rank (before its layers run)
         and the token ids at those positions (consecutive, from ``num_tokens`` on)."""
-        self.token_ids = np.concatenate([self.token_ids, np.asarray(token_ids, np.int64)])
+        self.token_ids = self._token_ids.extend(token_ids)
         for rank, positions in enumerate(rank_positions):
-            self.rank_positions[rank] = np.concatenate([self.rank_positions[rank], positions])
+            self.rank_positions[rank] = self._positions[rank].extend(positions)
             self.num_tokens += int(positions.size)
 
     def place_decode_token(self, interleave: int) -> int:
@@ -141,12 +174,13 @@ class ShardedKVCache:
         each rank's entries.
         """
         for rank, positions in enumerate(self.rank_positions):
-            self.rank_positions[rank] = positions[positions < num_tokens]
+            kept = int(np.count_nonzero(positions < num_tokens))  # a prefix
+            self.rank_positions[rank] = self._positions[rank].truncate(kept)
         keep = self.rank_positions[self.cp_rank].size
         for layer in self.layers:
             layer.truncate(keep)
         self.num_tokens = min(self.num_tokens, num_tokens)
-        self.token_ids = self.token_ids[:self.num_tokens]
+        self.token_ids = self._token_ids.truncate(self.num_tokens)
 
     @property
     def nbytes(self) -> int:
