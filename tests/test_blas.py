@@ -127,7 +127,8 @@ rng = np.random.default_rng(0)
 sgemm = ctypes.CDLL(None).cblas_sgemm
 P, F = ctypes.c_void_p, ctypes.c_float
 worst, cases = 0.0, 0
-# (2, 64, 300): a few rows times a cached matrix (attention's values), row by row;
+# (2, 64, 300): a few rows times a cached matrix (attention's values): one pass, or row
+# by row where it is given transposed;
 # (3, 600, 600): the same rows times 1.4 MB, wider than the one-pass kernel, to sgemm;
 # (100, 3, 64), (70, 8, 37): many rows times a few columns given as rows (attention's
 # scores), one pass; (3, 1500, 64): the scores the other way round (a few rows times

@@ -9,17 +9,18 @@
  * sgemv; 24576 x 576: 9.2 against 33.1. (OpenBLAS 0.3.27 added the same forwarding as a
  * build option, GEMM_GEMV_FORWARD.)
  *
- * Also a few rows (m <= 4) times a matrix small enough to stay in cache between them:
- * decode attention's probabilities of a query group times a head's values, one sgemv per
- * row (30 layers of 3 heads x 1,500 keys: 8.5 against 10.4 ms).
+ * Also a few rows (m <= 4) times a matrix small enough to stay in cache between them,
+ * one sgemv per row, where the one-pass kernel below does not take it.
  *
- * And decode attention's two products over a long KV shard, one pass each where sgemm
- * packs its operand first (30 layers of 3 heads over 8,160 keys, one thread: the scores,
- * keys times a query group's few columns, 12.7 -> 11.1 ms, 15 -> 17 GB/s of keys; the
- * values, a few rows of probabilities times values that no longer stay in cache,
- * 18.8 -> 10.4 ms, 10 -> 18 GB/s; a plain read of the keys streams 30-32 GB/s):
- *   - few columns: each key row's dot products with the n <= 8 query columns;
- *   - few rows over a long matrix: m <= 8 rows of accumulators, one pass over its rows.
+ * And decode attention's two products over a KV shard, one pass each where sgemm packs
+ * its operand first (30 layers of 3 heads over 8,160 keys, one thread, AVX2 and FMA:
+ * the scores, keys times a query group's few columns or those rows times the keys as
+ * columns, 12.7 -> 7.1-8.0 ms, 15 -> 23-27 GB/s of keys; the values, a few rows of
+ * probabilities times the values, 18.8 -> 7.1 ms, 10 -> 27 GB/s, and over 1,500 keys
+ * 1.8 -> 1.4 ms; a plain read of the keys streams 30-33 GB/s):
+ *   - few columns: each key row's dot products with the n <= 8 query columns (written
+ *     down c's rows, or down its columns for the transposed product);
+ *   - few rows over a matrix: m <= 8 rows of accumulators, one pass over its rows.
  *
  * Preloaded ahead of the BLAS (blas/reexec.py), so MLX's cblas_sgemm resolves here;
  * every other product goes to the next library's cblas_sgemm unchanged. The forwarded product sums in sgemv's order, not sgemm's: the
@@ -38,12 +39,19 @@ enum { FEW_COLUMNS = 8, LONG_ROWS = 64, STREAM_ROWS = 8, MAX_WIDTH = 512 };
 
 /* Vector code for CPUs that have it, chosen when the library loads (GCC's ifunc
  * clones); LOOPS_VECTORIZED also vectorizes loops of a runtime length (-O3: the
- * build's -O2 leaves them scalar; the dot products' fixed lanes are faster at -O2:
- * 17.0 against 12.7 GB/s of keys). Elsewhere the plain code. */
+ * build's -O2 leaves them scalar). The clone is picked by the CPU's features
+ * (x86-64-v3: AVX2, FMA; GCC 11 on, before it AVX2 alone): an "arch=haswell" clone is
+ * picked only on a CPU that *is* a Haswell, never on an AMD EPYC or a later Intel.
+ * Elsewhere the plain code. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define VECTOR_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#if __GNUC__ >= 11
+#define VECTOR_TARGET "arch=x86-64-v3"
+#else
+#define VECTOR_TARGET "avx2"
+#endif
+#define VECTOR_CLONES __attribute__((target_clones(VECTOR_TARGET, "default")))
 #define LOOPS_VECTORIZED \
-  __attribute__((target_clones("arch=haswell", "default"), optimize("O3")))
+  __attribute__((target_clones(VECTOR_TARGET, "default"), optimize("O3")))
 #else
 #define VECTOR_CLONES
 #define LOOPS_VECTORIZED
@@ -154,11 +162,19 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     few_columns(n, m, k, alpha, b, ldb, a, lda, beta, c, 1, ldc);
     return;
   }
+  if (order == ROW_MAJOR && k >= LONG_ROWS && m > 0 && m <= STREAM_ROWS && n > 0 &&
+      n <= MAX_WIDTH && b_plain) {
+    /* Decode attention's values: a query group's probabilities (few rows, stored
+     * either way) times a shard of values, in cache or not. */
+    few_rows_streamed(m, n, k, alpha, a, a_plain ? lda : 1, a_plain ? 1 : lda, b, ldb,
+                      beta, c, ldc);
+    return;
+  }
   if (next_sgemv != NULL && order == ROW_MAJOR && k > 0 && n > 0 && m <= FEW_ROWS &&
       (size_t)k * n * sizeof(float) <= CACHED_BYTES) {
-    /* A few rows times a matrix that stays in cache between them (decode attention:
-     * a query group's probabilities times one head's values): one sgemv per row reads
-     * the matrix from memory once, where sgemm packs it first. */
+    /* A few rows times a matrix that stays in cache between them, given transposed or
+     * too short for the one-pass kernel: one sgemv per row reads the matrix from
+     * memory once, where sgemm packs it first. */
     for (int row = 0; row < m; row++) {
       const float *a_row = a_plain ? a + (ptrdiff_t)row * lda : a + row;
       float *c_row = c + (ptrdiff_t)row * ldc;
@@ -173,14 +189,6 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     /* Decode attention's scores: a shard's keys (m x k) times a query group's few
      * columns, given as its rows (B transposed). */
     few_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, 1);
-    return;
-  }
-  if (order == ROW_MAJOR && k >= LONG_ROWS && m > 0 && m <= STREAM_ROWS && n > 0 &&
-      n <= MAX_WIDTH && b_plain) {
-    /* Decode attention's values beyond the cache: a query group's probabilities (few
-     * rows, stored either way) times a long shard of values. */
-    few_rows_streamed(m, n, k, alpha, a, a_plain ? lda : 1, a_plain ? 1 : lda, b, ldb,
-                      beta, c, ldc);
     return;
   }
   next_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
