@@ -146,14 +146,15 @@ def decode_partial_packed(q, k, v, scale) -> mx.array:
 
 def merge_packed_sums(partials: mx.array, head_dim: int, scale: mx.array) -> mx.array:
     """The exact merge of stacked ``decode_partial_packed`` partials (P, NKV, G, d + 2),
-    as (NKV, G, d): each part's sums weighted by ``exp((max - top) * scale)``, then the
-    values' sum over the probabilities' sum. The top max is finite: the rank that stored
-    the query's own key sees at least that one. ``scale``: a float32 scalar array."""
+    as (1, NKV, G, d) (the stacking axis kept: no node to drop it): each part's sums
+    weighted by ``exp((max - top) * scale)``, then the values' sum over the
+    probabilities' sum. The top max is finite: the rank that stored the query's own key
+    sees at least that one. ``scale``: a float32 scalar array."""
     maxima = partials[..., head_dim + 1:]
     top = maxima.max(axis=0, keepdims=True)
     weights = mx.exp((maxima - top) * scale)  # 0 for an empty shard
     sums = (weights * partials[..., :head_dim + 1]).sum(axis=0, keepdims=True)
-    return (sums[..., :head_dim] / sums[..., head_dim:])[0]
+    return sums[..., :head_dim] / sums[..., head_dim:]
 
 
 def tile_ranges(positions: np.ndarray, size: int) -> list[tuple[int, int]]:
