@@ -53,8 +53,8 @@ ENV = "SPMD_CP_FAST_EXP"  # "0", "off", "no" or "false": MLX's exp everywhere
 # per-element saving (7.8 ns; a node costs 5-8 us on the CPU path).
 MIN_ELEMENTS = 8192
 # A decode query's softmax takes the compiled form from fewer elements: 30 layers of one
-# query row (9 heads) over 256 keys, 2,304 scores a layer, 1.46 against 1.82 ms with
-# MLX's exp (and 1.64 through MLX's fused attention); over 128 keys no faster.
+# query row (9 heads) over 256 keys, 2,304 scores a layer, 1.43 against 1.72 ms with
+# MLX's exp (and 1.61 through MLX's fused attention); over 128 keys no faster.
 SOFTMAX_MIN_ELEMENTS = 2048
 
 LOG2E = 1.4426950408889634

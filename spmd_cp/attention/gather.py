@@ -50,10 +50,10 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
 DECODE_MERGES = ("allgather", "allreduce")
 
 # On one rank nothing is merged, so no lse is needed and MLX's fused attention can serve
-# the decode query. It wins over few keys: 30 layers of 9 heads over 128 keys 1.03 against
-# 1.13 ms. Where the softmax takes the compiled exp (exp.SOFTMAX_MIN_ELEMENTS scores),
-# block_attention's decode tile is faster: over 256 / 1K / 3K keys 1.46 / 3.97 / 10.0
-# against 1.64 / 5.66 / 15.6 ms. Without the compiled exp the fused attention serves up
+# the decode query. It wins over few keys: 30 layers of 9 heads over 128 keys 1.02 against
+# 1.16 ms. Where the softmax takes the compiled exp (exp.SOFTMAX_MIN_ELEMENTS scores),
+# block_attention's decode tile is faster: over 256 / 1K / 3K keys 1.43 / 3.31 / 7.70
+# against 1.61 / 5.53 / 15.64 ms. Without the compiled exp the fused attention serves up
 # to FUSED_DECODE_MAX_KEYS (the measured crossing then: 30 layers over 1K keys 6.8 vs
 # 10.4 ms, over 4K 49 vs 31; benchmarks/decode_overhead.py).
 FUSED_DECODE_MAX_KEYS = 2048
