@@ -159,6 +159,14 @@ def _polynomial_wanted(x: mx.array, minimum: int = MIN_ELEMENTS) -> bool:
     return x.size >= minimum and x.dtype == mx.float32 and polynomial_exp_enabled()
 
 
+@functools.lru_cache(maxsize=64)
+def scalar(value: float) -> mx.array:
+    """A float32 scalar array, made once per value (a constant every layer reuses)."""
+    array = mx.array(value, mx.float32)
+    mx.eval(array)
+    return array
+
+
 def softmax_exp(scores: mx.array, maxima: mx.array, scale: float | None = None) -> mx.array:
     """``mx.exp(scores - maxima)``: float32 scores and their (broadcast) maxima, finite,
     so that every argument is <= 0. With ``scale`` (> 0): ``exp((scores - maxima) *
@@ -167,7 +175,7 @@ def softmax_exp(scores: mx.array, maxima: mx.array, scale: float | None = None) 
     polynomial = _polynomial_wanted(scores, SOFTMAX_MIN_ELEMENTS)
     if scale is None:
         return _compiled_exp(scores, maxima) if polynomial else mx.exp(scores - maxima)
-    factor = mx.array(scale, mx.float32)
+    factor = scalar(scale)
     if polynomial:
         return _compiled_exp(scores, maxima, factor)
     return _scaled_exp(scores, maxima, factor)

@@ -21,7 +21,7 @@ from ..runtime.device import on_gpu_path, use_fused_attention
 from .block import (SCORE_TILE_ELEMENTS, block_attention, decode_partial_packed,
                     merge_packed_sums, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial)
-from .exp import SOFTMAX_MIN_ELEMENTS, polynomial_exp_enabled
+from .exp import SOFTMAX_MIN_ELEMENTS, polynomial_exp_enabled, scalar
 from .fused import decode_partial, fused_output, in_position_order
 
 
@@ -91,7 +91,7 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
         if compiled_merge and merge == "allgather" and not fused and _whole_shard(
                 q, keys, q_pos, newest_key(k_pos)):
             partials = comm.allgather_stack(decode_partial_packed(q, keys, values, scale))
-            merged = _merge_sums(partials, q.shape[-1], mx.array(scale, mx.float32))
+            merged = _merge_sums(partials, q.shape[-1], scalar(scale))
             return merged.reshape(q.shape)
         if fused:
             out, lse = decode_partial(q, keys, values, q_pos, k_pos, scale)
