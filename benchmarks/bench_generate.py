@@ -45,6 +45,9 @@ import benchlib as bl  # noqa: E402
 
 GPL = Path("/usr/share/common-licenses/GPL-3")
 FALLBACK = bl.RESULTS / "prompts" / "prompt_4096.txt"
+# A warm-up (two tokens after "Hello") converts the weights and calibrates at most: one
+# that takes longer than this is hung (a launcher that never started its ranks).
+WARM_UP_LIMIT_S = 600
 
 
 def make_prompt(target_tokens: int, directory: Path) -> tuple[Path, str, int]:
@@ -157,7 +160,7 @@ def main():
         for _, n, spmd_cp, run_env in configs:  # fills the calibration (and weight) cache
             bl.run_json(launcher(spmd_cp, n) + ["generate", "--prompt", "Hello",
                                                 "--max-tokens", "2", "--json"],
-                        env=run_env, quiet_wait=0, cwd=tmp)
+                        env=run_env, quiet_wait=0, cwd=tmp, timeout=WARM_UP_LIMIT_S)
         runs = [generate(n, prompt, args.tokens, run_env, spmd_cp, variant)
                 for _ in range(args.rounds) for variant, n, spmd_cp, run_env in configs]
     run_rows = [[i // len(configs) + 1, r["_variant"], r["ranks"], f"{r['_load_before']:.2f}",

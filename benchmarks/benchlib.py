@@ -22,6 +22,7 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -228,12 +229,21 @@ def run_json(cmd: list[str], env: dict | None = None, timeout: float = 3600,
     load0, busy0, kids0 = loadavg()[0], busy_seconds(), children_cpu()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=cwd)
+                            env=env, cwd=cwd, start_new_session=True)
     sampler = TreeSampler(proc.pid) if sample_memory else None
     if sampler:
         sampler.__enter__()
     try:
         out, err = proc.communicate(timeout=timeout)
+    except BaseException as error:
+        # A launcher that hangs (an mpiexec that never starts its proxies) or a Ctrl-C
+        # must not leave the run's processes behind: its own session, ended as a whole.
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        if isinstance(error, subprocess.TimeoutExpired):
+            raise RuntimeError(f"{' '.join(map(str, cmd))} did not finish in {timeout:.0f} "
+                               f"s:\n{err[-4000:]}\n{out[-2000:]}") from None
+        raise
     finally:
         if sampler:
             sampler.__exit__(None, None, None)

@@ -1,0 +1,33 @@
+"""The benchmarks' runner (benchmarks/benchlib.run_json): a run past its limit ends with
+its whole process tree and a one-line reason, never a benchmark left waiting on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import benchlib  # noqa: E402
+
+
+def test_a_run_past_its_limit_ends_with_its_children(tmp_path):
+    marker = tmp_path / "child.pid"
+    # The child the command leaves running stands in for a rank an mpiexec started.
+    script = f"sleep 60 & echo $! > {marker}; wait"
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"did not finish in 2 s"):
+        benchlib.run_json(["bash", "-c", script], timeout=2, quiet_wait=0)
+    assert time.perf_counter() - start < 20
+    child = marker.read_text().strip()
+    alive = subprocess.run(["ps", "-o", "stat=", "-p", child], capture_output=True, text=True)
+    assert alive.stdout.strip() in ("", "Z"), f"child {child} still running: {alive.stdout}"
+
+
+def test_a_run_that_finishes_returns_its_last_json_line():
+    result = benchlib.run_json(["bash", "-c", "echo noise; echo '{\"tok_s\": 12.5}'"],
+                               quiet_wait=0)
+    assert result["tok_s"] == 12.5 and result["_returncode"] == 0
