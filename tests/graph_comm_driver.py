@@ -15,6 +15,9 @@ import mlx.core as mx
 import numpy as np
 
 
+RESIDUAL = np.array([[0.5, -3.0, 7.25, 1e6, -2.0]], np.float32)  # a (1, 5) row
+
+
 def contribution(rank: int) -> dict:
     """Rank r's inputs: ``r + 1`` rows for the uneven gathers, the same shape elsewhere."""
     rows = np.arange((rank + 1) * 4, dtype=np.float32).reshape(1, rank + 1, 4) + 100 * rank
@@ -47,6 +50,10 @@ def main():
             "sum": graph.allreduce(mine["block"], "sum"),
             "wide_sum": graph.allreduce(mine["wide"], "sum"),
             "row_sum": graph.allreduce(mine["row"], "sum"),
+            # a residual plus a row-parallel projection's pieces, as a split decode step
+            # adds them (one matmul onto the residual), and through Comm's host path
+            "row_onto": graph.allreduce_onto(mx.array(RESIDUAL), mine["row"]),
+            "row_onto_host": comm.allreduce_onto(mx.array(RESIDUAL), mine["row"]),
             "max": graph.allreduce(mine["block"] - comm.rank, "max"),
         }
         mx.eval(list(results.values()))

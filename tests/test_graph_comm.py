@@ -29,11 +29,11 @@ BACKENDS = [pytest.param("mpi", "MLX's MPI backend over MPICH", marks=needs_c_he
 @pytest.mark.parametrize("n", [2, 3])
 def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_path):
     """Uneven gathers (rank r contributes r + 1 rows), stack, sums (small ones through
-    all_gather, with and without a leading axis of 1; a 1 MiB one through all_sum) and
-    max: every rank gets exactly what numpy computes from all ranks' inputs (shapes
+    all_gather, with and without a leading axis of 1; a 1 MiB one through all_sum), a
+    row summed onto a residual (in the graph and through Comm) and max: every rank gets exactly what numpy computes from all ranks' inputs (shapes
     included), over either backend; and a send to the next rank arrives."""
     sys.path.insert(0, str(TESTS))
-    from graph_comm_driver import contribution
+    from graph_comm_driver import RESIDUAL, contribution
 
     records = graph_records(n, tmp_path, env={"SPMD_CP_GRAPH_BACKEND": backend,
                                               "SPMD_CP_CACHE": str(tmp_path)})
@@ -46,6 +46,8 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_
         "sum": np.sum([i["block"] for i in inputs], axis=0),
         "wide_sum": np.sum([i["wide"] for i in inputs], axis=0),
         "row_sum": np.sum([i["row"] for i in inputs], axis=0),
+        "row_onto": RESIDUAL + np.sum([i["row"] for i in inputs], axis=0),
+        "row_onto_host": RESIDUAL + np.sum([i["row"] for i in inputs], axis=0),
         "max": np.max([i["block"] - r for r, i in enumerate(inputs)], axis=0),
     }
     for rank, record in enumerate(records):

@@ -171,15 +171,17 @@ class ReplicatedLayer:
         attn = self.attn
         return linear(attn.q_proj, x), linear(attn.k_proj, x), linear(attn.v_proj, x)
 
-    def output(self, out: mx.array) -> mx.array:
-        """Attention output (1, n, NH*d) -> (1, n, D)."""
-        return linear(self.attn.o_proj, out)
+    def add_output(self, h: mx.array, out: mx.array) -> mx.array:
+        """The residual ``h`` plus the attention output (1, n, NH*d) projected to (1, n, D)."""
+        return h + linear(self.attn.o_proj, out)
 
-    def mlp(self, x: mx.array) -> mx.array:
+    def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
+        """The residual ``h`` plus the MLP of ``x`` (its normed copy)."""
         mlp = self.feed_forward
         if not isinstance(mlp, SWIGLU_MLPS):
-            return mlp(x)
-        return linear(mlp.down_proj, swiglu(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
+            return h + mlp(x)
+        return h + linear(mlp.down_proj,
+                          swiglu(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
 
 
 class CPModel:
@@ -226,8 +228,9 @@ class CPModel:
             attend: the CP attention for this call (see ``attention/``).
             on_layer: optional callback(layer_index) for the watchdog and fault injection.
             tracer: a trace.Tracer to time each layer (evaluated before its span closes).
-            projections: per layer, who computes q/k/v, o and the MLP (``qkv``, ``output``,
-                ``mlp``); default ``self.replicated``, tensor-parallel decode passes slices.
+            projections: per layer, who computes q/k/v, o and the MLP (``qkv``,
+                ``add_output``, ``add_mlp``: the residual plus o or the MLP); default
+                ``self.replicated``, tensor-parallel decode passes slices.
             modules: per layer, the module whose norms, RoPE and head counts the loop
                 reads (default ``self.layers``; a layer-sharded split step passes copies
                 of the small parts, tp_decode.LayerShell, so no layer is fetched).
@@ -253,8 +256,8 @@ class CPModel:
                 keys, values = local_shard(layer_kv, k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale)
                 # float32 partials must not widen the residual
-                h = h + project.output(heads_to_rows(out.astype(q.dtype), row_form))
-                h = h + project.mlp(norm(layer.post_attention_layernorm, h))
+                h = project.add_output(h, heads_to_rows(out.astype(q.dtype), row_form))
+                h = project.add_mlp(h, norm(layer.post_attention_layernorm, h))
                 if tracer is not None:
                     mx.eval(h)
         return h if row_form else h[0]

@@ -81,7 +81,8 @@ class LayerPlan:
 
 class LayerSlice:
     """One rank's slices of one layer's matrices, completed by collectives: the
-    projections of ``CPModel.forward`` (``qkv``, ``output``, ``mlp``) split across ranks."""
+    projections of ``CPModel.forward`` (``qkv``, ``add_output``, ``add_mlp``) split
+    across ranks."""
 
     def __init__(self, layer, comm, copy_rows: bool):
         """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives).
@@ -111,13 +112,13 @@ class LayerSlice:
         q_end, k_end = self.q_width, self.q_width + self.k_width
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
-    def output(self, out: mx.array) -> mx.array:
+    def add_output(self, h: mx.array, out: mx.array) -> mx.array:
         a, b = self.o_inputs
-        return self.comm.allreduce(self.o(out[..., a:b]), "sum")
+        return self.comm.allreduce_onto(h, self.o(out[..., a:b]))
 
-    def mlp(self, x: mx.array) -> mx.array:
+    def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         act = swiglu(self.gate(x), self.up(x))
-        return self.comm.allreduce(self.down(act), "sum")
+        return self.comm.allreduce_onto(h, self.down(act))
 
 
 def _head(model: CPModel) -> WeightMatrix:

@@ -243,6 +243,11 @@ class Comm:
         self.bytes_sent += (self.size - 1) * send.nbytes
         return from_wire(recv, array.dtype)
 
+    def allreduce_onto(self, base: mx.array, array: mx.array) -> mx.array:
+        """``base`` plus the sum of every rank's ``array`` (a residual and the pieces of a
+        row-parallel projection)."""
+        return base + self.allreduce(array, "sum")
+
     def allreduce(self, array: mx.array, op: str) -> mx.array:
         """Elementwise ``op`` ("sum" or "max") over every rank's same-shaped ``array``.
 

@@ -30,6 +30,7 @@ MLX's evaluation order is the same on every rank.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -127,6 +128,29 @@ class GraphCollectives:
         self._count(2 * (self.size - 1) * array.nbytes // self.size)
         reduce = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max}[op]
         return reduce(array, group=self.group)
+
+
+    def allreduce_onto(self, base: mx.array, array: mx.array) -> mx.array:
+        """``base`` plus the sum of every rank's ``array``. A decode row (1, D) is gathered
+        as (N, D) and summed onto ``base`` by one matmul, ``base + ones(1, N) @ rows``
+        (``mx.addmm``): the gathered sum and the residual's add in one graph node
+        instead of two (60 nodes fewer a split step of a 30-layer model). Every rank
+        runs the same BLAS call on the same rows, so all hold the same bits."""
+        if (array.ndim == 2 and array.shape[0] == 1 and base.shape == array.shape
+                and base.dtype == array.dtype == mx.float32
+                and self.size * array.nbytes <= GATHER_SUM_MAX_BYTES):
+            self._count((self.size - 1) * array.nbytes)
+            gathered = mx.distributed.all_gather(array, group=self.group)  # (N, D)
+            return mx.addmm(base, _ones_row(self.size), gathered)
+        return base + self.allreduce(array, "sum")
+
+
+@functools.lru_cache(maxsize=None)
+def _ones_row(size: int) -> mx.array:
+    """(1, size) float32 ones, kept: the weights of a gathered sum's matmul."""
+    ones = mx.ones((1, size), mx.float32)
+    mx.eval(ones)
+    return ones
 
 
 def chained_latency(collectives, comm, width: int = 1024, repeats: int = 16,
