@@ -48,15 +48,18 @@ def split_matrix_bytes(model) -> int:
 
 def split_copy_bytes(model, cp_size: int) -> int:
     """Bytes the split step copies on the busiest of ``cp_size`` ranks when the weights
-    are replicated: its columns of every layer's o and down projections (the row slices
-    are views, tp_decode.py). 0 for one rank."""
+    are replicated: its columns of every layer's o and down projections, and of a small
+    model the q/k/v rows of a rank whose rows span several of those matrices (the other
+    row slices are views, tp_decode.py). 0 for one rank."""
     if cp_size == 1:
         return 0
+    from .tp_decode import joined_qkv_bytes  # MLX graph code; this module stays pure
+
     modules = [getattr(part, name, None) for layer in model.layers
                for part, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj"))]
     total = sum(v.nbytes for m in modules if m is not None
                 for _, v in tree_flatten(m.parameters()))
-    return -(-total // cp_size)
+    return -(-total // cp_size) + sum(joined_qkv_bytes(layer, cp_size) for layer in model.layers)
 
 
 def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_bytes_per_s: float,

@@ -32,9 +32,36 @@ from ..attention.exp import swiglu
 from ..runtime.comm import Comm
 from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
 from .vocab_parallel import VocabParallelHead
-from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges
+from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges, stack_rows
 
 log = logging.getLogger("spmd_cp")
+
+# A rank whose q/k/v outputs span several of the matrices (at N = 2 the second rank's
+# span the end of Wq, Wk and Wv) copies its rows into one matrix when they take at most
+# this many bytes a layer: one matmul instead of three and a concatenation, so both
+# ranks reach each collective with the same number of graph nodes (a node costs about
+# 5 us on the 2-core test machine, a layer's three matmuls and concatenation 20 us; a
+# 4 MiB matmul takes 130 us or more at 30 GB/s). Larger models keep views: the copy
+# would cost 1/N of their q/k/v weights in memory for a saving they would not see.
+JOIN_QKV_MAX_BYTES = 4 << 20
+
+
+def _joined_bytes(pieces: list[WeightMatrix]) -> int:
+    """Bytes of the one matrix a rank's q/k/v row ``pieces`` are copied into, or 0 where
+    they stay views (one piece, or more than ``JOIN_QKV_MAX_BYTES``)."""
+    nbytes = sum(t.nbytes for m in pieces for t in m.arrays)
+    return nbytes if len(pieces) > 1 and nbytes <= JOIN_QKV_MAX_BYTES else 0
+
+
+def joined_qkv_bytes(layer, size: int) -> int:
+    """The most bytes any of ``size`` ranks copies for ``layer``'s q/k/v rows when the
+    weights stay loaded (LayerSlice), 0 where none does or the layer cannot be split."""
+    try:
+        plan = LayerPlan.of(layer, size)
+    except (TypeError, ValueError):
+        return 0
+    return max(_joined_bytes(column_slice(plan.qkv, a, b, join=False))
+               for a, b in plan.qkv_ranges)
 
 
 def _matrix(parent: nn.Module, name: str) -> WeightMatrix:
@@ -88,14 +115,17 @@ class LayerSlice:
         """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives).
         ``copy_rows``: copy the row slices too (the layer's weights will not stay: q/k/v
         rows joined into one matrix, gate, up), else they are views into the loaded
-        matrices (q/k/v as one matmul per matrix touched). The column slices of o and
-        down are copies either way (a view of columns is not a matrix BLAS streams)."""
+        matrices (q/k/v as one matmul per matrix touched, unless the rows are few: see
+        ``JOIN_QKV_MAX_BYTES``). The column slices of o and down are copies either way
+        (a view of columns is not a matrix BLAS streams)."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
         self.q_width, self.k_width = plan.qkv[0].out_width, plan.qkv[1].out_width
-        parts = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=copy_rows)
-        self.qkv_parts = [m.evaluated(copy=copy_rows) for m in parts]
+        pieces = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=False)
+        join_qkv = copy_rows or _joined_bytes(pieces) > 0
+        parts = stack_rows(pieces) if join_qkv else pieces
+        self.qkv_parts = [m.evaluated(copy=join_qkv) for m in parts]
         self.o_inputs = plan.o_ranges[rank]
         self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
         a, b = plan.hidden_ranges[rank]
@@ -103,8 +133,10 @@ class LayerSlice:
         self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
         self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
         self.own = [self.o, self.down]
+        if join_qkv:
+            self.own += self.qkv_parts
         if copy_rows:
-            self.own += self.qkv_parts + [self.gate, self.up]
+            self.own += [self.gate, self.up]
 
     def qkv(self, x: mx.array):
         qkv = apply_all(self.qkv_parts, x)  # this rank's outputs of [Wq; Wk; Wv]
