@@ -30,8 +30,9 @@ BACKENDS = [pytest.param("mpi", "MLX's MPI backend over MPICH", marks=needs_c_he
 def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_path):
     """Uneven gathers (rank r contributes r + 1 rows), stack, sums (small ones through
     all_gather, with and without a leading axis of 1; a 1 MiB one through all_sum), a
-    row summed onto a residual (in the graph and through Comm) and max: every rank gets exactly what numpy computes from all ranks' inputs (shapes
-    included), over either backend; and a send to the next rank arrives."""
+    row summed onto a residual (in the graph and through Comm) and max: every rank gets
+    exactly what numpy computes from all ranks' inputs (shapes included), over either
+    backend; and a send to the next rank arrives."""
     sys.path.insert(0, str(TESTS))
     from graph_comm_driver import RESIDUAL, contribution
 

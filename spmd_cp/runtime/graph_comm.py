@@ -129,7 +129,6 @@ class GraphCollectives:
         reduce = {"sum": mx.distributed.all_sum, "max": mx.distributed.all_max}[op]
         return reduce(array, group=self.group)
 
-
     def allreduce_onto(self, base: mx.array, array: mx.array) -> mx.array:
         """``base`` plus the sum of every rank's ``array``. A decode row (1, D) is gathered
         as (N, D) and summed onto ``base`` by one matmul, ``base + ones(1, N) @ rows``
