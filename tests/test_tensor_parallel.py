@@ -183,30 +183,28 @@ def test_mixed_quantized_tiny_model_splits_unevenly_and_decodes_as_one_rank(tiny
     assert (split.last_json()["text"], split.last_json()["tokens"]) == (single["text"], 10)
 
 
-def test_a_small_models_q_k_v_rows_spanning_matrices_are_joined_into_one(embedded_model):
+def test_a_small_models_q_k_v_rows_spanning_matrices_are_joined_into_one(embedded_model,
+                                                                        monkeypatch):
     """At N = 2 SmolLM2's second rank owns q/k/v outputs 480..960: the last 96 rows of
     Wq, all of Wk and Wv. Small (1.1 MB a layer in float32), they are copied into one
-    matrix (one matmul, like the first rank's), and that copy is what the memory
-    forecast adds; rows over JOIN_QKV_MAX_BYTES a layer stay views."""
+    matrix (one matmul, like the first rank's); rows over JOIN_QKV_MAX_BYTES a layer stay
+    views. (That the memory forecast counts the copy: test_decode_choice.py's forecast
+    against the ranks' model_bytes.)"""
     from spmd_cp.engine import tp_decode
     from spmd_cp.engine.weight_slices import stack_rows
     from spmd_cp.models.loader import load_model
 
     layer = load_model(embedded_model).model.model.layers[0]
-    d = layer.self_attn.q_proj.weight.shape[1]
-    assert tp_decode.joined_qkv_bytes(layer, 2) == 480 * d * 4
+    hidden = layer.self_attn.q_proj.weight.shape[1]
+    assert tp_decode.joined_qkv_bytes(layer, 2) == 480 * hidden * 4
     plan = tp_decode.LayerPlan.of(layer, 2)
     first, second = (column_slice(plan.qkv, a, b, join=False) for a, b in plan.qkv_ranges)
     assert (len(first), len(second)) == (1, 3)
-    x = mx.random.normal((1, d))
+    x = mx.random.normal((1, hidden))
     joined = stack_rows(second)
     assert len(joined) == 1
     np.testing.assert_array_equal(np.array(apply_all(joined, x)), np.array(apply_all(second, x)))
     expected = np.concatenate([np.array(m.weight) for m in plan.qkv])[480:] @ np.array(x)[0]
     np.testing.assert_allclose(np.array(apply_all(joined, x))[0], expected, rtol=1e-5, atol=1e-5)
-    old = tp_decode.JOIN_QKV_MAX_BYTES
-    try:
-        tp_decode.JOIN_QKV_MAX_BYTES = 480 * d * 4 - 1
-        assert tp_decode.joined_qkv_bytes(layer, 2) == 0
-    finally:
-        tp_decode.JOIN_QKV_MAX_BYTES = old
+    monkeypatch.setattr(tp_decode, "JOIN_QKV_MAX_BYTES", 480 * hidden * 4 - 1)
+    assert tp_decode.joined_qkv_bytes(layer, 2) == 0

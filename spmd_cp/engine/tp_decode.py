@@ -38,8 +38,8 @@ log = logging.getLogger("spmd_cp")
 
 # A rank whose q/k/v outputs span several of the matrices (at N = 2 the second rank's
 # span the end of Wq, Wk and Wv) copies its rows into one matrix when they take at most
-# this many bytes a layer: one matmul instead of three and a concatenation, so both
-# ranks reach each collective with the same number of graph nodes (a node costs about
+# this many bytes a layer: one matmul instead of three and a concatenation, so every
+# rank builds the same q/k/v nodes before the gather that waits for all (a node costs about
 # 5 us on the 2-core test machine, a layer's three matmuls and concatenation 20 us; a
 # 4 MiB matmul takes 130 us or more at 30 GB/s). Larger models keep views: the copy
 # would cost 1/N of their q/k/v weights in memory for a saving they would not see.
