@@ -22,14 +22,25 @@
  *     down c's rows, or down its columns for the transposed product);
  *   - few rows over a matrix: m <= 8 rows of accumulators, one pass over its rows.
  *
+ * And a matrix-vector product with a float32 matrix registered with its quantized form
+ * (below: "quantized shadows") reads the packed form instead.
+ *
  * Preloaded ahead of the BLAS (blas/reexec.py), so MLX's cblas_sgemm resolves here;
- * every other product goes to the next library's cblas_sgemm unchanged. The forwarded product sums in sgemv's order, not sgemm's: the
- * same values to float32 rounding, not the same bits.
+ * every other product goes to the next library's cblas_sgemm unchanged. The forwarded
+ * product sums in sgemv's order, not sgemm's: the same values to float32 rounding, not
+ * the same bits.
  */
 
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_X86_VECTORS 1
+#endif
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111 };
 enum { FEW_ROWS = 4, CACHED_BYTES = 1 << 20 }; /* within a 2 MiB L2 */
@@ -112,6 +123,345 @@ static void few_rows_streamed(int m, int n, int k, float alpha, const float *a,
   }
 }
 
+/*
+ * Quantized shadows (blas/quantized_shadows.py): a float32 weight matrix that was
+ * dequantized from a quantized file (GGUF Q4_0/Q4_1/Q8_0, MLX's 4- and 8-bit) can be
+ * registered with its packed form. A decode product of one row times such a matrix
+ * (given as its rows, B transposed, or a run of them) then reads the packed form, 5-6x
+ * fewer bytes than the float32 matrix, and dequantizes each weight in registers to the
+ * very float32 value the matrix holds: registration checks that bit for bit, row by
+ * row, and refuses the shadow otherwise. So the product has the float32 matrix's
+ * weights exactly and differs from sgemv's only in the order of its sums.
+ *
+ * Weights are w = scale * q + bias per group of columns (scale and bias float32, q the
+ * unsigned integer of `bits` bits, MLX's packing: element e of a byte run at bit
+ * bits * e). The dequantization that made the float32 matrix rounded either once (a
+ * fused multiply-add) or twice; registration finds which and the kernel repeats it.
+ * AVX2 and FMA only: scalar dequantization would be slower than reading the float32
+ * matrix, so without them nothing registers.
+ */
+enum { MAX_SHADOWS = 8192 };
+enum { SHADOW_FUSED = 1, SHADOW_UNFUSED = 0, SHADOW_DIFFERS = -1, SHADOW_UNSUPPORTED = -2,
+       SHADOW_FULL = -3, SHADOW_OVERLAPS = -4 };
+
+typedef struct {
+  const float *weights, *end; /* the float32 matrix (rows x cols, row-major) */
+  int rows, cols, bits, group, fused;
+  const uint8_t *packed;        /* row r at packed + r * packed_step bytes */
+  const float *scales, *biases; /* row r at + r * group_step floats */
+  size_t packed_step, group_step; /* a column slice's rows are further apart than its width */
+} shadow;
+
+static shadow shadows[MAX_SHADOWS]; /* sorted by `weights` */
+static int shadow_count;
+static long long shadow_products; /* products served, for tests and traces */
+
+#ifdef HAVE_X86_VECTORS
+#define SHADOW_TARGET __attribute__((target("avx2,fma")))
+
+/* The kernel reads eight uint32 words of a row at once, a "block" of 8 * (32 / bits)
+ * weights: lane k holds weights k * E .. k * E + E - 1 (E = 32 / bits), and shifting
+ * every lane by bits * s gives weight k * E + s of each. x is read in the same order,
+ * rearranged once a product (``lanes_of``): X[block][s][k] = x[block * 8E + k * E + s].
+ * Shifts and masks instead of byte shuffles keep the work off the one shuffle port.
+ * A row of 4-bit weights may end in half a block (32 weights, one group of 32, e.g. a
+ * column slice 288 wide): four words, the other four lanes zero, their x zero. */
+
+/* x (cols floats) rearranged for blocks of 8 * per_word weights into out, a last
+ * partial block padded with zeros. */
+static void lanes_of(const float *x, int cols, int per_word, float *out) {
+  int block = 8 * per_word;
+  for (int b = 0; b < cols; b += block)
+    for (int s = 0; s < per_word; s++)
+      for (int k = 0; k < 8; k++) {
+        int col = b + k * per_word + s;
+        *out++ = col < cols ? x[col] : 0.0f;
+      }
+}
+
+static int padded_columns(int cols, int bits) {
+  int block = 8 * 32 / bits;
+  return (cols + block - 1) / block * block;
+}
+
+/* scale * q + bias, rounded once (fused) or twice: never contracted by the compiler. */
+SHADOW_TARGET static inline __m256 dequantize8(__m256 q, __m256 scale, __m256 bias, int fused) {
+  if (fused) return _mm256_fmadd_ps(q, scale, bias);
+#if defined(__clang__) /* contracts within one expression only, and these are two */
+  return _mm256_add_ps(_mm256_mul_ps(q, scale), bias);
+#else /* the builtins, not the operators: GCC contracts a * b + c into one fma */
+  return __builtin_ia32_addps256(__builtin_ia32_mulps256(q, scale), bias);
+#endif
+}
+
+/* Block b's group parameter per lane: one group for all eight lanes, or (4-bit weights
+ * in groups of 32) the first four lanes in one group and the last four in the next,
+ * where there is a next (``groups`` a row). */
+SHADOW_TARGET static inline __m256 per_lane(const float *values, int b, int bits, int group,
+                                            int groups) {
+  int first = b * 8 * (32 / bits) / group;
+  if (group >= 8 * (32 / bits)) return _mm256_set1_ps(values[first]);
+  int second = first + 1 < groups ? first + 1 : first;
+  return _mm256_set_m128(_mm_set1_ps(values[second]), _mm_set1_ps(values[first]));
+}
+
+/* Block b's eight words: all of them, or the four of a final half block. */
+SHADOW_TARGET static inline __m256i block_words(const uint32_t *p, int b, int whole) {
+  if (b < whole) return _mm256_loadu_si256((const __m256i *)(p + 8 * b));
+  __m128i half = _mm_loadu_si128((const __m128i *)(p + 8 * b));
+  return _mm256_inserti128_si256(_mm256_setzero_si256(), half, 0);
+}
+
+/* The block's weights for shift s (lane k: weight k * E + s) as float32. */
+#define SHADOW_WEIGHTS(s)                                                              \
+  dequantize8(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, SHIFT * (s)), \
+                                                  mask)),                              \
+              scale, bias, ROUNDING)
+
+/* What a kernel function needs of row `row`: its words, parameters and block counts. */
+#define SHADOW_ROW_START(BITS, FUSED)                                                  \
+  enum { PER_WORD = 32 / BITS, SHIFT = BITS, ROUNDING = FUSED };                       \
+  const uint32_t *p = (const uint32_t *)(sh->packed + (size_t)row * sh->packed_step);    \
+  int groups = sh->cols / sh->group;                                                   \
+  const float *scales = sh->scales + (size_t)row * sh->group_step;                     \
+  const float *biases = sh->biases + (size_t)row * sh->group_step;                     \
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);                             \
+  int whole = sh->cols / (8 * PER_WORD), blocks = padded_columns(sh->cols, BITS) / (8 * PER_WORD)
+
+/* One row's dot product with x in lane order: a function per bit width and rounding,
+ * so that the shifts are constants and the loop unrolls. */
+#define SHADOW_DOT(NAME, BITS, FUSED)                                                  \
+  SHADOW_TARGET static float NAME(const shadow *sh, int row, const float *lanes) {     \
+    SHADOW_ROW_START(BITS, FUSED);                                                     \
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();                     \
+    __m256 sum2 = _mm256_setzero_ps(), sum3 = _mm256_setzero_ps();                     \
+    for (int b = 0; b < blocks; b++, lanes += 8 * PER_WORD) {                          \
+      __m256i words = block_words(p, b, whole);                                        \
+      __m256 scale = per_lane(scales, b, BITS, sh->group, groups);                     \
+      __m256 bias = per_lane(biases, b, BITS, sh->group, groups);                      \
+      sum0 = _mm256_fmadd_ps(SHADOW_WEIGHTS(0), _mm256_loadu_ps(lanes), sum0);         \
+      sum1 = _mm256_fmadd_ps(SHADOW_WEIGHTS(1), _mm256_loadu_ps(lanes + 8), sum1);     \
+      sum2 = _mm256_fmadd_ps(SHADOW_WEIGHTS(2), _mm256_loadu_ps(lanes + 16), sum2);    \
+      sum3 = _mm256_fmadd_ps(SHADOW_WEIGHTS(3), _mm256_loadu_ps(lanes + 24), sum3);    \
+      if (PER_WORD == 8) {                                                             \
+        sum0 = _mm256_fmadd_ps(SHADOW_WEIGHTS(4), _mm256_loadu_ps(lanes + 32), sum0);  \
+        sum1 = _mm256_fmadd_ps(SHADOW_WEIGHTS(5), _mm256_loadu_ps(lanes + 40), sum1);  \
+        sum2 = _mm256_fmadd_ps(SHADOW_WEIGHTS(6), _mm256_loadu_ps(lanes + 48), sum2);  \
+        sum3 = _mm256_fmadd_ps(SHADOW_WEIGHTS(7), _mm256_loadu_ps(lanes + 56), sum3);  \
+      }                                                                                \
+    }                                                                                  \
+    return horizontal_sum(_mm256_add_ps(_mm256_add_ps(sum0, sum1),                     \
+                                        _mm256_add_ps(sum2, sum3)));                   \
+  }
+
+/* Row `row` dequantized into out in column order by the kernel's own dequantization
+ * (SHADOW_WEIGHTS): registration checks exactly the values the products use. */
+#define SHADOW_ROW(NAME, BITS, FUSED)                                                  \
+  SHADOW_TARGET static void NAME(const shadow *sh, int row, float *out) {              \
+    SHADOW_ROW_START(BITS, FUSED);                                                     \
+    float lane[8];                                                                     \
+    for (int b = 0; b < blocks; b++) {                                                 \
+      __m256i words = block_words(p, b, whole);                                        \
+      __m256 scale = per_lane(scales, b, BITS, sh->group, groups);                     \
+      __m256 bias = per_lane(biases, b, BITS, sh->group, groups);                      \
+      for (int s = 0; s < PER_WORD; s++) {                                             \
+        _mm256_storeu_ps(lane, SHADOW_WEIGHTS(s));                                     \
+        for (int k = 0; k < 8; k++) {                                                  \
+          int col = b * 8 * PER_WORD + k * PER_WORD + s;                               \
+          if (col < sh->cols) out[col] = lane[k];                                      \
+        }                                                                              \
+      }                                                                                \
+    }                                                                                  \
+  }
+
+SHADOW_TARGET static inline float horizontal_sum(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_shuffle_ps(half, half, 1));
+  return _mm_cvtss_f32(half);
+}
+
+SHADOW_DOT(dot4_unfused, 4, 0)
+SHADOW_DOT(dot4_fused, 4, 1)
+SHADOW_DOT(dot8_unfused, 8, 0)
+SHADOW_DOT(dot8_fused, 8, 1)
+SHADOW_ROW(row4_unfused, 4, 0)
+SHADOW_ROW(row4_fused, 4, 1)
+SHADOW_ROW(row8_unfused, 8, 0)
+SHADOW_ROW(row8_fused, 8, 1)
+
+typedef float (*shadow_dot_fn)(const shadow *, int, const float *);
+
+static shadow_dot_fn dot_for(const shadow *s, int fused) {
+  if (s->bits == 4) return fused ? dot4_fused : dot4_unfused;
+  return fused ? dot8_fused : dot8_unfused;
+}
+
+static int row_matches(const shadow *s, int row, int fused, float *out) {
+  if (s->bits == 4) (fused ? row4_fused : row4_unfused)(s, row, out);
+  else (fused ? row8_fused : row8_unfused)(s, row, out);
+  return !memcmp(out, s->weights + (size_t)row * s->cols, s->cols * sizeof(float));
+}
+
+static int vectors_usable(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+
+/* Whether row by row, dequantized `fused` or not, the shadow equals its matrix. */
+static int shadow_matches(const shadow *s, int fused, float *row_buffer) {
+#ifdef HAVE_X86_VECTORS
+  for (int row = 0; row < s->rows; row++)
+    if (!row_matches(s, row, fused, row_buffer)) return 0;
+  return 1;
+#else
+  (void)s, (void)fused, (void)row_buffer;
+  return 0;
+#endif
+}
+
+/* Register the packed form of a float32 matrix (rows x cols, row-major): packed rows
+ * `packed_step` bytes apart, scale and bias rows `group_step` floats apart (a column
+ * slice of a packed matrix is a view). Answers SHADOW_FUSED or SHADOW_UNFUSED (the
+ * rounding it reproduces), SHADOW_DIFFERS (it does not reproduce the matrix: not
+ * registered), SHADOW_UNSUPPORTED (no AVX2/FMA; bits other than 4 or 8; a group size
+ * the kernel cannot read; a row not a whole number of half blocks), SHADOW_FULL or
+ * SHADOW_OVERLAPS (memory an earlier registration covers: a lookup has one answer).
+ * The caller keeps every buffer alive and unchanged for the life of the process.
+ * row_buffer: cols floats of scratch. */
+int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, int group,
+                            const void *packed, size_t packed_step, const float *scales,
+                            const float *biases, size_t group_step, float *row_buffer) {
+#ifdef HAVE_X86_VECTORS
+  if (!vectors_usable()) return SHADOW_UNSUPPORTED;
+#else
+  return SHADOW_UNSUPPORTED;
+#endif
+  int block = 8 * 32 / (bits > 0 ? bits : 1); /* weights the kernel reads at once */
+  if ((bits != 4 && bits != 8) || group <= 0 || (group % block && group != block / 2) ||
+      cols % group || cols % (block / 2) || rows <= 0 ||
+      packed_step < (size_t)cols * bits / 8 || group_step < (size_t)(cols / group))
+    return SHADOW_UNSUPPORTED;
+  if (shadow_count == MAX_SHADOWS) return SHADOW_FULL;
+  const float *end = weights + (size_t)rows * cols;
+  int at = shadow_count;
+  while (at > 0 && shadows[at - 1].weights > weights) at--;
+  if ((at > 0 && shadows[at - 1].end > weights) || (at < shadow_count &&
+                                                     shadows[at].weights < end))
+    return SHADOW_OVERLAPS;
+  shadow s = {weights, end, rows, cols, bits, group, 0, (const uint8_t *)packed, scales,
+              biases, packed_step, group_step};
+  s.fused = shadow_matches(&s, SHADOW_UNFUSED, row_buffer)
+                ? SHADOW_UNFUSED
+                : shadow_matches(&s, SHADOW_FUSED, row_buffer) ? SHADOW_FUSED : SHADOW_DIFFERS;
+  if (s.fused == SHADOW_DIFFERS) return SHADOW_DIFFERS;
+  /* Published for the compute thread: entries above `at` move up one first (a lookup
+   * racing with this sees a consistent prefix only when registration precedes use, as
+   * it does: the model's matrices at load, the split step's before its first step). */
+  for (int i = shadow_count; i > at; i--) shadows[i] = shadows[i - 1];
+  shadows[at] = s;
+  __atomic_store_n(&shadow_count, shadow_count + 1, __ATOMIC_RELEASE);
+  return s.fused;
+}
+
+/* Whether registrations can succeed here (an x86 CPU with AVX2 and FMA). */
+int spmd_cp_shadow_usable(void) {
+#ifdef HAVE_X86_VECTORS
+  return vectors_usable();
+#else
+  return 0;
+#endif
+}
+
+long long spmd_cp_shadow_products(void) {
+  return __atomic_load_n(&shadow_products, __ATOMIC_RELAXED);
+}
+
+/* The shadow holding the row at b (rows ldb apart), its registry index, or -1; `n` rows
+ * from there must lie in it and the shadows right after it (a matrix registered in
+ * pieces: the split step's q/k/v rows joined from three matrices). */
+static int shadow_of(const float *b, int n, int ldb) {
+  int count = __atomic_load_n(&shadow_count, __ATOMIC_ACQUIRE), lo = 0, hi = count;
+  while (lo < hi) { /* the last shadow starting at or before b */
+    int mid = (lo + hi) / 2;
+    if (shadows[mid].weights <= b) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == 0) return -1;
+  int first = lo - 1;
+  const shadow *s = &shadows[first];
+  ptrdiff_t offset = b - s->weights;
+  if (b >= s->end || ldb != s->cols || offset % s->cols) return -1;
+  int rows = s->rows - (int)(offset / s->cols);
+  for (int i = first + 1; rows < n; i++) {
+    if (i == count || shadows[i].weights != shadows[i - 1].end || shadows[i].cols != s->cols)
+      return -1;
+    rows += shadows[i].rows;
+  }
+  return first;
+}
+
+#ifdef HAVE_X86_VECTORS
+/* Rows this far ahead are fetched while the kernel works on the current one (8-bit
+ * rows of 576 weights: 4.6 KB ahead). */
+enum { PREFETCH_ROWS = 8, CACHE_LINE = 64 };
+
+/* A prefetch the compiler keeps: GCC deletes a loop of __builtin_prefetch as a loop
+ * without side effects. */
+static inline void prefetch(const void *address) {
+  __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)address));
+}
+
+static inline void prefetch_row(const shadow *s, int row) {
+  size_t row_bytes = (size_t)s->cols * s->bits / 8, groups = s->cols / s->group;
+  const char *packed = (const char *)s->packed + row * s->packed_step;
+  for (size_t at = 0; at < row_bytes; at += CACHE_LINE) prefetch(packed + at);
+  const float *scales = s->scales + row * s->group_step;
+  const float *biases = s->biases + row * s->group_step;
+  for (size_t at = 0; at < groups; at += CACHE_LINE / sizeof(float)) {
+    prefetch(scales + at);
+    prefetch(biases + at);
+  }
+}
+#endif
+
+/* c (n values) = alpha x B' + beta c, B' the n rows from row first_row of shadow
+ * `index` on (through the shadows after it where they continue the matrix); 0 where it
+ * could not (no memory for x's lanes): the caller computes it instead. */
+static int shadow_product(int index, int first_row, int n, float alpha, const float *x,
+                          float beta, float *c) {
+#ifdef HAVE_X86_VECTORS
+  static __thread float *lanes; /* x in the kernel's lane order, grown as needed */
+  static __thread int lanes_size;
+  const shadow *s = &shadows[index];
+  int padded = padded_columns(s->cols, s->bits);
+  if (lanes_size < padded) {
+    float *grown = realloc(lanes, padded * sizeof(float));
+    if (grown == NULL) return 0;
+    lanes = grown, lanes_size = padded;
+  }
+  for (int done = 0; done < n; s++, first_row = 0) {
+    if (done == 0 || s->bits != s[-1].bits) lanes_of(x, s->cols, 32 / s->bits, lanes);
+    shadow_dot_fn dot = dot_for(s, s->fused);
+    int rows = s->rows - first_row < n - done ? s->rows - first_row : n - done;
+    for (int j = 0; j < rows; j++) {
+      if (j + PREFETCH_ROWS < rows) /* the hardware alone fetched 6 GB/s here */
+        prefetch_row(s, first_row + j + PREFETCH_ROWS);
+      float value = alpha * dot(s, first_row + j, lanes);
+      float *out = c + done + j;
+      *out = beta == 0.0f ? value : value + beta * *out;
+    }
+    done += rows;
+  }
+  __atomic_fetch_add(&shadow_products, 1, __ATOMIC_RELAXED);
+  return 1;
+#else
+  (void)index, (void)first_row, (void)n, (void)alpha, (void)x, (void)beta, (void)c;
+  return 0;
+#endif
+}
+
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *,
@@ -148,6 +498,10 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       /* c's one row (n values) = op(A)'s one row (k values) times op(B) (k x n), i.e.
        * op(B) transposed times that row. */
       int x_stride = a_plain ? 1 : lda;
+      int index = b_plain || x_stride != 1 ? -1 : shadow_of(b, n, ldb);
+      if (index >= 0 && k == shadows[index].cols &&
+          shadow_product(index, (int)((b - shadows[index].weights) / k), n, alpha, a, beta, c))
+        return;
       if (beta == 0.0f) zero(c, n, 1);
       next_sgemv(ROW_MAJOR, b_plain ? 112 : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
                  alpha, b, ldb, a, x_stride, beta, c, 1);

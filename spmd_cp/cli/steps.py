@@ -20,6 +20,7 @@ from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
 from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
 from ..engine.model import kv_model_shape
+from ..engine.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model, weight_bytes
 from ..engine.startup import require_same_path
 from ..errors import UserError
@@ -119,8 +120,9 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str):
     spmd.hot_phase(comm, run.comm_timeout)
     allocator.release_free_memory()  # the load's copies, before the forecast measures
     blas_info = describe_blas()
-    log.info("model %s loaded in %.1fs; %s; malloc: %s; huge pages: %s", loaded.path,
-             time.perf_counter() - start, blas_info.get("summary", blas_info),
+    packed = f"; {SHADOWS.describe()}" if SHADOWS.active else ""
+    log.info("model %s loaded in %.1fs; %s%s; malloc: %s; huge pages: %s", loaded.path,
+             time.perf_counter() - start, blas_info.get("summary", blas_info), packed,
              allocator.describe(), huge_pages.describe())
     return loaded
 
@@ -171,7 +173,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     from ..engine.decode_choice import split_copy_bytes
 
     limit = memory_limit(run)
-    replicated = model_nbytes(loaded.model)
+    replicated = model_nbytes(loaded.model) + SHADOWS.nbytes  # registered at load
     if split_decode and getattr(loaded, "share", None) is None:
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)

@@ -7,6 +7,7 @@ from mlx.utils import tree_flatten
 
 from ..runtime.comm import Comm
 from .model import CPModel, first_layer_stand_in
+from .quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .weights import LayerStore
 
@@ -32,8 +33,9 @@ def build_cp_model(loaded, comm: Comm) -> CPModel:
 def weight_bytes(model: CPModel, loaded) -> int:
     """Bytes of weights this rank holds at its peak: everything for a replicated model;
     for a sharded one its layers, its vocabulary rows, the norms and the largest window
-    of other ranks' layers (and converted copies) the store held at once."""
-    held = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters()))
+    of other ranks' layers (and converted copies) the store held at once; the packed
+    forms decode reads in place of float32 matrices (quantized_shadows.py)."""
+    held = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters())) + SHADOWS.nbytes
     store = model.layers
     if isinstance(store, LayerStore):
         held += store.share.owned_bytes() + store.peak_held_bytes

@@ -31,6 +31,7 @@ import numpy as np
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
 from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
+from .quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelHead
 from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges, stack_rows
 
@@ -126,12 +127,16 @@ class LayerSlice:
         join_qkv = copy_rows or _joined_bytes(pieces) > 0
         parts = stack_rows(pieces) if join_qkv else pieces
         self.qkv_parts = [m.evaluated(copy=join_qkv) for m in parts]
+        if join_qkv and len(self.qkv_parts) == 1:
+            SHADOWS.register_stacked(self.qkv_parts[0].weight, [m.weight for m in pieces])
         self.o_inputs = plan.o_ranges[rank]
         self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
+        SHADOWS.register_columns(self.o.weight, plan.o.weight, *self.o_inputs)
         a, b = plan.hidden_ranges[rank]
         self.gate = plan.gate.rows(a, b).evaluated(copy=copy_rows)
         self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
         self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
+        SHADOWS.register_columns(self.down.weight, plan.down.weight, a, b)
         self.own = [self.o, self.down]
         if join_qkv:
             self.own += self.qkv_parts
@@ -249,9 +254,10 @@ class TensorParallelDecoder:
             self.vocab_sizes = [b - a for a, b in ranges]
             self.head = head.rows(*ranges[comm.rank]).evaluated(copy=False)
         if comm.rank == 0:
-            log.info("decode: tensor-parallel slices of the %s weights over %d ranks ready%s",
+            packed = f"; {SHADOWS.describe()}" if SHADOWS.active else ""
+            log.info("decode: tensor-parallel slices of the %s weights over %d ranks ready%s%s",
                      cut_from, comm.size,
-                     " (from the layer-sharded store)" if sharded else "")
+                     " (from the layer-sharded store)" if sharded else "", packed)
 
     @property
     def nbytes(self) -> int:

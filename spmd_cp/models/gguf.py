@@ -149,6 +149,22 @@ def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
     return weights, bits
 
 
+def packed_weights(path: str) -> dict:
+    """{mlx-lm parameter name: quantized_shadows.Packed} of the file's block-quantized
+    matrices: what decode reads in place of their float32 copies
+    (engine/quantized_shadows.py)."""
+    from ..engine.quantized_shadows import Packed
+
+    tensors, packed = mx.load(path), {}
+    for name, t in tensors.items():
+        base = name[: -len(".weight")]
+        if name.endswith(".weight") and base + ".scales" in tensors:
+            scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
+            bits = t.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+            packed[_mlx_name(name)] = Packed.of(t, scales, biases, bits, GROUP_SIZE)
+    return packed
+
+
 def _save_quietly(path: str, weights: dict):
     """Write atomically (ranks on one host may race); a failure only costs a later
     dequantization, so it is not an error."""

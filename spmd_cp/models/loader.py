@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from ..runtime.paths import cache_dir
 from .checksum import model_checksum
+from ..engine import quantized_shadows
 from ..errors import UserError
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import check_safetensors
@@ -129,6 +130,11 @@ def _load(p: Path, keep_quantized: bool, checksum: str) -> LoadedModel:
     if mx.default_device() == mx.cpu and not keep_quantized:
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    if p.is_file() and mx.default_device() == mx.cpu and not keep_quantized and \
+            quantized_shadows.wanted():
+        from .gguf import packed_weights
+
+        quantized_shadows.register_model(model, packed_weights(path))
     return LoadedModel(model, tokenizer, config, str(p), checksum)
 
 

@@ -206,10 +206,11 @@ class WeightLayout:
     layers_compute: list  # per layer, as the modules compute with it
     vocab: int  # embedding and untied head, as computed with
     other: int  # the final norm
+    shadows: int = 0  # packed forms decode reads instead (replicated GGUF on a CPU)
 
     @property
     def replicated(self) -> int:
-        return sum(self.layers_compute) + self.vocab + self.other
+        return sum(self.layers_compute) + self.vocab + self.other + self.shadows
 
     def per_rank(self, ranks: int, prefetch: int) -> int:
         """Peak weight bytes on the busiest of ``ranks`` ranks with layer sharding: its
@@ -260,4 +261,20 @@ def weight_layout(path: str, keep_quantized: bool = False) -> WeightLayout:
     other = [n for n in wanted if not n.startswith(("model.layers.", "model.embed_tokens.",
                                                     "lm_head."))]
     return WeightLayout(packed, compute, _compute_bytes(specs, vocab, form),
-                        _compute_bytes(specs, other, form))
+                        _compute_bytes(specs, other, form), _shadow_bytes(specs, form))
+
+
+def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
+    """Bytes of the packed forms a replicated load registers as quantized shadows
+    (engine/quantized_shadows.py: the packed words, float32 scales and biases)."""
+    from ..engine import quantized_shadows
+
+    if not (form.float32_arithmetic and form.dequantize and form.float32) or \
+            not quantized_shadows.available():
+        return 0
+    total = 0
+    for name, (shape, dtype) in specs.items():
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and f"{base}.scales" in specs:
+            total += math.prod(shape) * dtype.size + 2 * 4 * math.prod(specs[f"{base}.scales"][0])
+    return total

@@ -1,0 +1,240 @@
+"""Quantized shadows: decode's matrix-vector products read a quantized file's packed weights.
+
+A GGUF file's Q4_1 matrices are dequantized to float32 at load (MLX's quantized matmul is
+slow on a CPU), and every decode step then reads 4 bytes a weight where the file held 5/8
+of a byte. blas/gemv_forward.c, which already takes MLX's matrix-vector products ahead of
+the BLAS, can instead read the packed form and dequantize in registers. Each float32 matrix
+is registered with its packed form ("shadow"); the C side checks at registration that the
+packed form dequantizes to the matrix's float32 values bit for bit and refuses it
+otherwise. A product then has exactly the float32 matrix's weights and differs from
+sgemv's only in the order of its sums (float32 rounding, as between two BLAS builds).
+
+Shadows follow the decode step's slices: a view of whole rows of a registered matrix is
+found by its address; a copy (the split step's column slices of o and down, its joined
+q/k/v rows) is registered with the matching slice of the packed form (``register_columns``,
+``register_stacked``).
+
+Registered arrays are kept for the life of the process: the C side holds their
+addresses. ``SPMD_CP_QUANTIZED_DECODE=0`` turns shadows off (decode reads float32).
+Without the forward preloaded (macOS, a GPU, no C compiler, ``SPMD_CP_GEMV_FORWARD=0``)
+or without AVX2 and FMA nothing registers and nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("spmd_cp")
+
+ENV = "SPMD_CP_QUANTIZED_DECODE"
+# spmd_cp_shadow_register's answers (gemv_forward.c)
+FUSED, UNFUSED, DIFFERS, UNSUPPORTED, FULL, OVERLAPS = 1, 0, -1, -2, -3, -4
+REFUSALS = {DIFFERS: "its packed form does not reproduce the float32 weights",
+            UNSUPPORTED: "a bit width, group size or row width the kernel does not read",
+            FULL: "the registry is full",
+            OVERLAPS: "its memory is registered already"}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A matrix (rows, cols) in MLX's affine packing: ``weight`` uint32 (rows, cols * bits
+    / 32), ``scales`` and ``biases`` float32 (rows, cols / group)."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group: int
+
+    @classmethod
+    def of(cls, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
+           group: int) -> Packed:
+        # float32 scales and biases: the values the dequantization to float32 used
+        return cls(weight, scales.astype(mx.float32), biases.astype(mx.float32), bits, group)
+
+    @property
+    def cols(self) -> int:
+        return self.weight.shape[1] * 32 // self.bits
+
+    def rows(self, start: int, stop: int) -> Packed:
+        return Packed(self.weight[start:stop], self.scales[start:stop],
+                      self.biases[start:stop], self.bits, self.group)
+
+    def columns(self, start: int, stop: int) -> Packed | None:
+        """Inputs [start, stop), or None where the cut falls inside a group."""
+        if start % self.group or stop % self.group:
+            return None
+        per_word = 32 // self.bits
+        return Packed(self.weight[:, start // per_word:stop // per_word],
+                      self.scales[:, start // self.group:stop // self.group],
+                      self.biases[:, start // self.group:stop // self.group],
+                      self.bits, self.group)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
+def wanted() -> bool:
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "no", "false")
+
+
+def _library():
+    """The preloaded forward's registration entry points where registrations can succeed
+    (blas/gemv_forward.c on an x86 CPU with AVX2 and FMA), or None."""
+    try:
+        scope = ctypes.CDLL(None)
+        register = scope.spmd_cp_shadow_register
+        products = scope.spmd_cp_shadow_products
+        if not scope.spmd_cp_shadow_usable():
+            return None
+    except (OSError, AttributeError):
+        return None
+    register.restype = ctypes.c_int
+    register.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    products.restype = ctypes.c_longlong
+    products.argtypes = []
+    return register, products
+
+
+def available() -> bool:
+    """Whether load_model will register shadows for a quantized file's matrices (wanted,
+    on the CPU, with the forward preloaded on a CPU it runs on)."""
+    return wanted() and mx.default_device() == mx.cpu and _library() is not None
+
+
+def _rows(a: mx.array) -> np.ndarray | None:
+    """A zero-copy numpy view of an evaluated 2-D array whose rows are each contiguous
+    (a column slice's rows lie further apart than their width), or None."""
+    mx.eval(a)
+    view = np.asarray(a)
+    if view.ndim != 2 or view.strides[1] != view.itemsize or view.strides[0] < 0:
+        return None
+    return view
+
+
+@dataclass
+class _Entry:
+    address: int
+    rows: int
+    cols: int
+    packed: Packed
+
+
+class Shadows:
+    """The process's registered shadows (the C registry is per process too)."""
+
+    def __init__(self):
+        self._entries: list[_Entry] = []
+        self._kept: list = []  # the float32 matrices: the C side reads their memory
+        self.nbytes = 0  # packed forms held for the model's matrices (slices are views)
+        self.refused: dict[str, int] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._entries)
+
+    def describe(self) -> str:
+        """e.g. "quantized decode: 271 matrices read packed (115 MB)"."""
+        refused = sum(self.refused.values())
+        return (f"quantized decode: {len(self._entries)} matrices read packed "
+                f"({self.nbytes / 1e6:.0f} MB)" + (f", {refused} refused" if refused else ""))
+
+    def products(self) -> int:
+        """Matrix-vector products the shadows served in this process so far."""
+        library = _library()
+        return int(library[1]()) if library else 0
+
+    def register(self, matrix: mx.array, packed: Packed) -> bool:
+        """Register ``packed`` as the shadow of the float32 ``matrix`` (rows, cols, rows
+        contiguous); False (counted in ``refused``) where the C side refuses it or cannot
+        be asked."""
+        library = _library() if available() else None
+        if library is None or matrix.dtype != mx.float32 or matrix.ndim != 2:
+            return False
+        weights = _rows(matrix)
+        words, scales, biases = (_rows(a) for a in (packed.weight, packed.scales, packed.biases))
+        rows, cols = matrix.shape
+        if weights is None or not weights.flags.c_contiguous or words is None or \
+                scales is None or biases is None or scales.strides != biases.strides or \
+                packed.cols != cols or words.shape[0] != rows:
+            return self._refuse("its layout does not match the float32 matrix")
+        scratch = np.empty(cols, np.float32)
+        answer = library[0](weights.ctypes.data, rows, cols, packed.bits, packed.group,
+                            words.ctypes.data, words.strides[0], scales.ctypes.data,
+                            biases.ctypes.data, scales.strides[0] // scales.itemsize,
+                            scratch.ctypes.data)
+        if answer not in (FUSED, UNFUSED):
+            return self._refuse(REFUSALS.get(answer, f"answer {answer}"))
+        self._entries.append(_Entry(weights.ctypes.data, rows, cols, packed))
+        self._kept.append(matrix)
+        return True
+
+    def _refuse(self, why: str) -> bool:
+        self.refused[why] = self.refused.get(why, 0) + 1
+        return False
+
+    def packed_of(self, matrix: mx.array) -> Packed | None:
+        """The packed form of a registered matrix, or of a view of whole rows of one."""
+        if not self._entries or matrix.dtype != mx.float32 or matrix.ndim != 2:
+            return None
+        view = _rows(matrix)
+        if view is None:
+            return None
+        address, (rows, cols) = view.ctypes.data, matrix.shape
+        for entry in self._entries:
+            offset = address - entry.address
+            if 0 <= offset < entry.rows * entry.cols * 4:
+                first, in_row = divmod(offset, entry.cols * 4)
+                if in_row or cols != entry.cols or view.strides[0] != cols * 4 or \
+                        first + rows > entry.rows:
+                    return None
+                return entry.packed.rows(first, first + rows)
+        return None
+
+    def register_columns(self, copy: mx.array, source: mx.array, start: int, stop: int):
+        """Register a copy of inputs [start, stop) of ``source`` (a registered matrix or
+        rows of one) with the same columns of its packed form (a view)."""
+        packed = self.packed_of(source)
+        packed = packed.columns(start, stop) if packed is not None else None
+        if packed is not None:
+            self.register(copy, packed)
+
+    def register_stacked(self, copy: mx.array, sources: list[mx.array]):
+        """Register a copy of ``sources`` stacked by rows piece by piece, each with its
+        source's packed rows (the C side reads a product across the pieces)."""
+        start = 0
+        for source in sources:
+            packed, rows = self.packed_of(source), source.shape[0]
+            if packed is not None:
+                self.register(copy[start:start + rows], packed)
+            start += rows
+
+
+SHADOWS = Shadows()
+
+
+def register_model(model, packed: dict) -> int:
+    """Register every float32 parameter of ``model`` named in ``packed`` ({parameter name:
+    Packed}); the number registered. Logs what was refused, once."""
+    from mlx.utils import tree_flatten
+
+    if not packed or not wanted():
+        return 0
+    registered = 0
+    for name, array in tree_flatten(model.parameters()):
+        if name in packed and SHADOWS.register(array, packed[name]):
+            registered += 1
+            SHADOWS.nbytes += packed[name].nbytes
+    if SHADOWS.refused:
+        why = "; ".join(f"{n} x {reason}" for reason, n in SHADOWS.refused.items())
+        log.info("quantized decode: %d matrices read packed, refused: %s", registered, why)
+    return registered

@@ -1,0 +1,103 @@
+"""Quantized shadows (engine/quantized_shadows.py, blas/gemv_forward.c) against numpy.
+
+Run as a script (the re-exec preloads the forward): random matrices quantized by MLX,
+dequantized to float32 as a GGUF load does (float32 scales and biases), registered, then
+MLX's decode-shaped products checked against float64 numpy on the float32 matrices, and
+how many products the shadows served. Prints one line: RESULT {json}.
+"""
+
+import json
+
+from spmd_cp import blas
+
+blas.ensure_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from spmd_cp.engine.quantized_shadows import SHADOWS, Packed, available  # noqa: E402
+
+rng = np.random.default_rng(0)
+
+
+def packed_matrix(rows: int, cols: int, bits: int, group: int):
+    """(float32 matrix, its Packed form): scales and biases stored as float16 (as a GGUF
+    file holds them), the matrix dequantized from them in float32 arithmetic."""
+    dense = mx.array(rng.standard_normal((rows, cols)).astype(np.float32))
+    words, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
+    packed = Packed.of(words, scales.astype(mx.float16), biases.astype(mx.float16), bits, group)
+    weights = mx.dequantize(words, packed.scales, packed.biases, group_size=group, bits=bits)
+    mx.eval(weights, packed.weight, packed.scales, packed.biases)
+    return weights, packed
+
+
+def measured(product, reference: np.ndarray) -> dict:
+    """The product's relative error against float64 numpy, and the products served."""
+    before = SHADOWS.products()
+    got = np.array(product(), np.float64)
+    served = SHADOWS.products() - before
+    error = float(np.abs(got - reference).max() / max(np.abs(reference).max(), 1e-30))
+    return {"error": error, "served": served}
+
+
+def row(cols: int) -> mx.array:
+    return mx.array(rng.standard_normal((1, cols)).astype(np.float32))
+
+
+def times_transposed(x: mx.array, weights: mx.array) -> dict:
+    wanted = np.array(x, np.float64) @ np.array(weights, np.float64).T
+    return measured(lambda: x @ weights.T, wanted)
+
+
+cases, registered = {}, {}
+for name, shape in {"q4g32": (1536, 576, 4, 32), "q8g32": (300, 576, 8, 32),
+                    "q4g64": (128, 256, 4, 64), "q8g64": (96, 512, 8, 64),
+                    "other": (200, 576, 4, 32), "third": (40, 576, 8, 32)}.items():
+    weights, packed = packed_matrix(*shape)
+    registered[name] = SHADOWS.register(weights, packed)
+    cases[name] = times_transposed(row(shape[1]), weights)
+    if name == "q4g32":
+        big, big_packed = weights, packed
+    elif name == "other":
+        other = weights
+    elif name == "third":
+        third = weights
+
+# A view of whole rows of a registered matrix: found by its address.
+cases["rows"] = times_transposed(row(576), big[100:700])
+# Copies of columns, their shadow a view of the packed columns: 288 wide ends in half
+# a block of 4-bit weights; 64 wide starts inside the packed rows.
+for start, stop in [(64, 352), (32, 96)]:
+    copy = mx.contiguous(big[:, start:stop])
+    mx.eval(copy)
+    SHADOWS.register_columns(copy, big, start, stop)
+    cases[f"columns {start}:{stop}"] = times_transposed(row(stop - start), copy)
+# Rows of three registered matrices (4- and 8-bit) copied into one: one product reads
+# across the three shadows.
+sources = [big[1000:], other, third[:10]]
+stacked = mx.concatenate(sources)
+mx.eval(stacked)
+SHADOWS.register_stacked(stacked, sources)
+cases["stacked"] = times_transposed(row(576), stacked)
+# alpha and beta (c = alpha x W.T + beta c)
+x, c = row(576), row(1536)
+wanted = 0.5 * np.array(x, np.float64) @ np.array(big, np.float64).T + 2.0 * np.array(c)
+cases["alpha beta"] = measured(lambda: mx.addmm(c, x, big.T, alpha=0.5, beta=2.0), wanted)
+# Two rows at once are not a matrix-vector product: the BLAS computes them.
+xs = mx.array(rng.standard_normal((2, 576)).astype(np.float32))
+cases["two rows"] = times_transposed(xs, big)
+
+# Refusals: one weight a float32 step off, a second registration of the same memory, a
+# bit width the kernel does not read. Products of a refused matrix are the BLAS's.
+weights, packed = packed_matrix(64, 576, 4, 32)
+nudged = np.array(weights)
+nudged[7, 300] = np.nextafter(nudged[7, 300], np.float32(np.inf))
+nudged = mx.array(nudged)
+refusals = {"nudged": SHADOWS.register(nudged, packed),
+            "again": SHADOWS.register(big, big_packed),
+            "2-bit": SHADOWS.register(*packed_matrix(64, 576, 2, 32))}
+cases["nudged"] = times_transposed(row(576), nudged)
+
+print("RESULT " + json.dumps({"available": available(), "registered": registered,
+                              "refusals": refusals, "refused": SHADOWS.refused,
+                              "cases": cases}), flush=True)

@@ -1,0 +1,97 @@
+"""Quantized shadows: decode's matrix-vector products read a GGUF file's packed weights
+(engine/quantized_shadows.py, blas/gemv_forward.c), against numpy and against the float32
+path (SPMD_CP_QUANTIZED_DECODE=0, OpenBLAS's sgemv)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from conftest import needs_c_helpers, run_cli
+from test_blas import clean_env, needs_openblas
+
+DRIVER = Path(__file__).with_name("shadow_driver.py")
+SHADOW_CASES = ["q4g32", "q8g32", "q4g64", "q8g64", "other", "third", "rows",
+                "columns 64:352", "columns 32:96", "stacked", "alpha beta"]
+
+
+def run_driver(tmp_path, **env) -> dict:
+    proc = subprocess.run([sys.executable, str(DRIVER)], capture_output=True, text=True,
+                          env=clean_env(SPMD_CP_CACHE=str(tmp_path / "cache"), **env),
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+@needs_openblas
+@needs_c_helpers
+@pytest.mark.skipif(not ("avx2" in Path("/proc/cpuinfo").read_text() and
+                         " fma" in Path("/proc/cpuinfo").read_text()),
+                    reason="the shadow kernel needs an x86 CPU with AVX2 and FMA")
+def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
+    """4- and 8-bit matrices in groups of 32 and 64 register (their packed form gives the
+    float32 values bit for bit); whole matrices, row views, column copies (one ending in
+    half a block) and rows of three matrices copied into one are each one product the
+    shadows serve, equal to float64 numpy to float32 rounding, alpha and beta included.
+    Two rows, a matrix one float32 step off its packed form, a second registration of
+    the same memory and 2-bit weights stay with the BLAS; SPMD_CP_QUANTIZED_DECODE=0
+    registers nothing and gives the same products."""
+    on = run_driver(tmp_path)
+    assert on["available"] and all(on["registered"].values()), on
+    for name in SHADOW_CASES:
+        assert on["cases"][name]["served"] == 1, (name, on["cases"][name])
+    for name in ("two rows", "nudged"):
+        assert on["cases"][name]["served"] == 0, (name, on["cases"][name])
+    assert not any(on["refusals"].values())
+    assert on["refused"] == {"its packed form does not reproduce the float32 weights": 1,
+                             "its memory is registered already": 1,
+                             "a bit width, group size or row width the kernel does not read": 1}
+    off = run_driver(tmp_path, SPMD_CP_QUANTIZED_DECODE="0")
+    assert not off["available"] and not any(off["registered"].values())
+    for result in (on, off):
+        for name, case in result["cases"].items():
+            assert case["error"] < 1e-6, (name, case)  # relative to the largest output
+        if result is off:
+            assert all(case["served"] == 0 for case in result["cases"].values())
+
+
+def packed_bytes(model: str) -> int:
+    """Bytes of the file's quantized matrices as shadows hold them: the packed words and
+    float32 scales and biases (counted here from the arrays mx.load returns)."""
+    tensors = mx.load(model)
+    return sum(t.nbytes + 2 * 4 * tensors[name[:-len(".weight")] + ".scales"].size
+               for name, t in tensors.items()
+               if name.endswith(".weight") and name[:-len(".weight")] + ".scales" in tensors)
+
+
+@needs_openblas
+@needs_c_helpers
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
+        ranks, embedded_model, tmp_path):
+    """The embedded Q4_1 model: greedy generate with shadows gives the float32 path's
+    tokens, on one rank and on two (the split step's column copies and rows read their
+    shadows too: 211 + 60 matrices on rank 0); the packed forms are counted in
+    model_bytes and in the memory forecast, byte for byte."""
+    args = ["generate", "--model", embedded_model, "--prompt",
+            "Explain in two sentences why the sky is blue.", "--max-tokens", "24", "--json",
+            "--decode-tp", "on"]
+    env = {"SPMD_CP_CACHE": str(tmp_path)}
+    on = run_cli(ranks, args, env=env)
+    off = run_cli(ranks, args, env={**env, "SPMD_CP_QUANTIZED_DECODE": "0"})
+    got, want = on.last_json(), off.last_json()
+    assert got["token_ids"] == want["token_ids"] and len(got["token_ids"]) == 24
+    expected = packed_bytes(embedded_model)
+    assert "quantized decode: 211 matrices read packed (115 MB)" in on.stderr, on.stderr
+    assert "matrices read packed" not in off.stderr
+    if ranks == 2:
+        assert "quantized decode: 271 matrices read packed" in on.stderr, on.stderr
+    assert [a - b for a, b in zip(got["model_bytes"], want["model_bytes"])] == \
+        [expected] * ranks
+    forecast = got["memory_forecast"]["weights_bytes"] - want["memory_forecast"]["weights_bytes"]
+    assert forecast == expected
