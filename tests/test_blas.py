@@ -133,10 +133,16 @@ worst, cases = 0.0, 0
 # (100, 3, 64), (70, 8, 37): many rows times a few columns given as rows (attention's
 # scores), one pass; (3, 1500, 64): the scores the other way round (a few rows times
 # many rows given as columns), one pass; (3, 64, 5000), (6, 40, 100): a few rows times
-# a long matrix (attention's values beyond the cache), one pass
+# a long matrix (attention's values beyond the cache), one pass. Then more of the AVX2
+# kernels' counts of query columns (2, 5, 7; 3 and 8 above) and of probability rows (4,
+# 5, 8; 2, 3 and 6 above), over 260-302 keys or values (tiles of 128 and a remainder,
+# key blocks of 4, 2 and 1 and a remainder), widths not a multiple of the vectors (69,
+# 71, 72); one row or column (1, 300, 64), (1, 40, 300) is sgemv's
 for m, n, k in [(7, 1, 5), (1, 9, 6), (1, 1, 8), (33, 1, 64), (1, 40, 17), (3, 4, 5),
                 (2, 64, 300), (3, 600, 600), (100, 3, 64), (70, 8, 37), (3, 1500, 64),
-                (3, 64, 5000), (6, 40, 100)]:
+                (3, 64, 5000), (6, 40, 100),
+                (1, 300, 64), (2, 300, 69), (5, 300, 64), (7, 300, 64), (301, 5, 64),
+                (302, 7, 71), (4, 72, 300), (5, 64, 300), (8, 64, 260), (1, 40, 300)]:
     for ta in (111, 112):
         for tb in (111, 112):
             for alpha, beta in [(1.0, 0.0), (0.5, 0.0), (1.0, 1.0), (2.0, -0.5)]:
@@ -201,7 +207,7 @@ def test_matrix_vector_forward_equals_numpy_in_every_layout(tmp_path):
     assert not unbuilt["forward"] and libraries(unbuilt) == [OPENBLAS]
     assert "(no sgemv forward: false failed" in unbuilt["line"], unbuilt["line"]
     for result in (forward, plain, unbuilt):
-        assert result["cases"] == 208
+        assert result["cases"] == 368
         assert result["worst"] < 2e-3, result  # sums of at most 5,000 products of N(0,1)
         assert result["mlx_worst"] < 1e-4, result
 

@@ -21,6 +21,8 @@
  *   - few columns: each key row's dot products with the n <= 8 query columns (written
  *     down c's rows, or down its columns for the transposed product);
  *   - few rows over a matrix: m <= 8 rows of accumulators, one pass over its rows.
+ * With AVX2 and FMA both run as the kernels further down instead, their accumulators in
+ * registers (session 13, a 2-core Intel guest: 7-8 -> 10-13 GB/s over a 3K cache).
  *
  * And a matrix-vector product with a float32 matrix registered with its quantized form
  * (below: "quantized shadows") reads the packed form instead.
@@ -157,7 +159,14 @@ static int shadow_count;
 static long long shadow_products; /* products served, for tests and traces */
 
 #ifdef HAVE_X86_VECTORS
-#define SHADOW_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+/* A prefetch the compiler keeps: GCC deletes a loop of __builtin_prefetch as a loop
+ * without side effects. The kernels below fetch ahead themselves: on the 2-core Intel
+ * guest the hardware alone fetched 4-8 GB/s for them. */
+static inline void prefetch(const void *address) {
+  __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)address));
+}
 
 /* The kernel reads eight uint32 words of a row at once, a "block" of 8 * (32 / bits)
  * weights: lane k holds weights k * E .. k * E + E - 1 (E = 32 / bits), and shifting
@@ -185,7 +194,7 @@ static int padded_columns(int cols, int bits) {
 }
 
 /* scale * q + bias, rounded once (fused) or twice: never contracted by the compiler. */
-SHADOW_TARGET static inline __m256 dequantize8(__m256 q, __m256 scale, __m256 bias, int fused) {
+AVX2_TARGET static inline __m256 dequantize8(__m256 q, __m256 scale, __m256 bias, int fused) {
   if (fused) return _mm256_fmadd_ps(q, scale, bias);
 #if defined(__clang__) /* contracts within one expression only, and these are two */
   return _mm256_add_ps(_mm256_mul_ps(q, scale), bias);
@@ -197,7 +206,7 @@ SHADOW_TARGET static inline __m256 dequantize8(__m256 q, __m256 scale, __m256 bi
 /* Block b's group parameter per lane: one group for all eight lanes, or (4-bit weights
  * in groups of 32) the first four lanes in one group and the last four in the next,
  * where there is a next (``groups`` a row). */
-SHADOW_TARGET static inline __m256 per_lane(const float *values, int b, int bits, int group,
+AVX2_TARGET static inline __m256 per_lane(const float *values, int b, int bits, int group,
                                             int groups) {
   int first = b * 8 * (32 / bits) / group;
   if (group >= 8 * (32 / bits)) return _mm256_set1_ps(values[first]);
@@ -206,7 +215,7 @@ SHADOW_TARGET static inline __m256 per_lane(const float *values, int b, int bits
 }
 
 /* Block b's eight words: all of them, or the four of a final half block. */
-SHADOW_TARGET static inline __m256i block_words(const uint32_t *p, int b, int whole) {
+AVX2_TARGET static inline __m256i block_words(const uint32_t *p, int b, int whole) {
   if (b < whole) return _mm256_loadu_si256((const __m256i *)(p + 8 * b));
   __m128i half = _mm_loadu_si128((const __m128i *)(p + 8 * b));
   return _mm256_inserti128_si256(_mm256_setzero_si256(), half, 0);
@@ -231,7 +240,7 @@ SHADOW_TARGET static inline __m256i block_words(const uint32_t *p, int b, int wh
 /* One row's dot product with x in lane order: a function per bit width and rounding,
  * so that the shifts are constants and the loop unrolls. */
 #define SHADOW_DOT(NAME, BITS, FUSED)                                                  \
-  SHADOW_TARGET static float NAME(const shadow *sh, int row, const float *lanes) {     \
+  AVX2_TARGET static float NAME(const shadow *sh, int row, const float *lanes) {     \
     SHADOW_ROW_START(BITS, FUSED);                                                     \
     __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();                     \
     __m256 sum2 = _mm256_setzero_ps(), sum3 = _mm256_setzero_ps();                     \
@@ -257,7 +266,7 @@ SHADOW_TARGET static inline __m256i block_words(const uint32_t *p, int b, int wh
 /* Row `row` dequantized into out in column order by the kernel's own dequantization
  * (SHADOW_WEIGHTS): registration checks exactly the values the products use. */
 #define SHADOW_ROW(NAME, BITS, FUSED)                                                  \
-  SHADOW_TARGET static void NAME(const shadow *sh, int row, float *out) {              \
+  AVX2_TARGET static void NAME(const shadow *sh, int row, float *out) {              \
     SHADOW_ROW_START(BITS, FUSED);                                                     \
     float lane[8];                                                                     \
     for (int b = 0; b < blocks; b++) {                                                 \
@@ -274,11 +283,18 @@ SHADOW_TARGET static inline __m256i block_words(const uint32_t *p, int b, int wh
     }                                                                                  \
   }
 
-SHADOW_TARGET static inline float horizontal_sum(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_shuffle_ps(half, half, 1));
-  return _mm_cvtss_f32(half);
+/* The sum of v's eight lanes as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), dot()'s
+ * order above. */
+AVX2_TARGET static inline float horizontal_sum(__m256 v) {
+  __m256 pairs = _mm256_hadd_ps(v, v), quads = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads),
+                                  _mm256_extractf128_ps(quads, 1)));
+}
+
+/* horizontal_sum of four vectors at once (lane i: the sum of the i-th). */
+AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
 SHADOW_DOT(dot4_unfused, 4, 0)
@@ -308,6 +324,197 @@ static int vectors_usable(void) {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
+
+#ifdef HAVE_X86_VECTORS
+/*
+ * Decode attention's two products with AVX2 and FMA, their accumulators in registers
+ * (the plain loops above keep theirs in memory: on the 2-core Intel guest 7-8 GB/s of
+ * keys and values over a 3K-token cache). Both read the keys or values once, in the
+ * plain loops' order of sums within each dot product's lanes.
+ */
+
+/* Key rows fetched ahead of the one in work; value rows a tile holds (32 KB of rows of
+ * 64 floats: in the first-level cache for the passes after the first). */
+enum { KEYS_AHEAD = 16, VALUE_TILE = 128 };
+
+/* Rows of keys a scores block takes at once for n query columns: its R x n
+ * accumulators, n query vectors and a key vector fit in the 16 vector registers. */
+#define SCORE_ROWS(N) ((N) <= 3 ? 4 : (N) <= 4 ? 2 : 1)
+
+/* Loops of a constant count, unrolled so that their arrays of vectors stay in registers
+ * (GCC's -O2 keeps them in memory otherwise). */
+#define UNROLLED _Pragma("GCC unroll 16")
+
+/* Rows [i, i + ROWS) of few_columns for n = COLUMNS: eight columns of k per step, then each
+ * dot product's lanes summed, the last k % 8 columns added, and c written. */
+#define SCORE_BLOCK(ROWS)                                                                \
+  do {                                                                                   \
+    __m256 sum[ROWS][COLUMNS];                                                                 \
+    UNROLLED for (int r = 0; r < ROWS; r++)                                              \
+      UNROLLED for (int j = 0; j < COLUMNS; j++) sum[r][j] = _mm256_setzero_ps();              \
+    for (int x = 0; x < whole; x += 8) {                                                 \
+      __m256 query[COLUMNS];                                                                   \
+      UNROLLED for (int j = 0; j < COLUMNS; j++)                                               \
+        query[j] = _mm256_loadu_ps(b + (ptrdiff_t)j * ldb + x);                          \
+      UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
+        __m256 key = _mm256_loadu_ps(a + (ptrdiff_t)(i + r) * lda + x);                  \
+        UNROLLED for (int j = 0; j < COLUMNS; j++) sum[r][j] = _mm256_fmadd_ps(key, query[j], sum[r][j]); \
+      }                                                                                  \
+    }                                                                                    \
+    float total[ROWS][COLUMNS];                                                          \
+    UNROLLED for (int j = 0; j < COLUMNS; j++) {                                         \
+      if (ROWS == 4) { /* four rows' lane sums at once, in horizontal_sum's order */     \
+        float four[4];                                                                   \
+        _mm_storeu_ps(four, four_sums(sum[0][j], sum[1 % ROWS][j], sum[2 % ROWS][j],     \
+                                      sum[3 % ROWS][j]));                                \
+        UNROLLED for (int r = 0; r < ROWS; r++) total[r][j] = four[r];                   \
+      } else                                                                             \
+        UNROLLED for (int r = 0; r < ROWS; r++) total[r][j] = horizontal_sum(sum[r][j]); \
+    }                                                                                    \
+    UNROLLED for (int r = 0; r < ROWS; r++)                                              \
+      UNROLLED for (int j = 0; j < COLUMNS; j++) {                                       \
+        const float *row = a + (ptrdiff_t)(i + r) * lda, *column = b + (ptrdiff_t)j * ldb; \
+        float value = total[r][j];                                                       \
+        for (int x = whole; x < k; x++) value += row[x] * column[x];                     \
+        value *= alpha;                                                                  \
+        float *entry = c + (ptrdiff_t)(i + r) * c_row + j * c_column;                    \
+        *entry = beta == 0.0f ? value : value + beta * *entry;                           \
+      }                                                                                  \
+  } while (0)
+
+/* few_columns for n = N: R key rows at a time (the last few one by one). */
+#define FEW_COLUMNS_AVX2(N)                                                              \
+  AVX2_TARGET static void few_columns_##N(int m, int k, float alpha, const float *a,     \
+                                          int lda, const float *b, int ldb, float beta,  \
+                                          float *c, ptrdiff_t c_row, ptrdiff_t c_column) { \
+    enum { R = SCORE_ROWS(N), COLUMNS = N };                                             \
+    int whole = k / 8 * 8, i = 0;                                                        \
+    for (; i + R <= m; i += R) {                                                         \
+      for (int r = 0; r < R && i + KEYS_AHEAD + r < m; r++) /* whole rows, ahead */      \
+        for (int x = 0; x < k; x += 16) prefetch(a + (ptrdiff_t)(i + KEYS_AHEAD + r) * lda + x); \
+      SCORE_BLOCK(R);                                                                    \
+    }                                                                                    \
+    for (; i < m; i++) SCORE_BLOCK(1);                                                   \
+  }
+
+FEW_COLUMNS_AVX2(1)
+FEW_COLUMNS_AVX2(2)
+FEW_COLUMNS_AVX2(3)
+FEW_COLUMNS_AVX2(4)
+FEW_COLUMNS_AVX2(5)
+FEW_COLUMNS_AVX2(6)
+FEW_COLUMNS_AVX2(7)
+FEW_COLUMNS_AVX2(8)
+
+typedef void (*few_columns_fn)(int, int, float, const float *, int, const float *, int, float,
+                               float *, ptrdiff_t, ptrdiff_t);
+static const few_columns_fn few_columns_avx2[FEW_COLUMNS + 1] = {
+    NULL, few_columns_1, few_columns_2, few_columns_3, few_columns_4,
+    few_columns_5, few_columns_6, few_columns_7, few_columns_8};
+
+/* Column vectors a values pass takes at once for m rows of probabilities: its m x W
+ * accumulators, W value vectors and a broadcast probability fit in the registers. */
+#define VALUE_VECTORS(M) ((M) <= 2 ? 4 : (M) <= 4 ? 2 : 1)
+
+/* few_rows_streamed for m = M: the values in tiles of VALUE_TILE rows (in cache), each
+ * tile read in passes of 8W columns (rows of 64 floats: 2 passes of 32 for M <= 2, 4 of
+ * 16 for M <= 4) whose sums carry over to the next tile in `partial`; so memory is read
+ * once, in order, as the plain loop reads it. */
+#define FEW_ROWS_AVX2(M)                                                                 \
+  AVX2_TARGET static void few_rows_##M(int n, int k, float alpha, const float *a,        \
+                                       ptrdiff_t row_step, ptrdiff_t col_step,           \
+                                       const float *b, int ldb, float beta, float *c,    \
+                                       int ldc) {                                        \
+    enum { W = VALUE_VECTORS(M) };                                                       \
+    int whole = n / (8 * W) * (8 * W);                                                   \
+    float partial[M][MAX_WIDTH];                                                         \
+    for (int start = 0; start < k; start += VALUE_TILE) {                                \
+      int stop = k - start < VALUE_TILE ? k : start + VALUE_TILE;                        \
+      for (int r = start; r < stop && r + VALUE_TILE < k; r++) /* the next tile */       \
+        for (int x = 0; x < n; x += 16) prefetch(b + (ptrdiff_t)(r + VALUE_TILE) * ldb + x); \
+      for (int j = 0; j < whole; j += 8 * W) {                                           \
+        __m256 sum[M][W];                                                                \
+        UNROLLED for (int i = 0; i < M; i++)                                             \
+          UNROLLED for (int w = 0; w < W; w++)                                           \
+            sum[i][w] = start ? _mm256_loadu_ps(&partial[i][j + 8 * w]) : _mm256_setzero_ps(); \
+        for (int r = start; r < stop; r++) {                                             \
+          const float *row = b + (ptrdiff_t)r * ldb + j;                                 \
+          __m256 value[W];                                                               \
+          UNROLLED for (int w = 0; w < W; w++) value[w] = _mm256_loadu_ps(row + 8 * w);  \
+          UNROLLED for (int i = 0; i < M; i++) {                                         \
+            __m256 weight = _mm256_broadcast_ss(a + i * row_step + r * col_step);        \
+            UNROLLED for (int w = 0; w < W; w++)                                         \
+              sum[i][w] = _mm256_fmadd_ps(weight, value[w], sum[i][w]);                  \
+          }                                                                              \
+        }                                                                                \
+        UNROLLED for (int i = 0; i < M; i++)                                             \
+          UNROLLED for (int w = 0; w < W; w++) _mm256_storeu_ps(&partial[i][j + 8 * w], sum[i][w]); \
+      }                                                                                  \
+      for (int j = whole; j < n; j++) /* a width not a multiple of 8W: the last columns */ \
+        for (int i = 0; i < M; i++) {                                                    \
+          float total = start ? partial[i][j] : 0.0f;                                    \
+          for (int r = start; r < stop; r++)                                             \
+            total += a[i * row_step + r * col_step] * b[(ptrdiff_t)r * ldb + j];         \
+          partial[i][j] = total;                                                         \
+        }                                                                                \
+    }                                                                                    \
+    for (int i = 0; i < M; i++)                                                          \
+      for (int j = 0; j < n; j++) {                                                      \
+        float *out = c + (ptrdiff_t)i * ldc + j, value = alpha * partial[i][j];          \
+        *out = beta == 0.0f ? value : value + beta * *out;                               \
+      }                                                                                  \
+  }
+
+FEW_ROWS_AVX2(1)
+FEW_ROWS_AVX2(2)
+FEW_ROWS_AVX2(3)
+FEW_ROWS_AVX2(4)
+FEW_ROWS_AVX2(5)
+FEW_ROWS_AVX2(6)
+FEW_ROWS_AVX2(7)
+FEW_ROWS_AVX2(8)
+
+typedef void (*few_rows_fn)(int, int, float, const float *, ptrdiff_t, ptrdiff_t, const float *,
+                            int, float, float *, int);
+static const few_rows_fn few_rows_avx2[STREAM_ROWS + 1] = {
+    NULL, few_rows_1, few_rows_2, few_rows_3, few_rows_4,
+    few_rows_5, few_rows_6, few_rows_7, few_rows_8};
+#endif
+
+/* Whether the AVX2 kernels run here (asked once). */
+static int avx2_here(void) {
+#ifdef HAVE_X86_VECTORS
+  static int answer = -1;
+  if (answer < 0) answer = vectors_usable();
+  return answer;
+#else
+  return 0;
+#endif
+}
+
+/* few_columns through its AVX2 form where there is one. */
+static void scores(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                   int ldb, float beta, float *c, ptrdiff_t c_row, ptrdiff_t c_column) {
+#ifdef HAVE_X86_VECTORS
+  if (avx2_here()) {
+    few_columns_avx2[n](m, k, alpha, a, lda, b, ldb, beta, c, c_row, c_column);
+    return;
+  }
+#endif
+  few_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, c_row, c_column);
+}
+
+/* few_rows_streamed through its AVX2 form where there is one. */
+static void values(int m, int n, int k, float alpha, const float *a, ptrdiff_t row_step,
+                   ptrdiff_t col_step, const float *b, int ldb, float beta, float *c, int ldc) {
+#ifdef HAVE_X86_VECTORS
+  if (avx2_here()) {
+    few_rows_avx2[m](n, k, alpha, a, row_step, col_step, b, ldb, beta, c, ldc);
+    return;
+  }
+#endif
+  few_rows_streamed(m, n, k, alpha, a, row_step, col_step, b, ldb, beta, c, ldc);
+}
 
 /* Whether row by row, dequantized `fused` or not, the shadow equals its matrix. */
 static int shadow_matches(const shadow *s, int fused, float *row_buffer) {
@@ -406,12 +613,6 @@ static int shadow_of(const float *b, int n, int ldb) {
 /* Rows this far ahead are fetched while the kernel works on the current one (8-bit
  * rows of 576 weights: 4.6 KB ahead). */
 enum { PREFETCH_ROWS = 8, CACHE_LINE = 64 };
-
-/* A prefetch the compiler keeps: GCC deletes a loop of __builtin_prefetch as a loop
- * without side effects. */
-static inline void prefetch(const void *address) {
-  __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)address));
-}
 
 static inline void prefetch_row(const shadow *s, int row) {
   size_t row_bytes = (size_t)s->cols * s->bits / 8, groups = s->cols / s->group;
@@ -513,14 +714,14 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     /* The same scores the other way round: a query group's few rows times a shard's
      * keys given as rows (B transposed), each key row's dot products written down a
      * column of c. */
-    few_columns(n, m, k, alpha, b, ldb, a, lda, beta, c, 1, ldc);
+    scores(n, m, k, alpha, b, ldb, a, lda, beta, c, 1, ldc);
     return;
   }
   if (order == ROW_MAJOR && k >= LONG_ROWS && m > 0 && m <= STREAM_ROWS && n > 0 &&
       n <= MAX_WIDTH && b_plain) {
     /* Decode attention's values: a query group's probabilities (few rows, stored
      * either way) times a shard of values, in cache or not. */
-    few_rows_streamed(m, n, k, alpha, a, a_plain ? lda : 1, a_plain ? 1 : lda, b, ldb,
+    values(m, n, k, alpha, a, a_plain ? lda : 1, a_plain ? 1 : lda, b, ldb,
                       beta, c, ldc);
     return;
   }
@@ -542,7 +743,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       a_plain && !b_plain) {
     /* Decode attention's scores: a shard's keys (m x k) times a query group's few
      * columns, given as its rows (B transposed). */
-    few_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, 1);
+    scores(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, 1);
     return;
   }
   next_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
