@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import run_cli
-from spmd_cp.engine.decode_choice import estimate_split, split_copy_bytes, split_matrix_bytes
+from spmd_cp.engine.decode_choice import (PackedReads, estimate_split, split_copy_bytes,
+                                          split_matrix_bytes)
 from spmd_cp.models.loader import load_model
 
 SMOLLM2_MATRICES = 538_060_032  # bytes; SmolLM2-135M in float32 (docs/BENCHMARKS.md)
@@ -27,6 +28,22 @@ def test_split_pays_where_weight_reads_dominate_and_not_where_collectives_do():
     assert not estimate_split(SMOLLM2_MATRICES, 2, 30, 20e9, 150e-6).split
     assert not estimate_split(SMOLLM2_MATRICES, 1, 30, 5e9, 60e-6).split
     assert not estimate_split(SMOLLM2_MATRICES, 2, 30, 0.0, 60e-6).split  # not measured
+
+
+def test_matrices_read_packed_count_at_their_measured_time():
+    """A packed share is estimated at its measured seconds, not at the float32 read rate:
+    all of SmolLM2 packed in 12 ms at N = 2 saves 6 ms, which 91 collectives of 80 us
+    (7.3 ms) outweigh where the float32 figure (13.5 ms at 20 GB/s) would split; half of
+    it packed counts the float32 half at the stream rate."""
+    float32 = estimate_split(SMOLLM2_MATRICES, 2, 30, 20e9, 80e-6)
+    packed = estimate_split(SMOLLM2_MATRICES, 2, 30, 20e9, 80e-6,
+                            PackedReads(SMOLLM2_MATRICES, 12e-3))
+    assert float32.split and not packed.split
+    assert packed.saved_s == pytest.approx(6e-3)
+    assert "538 MB of matrices: 0 MB at 20.0 GB/s, 538 MB read packed in 12.0 ms" in packed.reason
+    half = estimate_split(SMOLLM2_MATRICES, 2, 30, 20e9, 80e-6,
+                          PackedReads(SMOLLM2_MATRICES // 2, 6e-3))
+    assert half.saved_s == pytest.approx(0.5 * (SMOLLM2_MATRICES / 2 / 20e9 + 6e-3))
 
 
 def test_split_matrix_bytes_counts_the_projections_mlp_and_head(tiny_models):

@@ -15,6 +15,11 @@ are measured once per set of hosts by calibrate.py and cached, so the decision c
 decode steps. It replaced timing the first steps of each mode: three replicated and
 three split steps (and building the slices either way) cost what the split gains over
 that many steps, and two timings per mode were too few to see past other load.
+
+Matrices decode reads in a packed form (quantized_shadows.py: a quantized GGUF on an x86
+CPU) do not take W / stream: their kernel is bound by its arithmetic, not the float32
+bytes. Their time is measured when decode is readied (all their products once, every
+rank at once, the slowest rank's; 10-30 ms) and replaces their share of W / stream.
 """
 
 from __future__ import annotations
@@ -33,17 +38,32 @@ class SplitEstimate:
     reason: str
 
 
-def split_matrix_bytes(model) -> int:
-    """Bytes of the matrices the split step divides: every layer's projections and MLP,
-    and the vocabulary projection (the tied embedding if there is no separate head); a
-    quantized matrix counts its packed weights, scales and biases."""
+@dataclass(frozen=True)
+class PackedReads:
+    """Split matrices decode reads in a packed form instead (engine/quantized_shadows.py):
+    their float32 bytes, and the seconds one rank's products of all of them took,
+    every rank at once (measured)."""
+
+    float32_bytes: int
+    seconds: float
+
+
+def split_modules(model) -> list:
+    """The modules whose matrices the split step divides: every layer's projections and
+    MLP, and the vocabulary projection (the tied embedding if there is no separate head)."""
     modules = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                     mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     head = model.lm_head if isinstance(model.lm_head, nn.Module) else model.embed_tokens
-    return sum(v.nbytes for m in modules + [head] for _, v in tree_flatten(m.parameters()))
+    return modules + [head]
+
+
+def split_matrix_bytes(model) -> int:
+    """Bytes of the matrices the split step divides (``split_modules``); a quantized
+    matrix counts its packed weights, scales and biases."""
+    return sum(v.nbytes for m in split_modules(model) for _, v in tree_flatten(m.parameters()))
 
 
 def split_copy_bytes(model, cp_size: int) -> int:
@@ -63,17 +83,25 @@ def split_copy_bytes(model, cp_size: int) -> int:
 
 
 def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_bytes_per_s: float,
-                   collective_s: float) -> SplitEstimate:
-    """Whether the split step pays on these ranks (see the module docstring)."""
+                   collective_s: float, packed: PackedReads | None = None) -> SplitEstimate:
+    """Whether the split step pays on these ranks (see the module docstring); ``packed``:
+    the share of the matrices read in a packed form, at its measured time instead of at
+    the float32 read rate."""
     if cp_size == 1:
         return SplitEstimate(False, 0.0, 0.0, "one rank: nothing to split")
     if stream_bytes_per_s <= 0:
         return SplitEstimate(False, 0.0, 0.0, "no measurement of the weight read rate")
-    saved = (1 - 1 / cp_size) * weight_bytes / stream_bytes_per_s
+    packed = packed or PackedReads(0, 0.0)
+    plain = weight_bytes - packed.float32_bytes
+    saved = (1 - 1 / cp_size) * (plain / stream_bytes_per_s + packed.seconds)
     cost = (3 * num_layers + 1) * collective_s
     split = saved > cost
+    reads = f"{weight_bytes / 1e6:.0f} MB of matrices at {stream_bytes_per_s / 1e9:.1f} GB/s"
+    if packed.float32_bytes:
+        reads = (f"{weight_bytes / 1e6:.0f} MB of matrices: {plain / 1e6:.0f} MB at "
+                 f"{stream_bytes_per_s / 1e9:.1f} GB/s, {packed.float32_bytes / 1e6:.0f} MB "
+                 f"read packed in {1e3 * packed.seconds:.1f} ms")
     return SplitEstimate(split, saved, cost, (
         f"estimated per step: {1e3 * saved:.1f} ms of weight reads saved, "
         f"{1e3 * cost:.1f} ms in {3 * num_layers + 1} more collectives "
-        f"({weight_bytes / 1e6:.0f} MB of matrices at {stream_bytes_per_s / 1e9:.1f} GB/s; "
-        f"{1e6 * collective_s:.0f} us per collective)"))
+        f"({reads}; {1e6 * collective_s:.0f} us per collective)"))

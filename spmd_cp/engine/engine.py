@@ -21,8 +21,9 @@ from ..errors import UserError
 from ..runtime.comm import Comm
 from ..runtime.graph_comm import chained_latency, open_graph_collectives
 from .model import CPModel
+from .quantized_shadows import SHADOWS
 from ..attention.partition import head_tail_positions, owner_of
-from .decode_choice import estimate_split, split_matrix_bytes
+from .decode_choice import PackedReads, estimate_split, split_matrix_bytes, split_modules
 from .tp_decode import TensorParallelDecoder, is_layer_sharded, supports_tensor_parallel
 from ..runtime.trace import span
 
@@ -313,6 +314,15 @@ class Engine:
         vs 295 MiB, MLX peak 148 vs 120; decode 3.80 vs 3.79 tok/s)."""
         return is_layer_sharded(self.model) and self.decode_tp != "on"
 
+    def _packed_reads(self) -> PackedReads | None:
+        """The split matrices decode reads packed and their measured time (every rank at
+        once), or None where none is (decode_choice.py)."""
+        if not SHADOWS.active:
+            return None
+        matrices = [m["weight"] for m in split_modules(self.model) if "weight" in m]
+        float32_bytes, seconds = SHADOWS.timed_reads(matrices, self.comm)
+        return PackedReads(float32_bytes, seconds) if float32_bytes else None
+
     # -- tensor-parallel decode: on, off, or decided from measurements -----------------
     def _use_tensor_parallel(self) -> bool:
         """Whether this decode step splits the weights' work across ranks (tp_decode.py).
@@ -343,7 +353,7 @@ class Engine:
                                 else self._mpi_collective_s or measured.collective_s)
                 estimate = estimate_split(split_matrix_bytes(self.model), self.comm.size,
                                           self.model.num_layers, measured.stream_bytes_per_s,
-                                          collective_s)
+                                          collective_s, self._packed_reads())
                 self.decode_tp = "on" if estimate.split else "off"
                 log.info("decode: %s (%s)", "tensor-parallel" if estimate.split else
                          "replicated", estimate.reason)

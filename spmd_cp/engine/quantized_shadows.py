@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -217,6 +218,24 @@ class Shadows:
             if packed is not None:
                 self.register(copy[start:start + rows], packed)
             start += rows
+
+    def timed_reads(self, matrices: list, comm) -> tuple[int, float]:
+        """(float32 bytes, seconds) of the products of those of ``matrices`` that have a
+        shadow with one row each, as one decode step makes them: every rank at once after
+        a barrier, the best of two rounds, the slowest rank's (comm: runtime.comm.Comm)."""
+        mine = [m for m in matrices if m.dtype == mx.float32 and m.ndim == 2 and
+                self.packed_of(m) is not None]
+        if not mine:
+            return 0, 0.0
+        rows = {m.shape[1]: mx.ones((1, m.shape[1]), mx.float32) for m in mine}
+        mx.eval(list(rows.values()))
+        best = float("inf")
+        comm.barrier()
+        for _ in range(2):
+            start = time.perf_counter()
+            mx.eval([rows[m.shape[1]] @ m.T for m in mine])
+            best = min(best, time.perf_counter() - start)
+        return sum(m.nbytes for m in mine), max(comm.allgather_object(best))
 
 
 SHADOWS = Shadows()
