@@ -77,7 +77,8 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
     """The embedded Q4_1 model: greedy generate with shadows gives the float32 path's
     tokens, on one rank and on two (the split step's column copies and rows read their
     shadows too: 211 + 60 matrices on rank 0); the packed forms are counted in
-    model_bytes and in the memory forecast, byte for byte."""
+    model_bytes and in the memory forecast, byte for byte; ``score``, which has no decode
+    step, does not keep them."""
     args = ["generate", "--model", embedded_model, "--prompt",
             "Explain in two sentences why the sky is blue.", "--max-tokens", "24", "--json",
             "--decode-tp", "on"]
@@ -95,3 +96,10 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
         [expected] * ranks
     forecast = got["memory_forecast"]["weights_bytes"] - want["memory_forecast"]["weights_bytes"]
     assert forecast == expected
+    if ranks == 1:  # score has no decode step: it keeps no packed forms
+        text = tmp_path / "doc.txt"
+        text.write_text("The sky is blue because air scatters short wavelengths more.")
+        score = run_cli(1, ["score", "--model", embedded_model, "--text-file", str(text),
+                            "--output", str(tmp_path / "tokens.jsonl"), "--json"], env=env)
+        assert "matrices read packed" not in score.stderr
+        assert score.last_json()["model_bytes"] == want["model_bytes"]

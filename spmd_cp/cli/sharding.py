@@ -12,7 +12,7 @@ from ..models.partial_load import weight_layout
 from ..runtime.resident import outside_mlx_bytes
 
 
-def wants_sharding(run: RunConfig, path: str, ranks: int) -> bool:
+def wants_sharding(run: RunConfig, path: str, ranks: int, decode: bool = True) -> bool:
     """Rank 0's decision, before the model loads. ``auto`` shards when the replicated
     weights and what the process already holds outside MLX (interpreter, libraries)
     exceed the per-rank memory limit, which counts resident memory; one rank has nothing
@@ -22,7 +22,7 @@ def wants_sharding(run: RunConfig, path: str, ranks: int) -> bool:
         return False
     if run.shard_weights == "auto":
         limit = parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
-        return auto_shards(layout_of(path, run.keep_quantized).replicated, limit)
+        return auto_shards(layout_of(path, run.keep_quantized, decode).replicated, limit)
     return True
 
 
@@ -33,8 +33,10 @@ def auto_shards(replicated_bytes: int, limit: int) -> bool:
 
 
 @lru_cache(maxsize=4)
-def layout_of(path: str, keep_quantized: bool):
-    return weight_layout(path, keep_quantized)
+def layout_of(path: str, keep_quantized: bool, decode: bool = True):
+    """``decode``: a decode step follows (a replicated load then holds the packed forms
+    decode reads, engine/quantized_shadows.py)."""
+    return weight_layout(path, keep_quantized, decode)
 
 
 def weight_plan(loaded, replicated_bytes: int, keep_quantized: bool) -> WeightPlan:

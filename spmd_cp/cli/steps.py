@@ -106,16 +106,17 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
     return path, checksum
 
 
-def load_checked_model(comm: Comm, run: RunConfig, path: str):
-    """Load the model ``check_model`` accepted, on every rank."""
+def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):
+    """Load the model ``check_model`` accepted, on every rank. ``decode``: decode steps
+    will follow (a quantized GGUF's packed matrices are then kept for them)."""
     start = time.perf_counter()
-    if spmd.on_root(comm, wants_sharding, run, path, comm.size):
+    if spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
         log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",
                  comm.size, comm.size)
         loaded = spmd.everywhere(comm, load_rank_share, path, comm.rank, comm.size,
                                  run.keep_quantized)
     else:
-        loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized)
+        loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized, decode)
     # From here on every rank is in lockstep: a long wait means a peer is gone.
     spmd.hot_phase(comm, run.comm_timeout)
     allocator.release_free_memory()  # the load's copies, before the forecast measures
@@ -127,10 +128,10 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str):
     return loaded
 
 
-def resolve_model(comm: Comm, run: RunConfig):
+def resolve_model(comm: Comm, run: RunConfig, decode: bool = True):
     """Check the model on every rank, then load it."""
     path, _ = check_model(comm, run)
-    return load_checked_model(comm, run, path)
+    return load_checked_model(comm, run, path, decode)
 
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:

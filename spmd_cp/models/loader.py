@@ -95,12 +95,14 @@ def _check_file(file: Path, check):
         raise UserError(f"model file {file} is unusable: {error}") from None
 
 
-def load_model(path: str, keep_quantized: bool = False) -> LoadedModel:
-    """Check, then load a model; any failure to read its files is a UserError naming them."""
+def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = True) -> LoadedModel:
+    """Check, then load a model; any failure to read its files is a UserError naming them.
+    ``packed_decode``: register a quantized GGUF's packed matrices for decode's products
+    (engine/quantized_shadows.py; False where no decode step follows, e.g. ``score``)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
     try:
-        return _load(p, keep_quantized, checksum)
+        return _load(p, keep_quantized, checksum, packed_decode)
     except LOAD_ERRORS as error:
         what = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
         what = " ".join(what.split())  # one line (mlx-lm lists missing weights one a line)
@@ -109,7 +111,7 @@ def load_model(path: str, keep_quantized: bool = False) -> LoadedModel:
         raise UserError(f"cannot load model {path}: {what}") from None
 
 
-def _load(p: Path, keep_quantized: bool, checksum: str) -> LoadedModel:
+def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool) -> LoadedModel:
     path = str(p)
     if p.is_file():
         from .gguf import load_gguf
@@ -130,8 +132,7 @@ def _load(p: Path, keep_quantized: bool, checksum: str) -> LoadedModel:
     if mx.default_device() == mx.cpu and not keep_quantized:
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
-    if p.is_file() and mx.default_device() == mx.cpu and not keep_quantized and \
-            quantized_shadows.wanted():
+    if packed_decode and p.is_file() and not keep_quantized and quantized_shadows.available():
         from .gguf import packed_weights
 
         quantized_shadows.register_model(model, packed_weights(path))

@@ -244,7 +244,8 @@ def _compute_bytes(specs: dict, names, form: ComputeForm) -> int:
     return total
 
 
-def weight_layout(path: str, keep_quantized: bool = False) -> WeightLayout:
+def weight_layout(path: str, keep_quantized: bool = False,
+                  packed_decode: bool = True) -> WeightLayout:
     """The ``WeightLayout`` of a model file or directory, as load_model would hold it."""
     p = check_model_path(path)
     files = open_tensor_files(str(p))
@@ -261,7 +262,8 @@ def weight_layout(path: str, keep_quantized: bool = False) -> WeightLayout:
     other = [n for n in wanted if not n.startswith(("model.layers.", "model.embed_tokens.",
                                                     "lm_head."))]
     return WeightLayout(packed, compute, _compute_bytes(specs, vocab, form),
-                        _compute_bytes(specs, other, form), _shadow_bytes(specs, form))
+                        _compute_bytes(specs, other, form),
+                        _shadow_bytes(specs, form) if packed_decode else 0)
 
 
 def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
