@@ -103,3 +103,22 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
                             "--output", str(tmp_path / "tokens.jsonl"), "--json"], env=env)
         assert "matrices read packed" not in score.stderr
         assert score.last_json()["model_bytes"] == want["model_bytes"]
+
+
+@needs_openblas
+@needs_c_helpers
+def test_mlx_format_quantized_model_reads_packed_weights(tiny_models, tmp_path):
+    """An MLX-format 4-bit model (bfloat16 scales, groups of 32): dequantized in float32
+    arithmetic (its scales widened first, as MLX's quantized matmul computes), its 22
+    matrices registered, greedy tokens equal to the float32 path's on one rank and two."""
+    from test_gpu_path import derive_model
+
+    model = derive_model(tiny_models["llama"], tmp_path / "q4", bits=4)
+    args = ["generate", "--model", model, "--prompt", "The quick brown fox", "--max-tokens",
+            "12", "--json", "--no-chat-template", "--decode-tp", "on"]
+    env = {"SPMD_CP_CACHE": str(tmp_path / "cache")}
+    for ranks in (1, 2):
+        on = run_cli(ranks, args, env=env)
+        off = run_cli(ranks, args, env={**env, "SPMD_CP_QUANTIZED_DECODE": "0"})
+        assert "quantized decode: 22 matrices read packed" in on.stderr, on.stderr
+        assert on.last_json()["token_ids"] == off.last_json()["token_ids"]

@@ -34,6 +34,7 @@ import numpy as np
 log = logging.getLogger("spmd_cp")
 
 ENV = "SPMD_CP_QUANTIZED_DECODE"
+KERNEL_BITS = (4, 8)  # the bit widths gemv_forward.c's kernel reads
 # spmd_cp_shadow_register's answers (gemv_forward.c)
 FUSED, UNFUSED, DIFFERS, UNSUPPORTED, FULL, OVERLAPS = 1, 0, -1, -2, -3, -4
 REFUSALS = {DIFFERS: "its packed form does not reproduce the float32 weights",

@@ -113,6 +113,7 @@ def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = Tr
 
 def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool) -> LoadedModel:
     path = str(p)
+    packed = {}  # {parameter name: Packed} of the matrices dequantized to float32
     if p.is_file():
         from .gguf import load_gguf
 
@@ -128,15 +129,54 @@ def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool) -> 
         if not keep_quantized and mx.default_device() == mx.cpu:
             from mlx_lm.utils import dequantize_model
 
-            model = dequantize_model(model)
+            packed = dequantize_affine_float32(model)
+            model = dequantize_model(model)  # any other quantization mode
     if mx.default_device() == mx.cpu and not keep_quantized:
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
-    if packed_decode and p.is_file() and not keep_quantized and quantized_shadows.available():
-        from .gguf import packed_weights
+    if packed_decode and not keep_quantized and quantized_shadows.available():
+        if p.is_file():
+            from .gguf import packed_weights
 
-        quantized_shadows.register_model(model, packed_weights(path))
+            packed = packed_weights(path)
+        quantized_shadows.register_model(model, packed)
     return LoadedModel(model, tokenizer, config, str(p), checksum)
+
+
+def dequantize_affine_float32(model: nn.Module) -> dict:
+    """Replace the model's affine-quantized Linear and Embedding layers by float32 ones
+    whose weights are dequantized in float32 arithmetic (scales and biases widened first,
+    as GGUF files are, models/gguf.py), and return {parameter name: Packed} of them.
+
+    mlx-lm's dequantize_model computes in the scales' dtype, rounding every weight to
+    bfloat16 or float16 on the way; MLX's quantized matmul computes each weight in float32
+    arithmetic, as this does. The packed forms are what decode reads instead
+    (engine/quantized_shadows.py). Other quantization modes are left to mlx-lm."""
+    from mlx.utils import tree_unflatten
+
+    from ..engine.quantized_shadows import Packed
+
+    replaced, packed = [], {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or \
+                getattr(module, "mode", "affine") != "affine":
+            continue
+        form = Packed.of(module["weight"], module["scales"], module["biases"], module.bits,
+                         module.group_size)
+        weight = mx.dequantize(form.weight, form.scales, form.biases,
+                               group_size=form.group, bits=form.bits)
+        if isinstance(module, nn.QuantizedLinear):
+            dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                dense.bias = module["bias"]
+        else:
+            dense = nn.Embedding(weight.shape[0], weight.shape[1])
+        dense.weight = weight
+        replaced.append((name, dense))
+        packed[f"{name}.weight"] = form
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return packed
 
 
 def float32_cache_path(checksum: str) -> str | None:

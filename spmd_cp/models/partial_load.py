@@ -36,8 +36,9 @@ class ComputeForm:
     dequantize: bool  # quantized triples -> dense weights
     float32: bool  # floating tensors -> float32 (the CPU default)
     group_size: int = 32
-    # GGUF: dequantized in float32 arithmetic (gguf.dequantize_float32); MLX directories
-    # in their scales' dtype, as mlx-lm's dequantize_model does.
+    # GGUF and MLX directories' affine quantization: dequantized in float32 arithmetic
+    # (gguf.dequantize_float32, loader.dequantize_affine_float32); other modes in their
+    # scales' dtype, as mlx-lm's dequantize_model does.
     float32_arithmetic: bool = False
 
     def convert(self, packed: dict) -> dict:
@@ -122,9 +123,14 @@ def compute_form(files, config: dict, keep_quantized: bool) -> ComputeForm:
     if isinstance(files, GGUFFile):  # gguf.load_gguf dequantizes on every device
         return ComputeForm(dequantize=not keep_quantized, float32=not keep_quantized,
                            float32_arithmetic=True)
-    group = (config.get("quantization") or {}).get("group_size", 64)
+    quantization = config.get("quantization") or {}
+    group = quantization.get("group_size", 64)
     convert = on_cpu and not keep_quantized
-    return ComputeForm(dequantize=convert, float32=convert, group_size=group)
+    # affine: in float32 arithmetic, as loader.dequantize_affine_float32 (other modes
+    # as mlx-lm's dequantize_model)
+    affine = quantization.get("mode", "affine") == "affine"
+    return ComputeForm(dequantize=convert, float32=convert, group_size=group,
+                       float32_arithmetic=convert and affine)
 
 
 def build_skeleton(config: dict, specs: dict, form: ComputeForm) -> nn.Module:
@@ -277,6 +283,9 @@ def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
     total = 0
     for name, (shape, dtype) in specs.items():
         base = name[: -len(".weight")] if name.endswith(".weight") else None
-        if base is not None and f"{base}.scales" in specs:
-            total += math.prod(shape) * dtype.size + 2 * 4 * math.prod(specs[f"{base}.scales"][0])
+        if base is None or f"{base}.scales" not in specs:
+            continue
+        scales_shape = specs[f"{base}.scales"][0]
+        if form.bits(shape, scales_shape) in quantized_shadows.KERNEL_BITS:
+            total += math.prod(shape) * dtype.size + 2 * 4 * math.prod(scales_shape)
     return total
