@@ -16,6 +16,10 @@ from conftest import needs_c_helpers, run_cli
 from test_blas import clean_env, needs_openblas
 
 DRIVER = Path(__file__).with_name("shadow_driver.py")
+CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+needs_shadow_kernel = pytest.mark.skipif(
+    not (" avx2" in CPU_FLAGS and " fma" in CPU_FLAGS),
+    reason="the shadow kernel needs an x86 CPU with AVX2 and FMA (Linux)")
 SHADOW_CASES = ["q4g32", "q8g32", "q4g64", "q8g64", "other", "third", "rows",
                 "columns 64:352", "columns 32:96", "stacked", "alpha beta"]
 
@@ -30,9 +34,7 @@ def run_driver(tmp_path, **env) -> dict:
 
 @needs_openblas
 @needs_c_helpers
-@pytest.mark.skipif(not ("avx2" in Path("/proc/cpuinfo").read_text() and
-                         " fma" in Path("/proc/cpuinfo").read_text()),
-                    reason="the shadow kernel needs an x86 CPU with AVX2 and FMA")
+@needs_shadow_kernel
 def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
     """4- and 8-bit matrices in groups of 32 and 64 register (their packed form gives the
     float32 values bit for bit); whole matrices, row views, column copies (one ending in
@@ -71,6 +73,7 @@ def packed_bytes(model: str) -> int:
 
 @needs_openblas
 @needs_c_helpers
+@needs_shadow_kernel
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
         ranks, embedded_model, tmp_path):
@@ -107,6 +110,7 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
 
 @needs_openblas
 @needs_c_helpers
+@needs_shadow_kernel
 def test_mlx_format_quantized_model_reads_packed_weights(tiny_models, tmp_path):
     """An MLX-format 4-bit model (bfloat16 scales, groups of 32): dequantized in float32
     arithmetic (its scales widened first, as MLX's quantized matmul computes), its 22

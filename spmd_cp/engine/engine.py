@@ -316,8 +316,9 @@ class Engine:
 
     def _packed_reads(self) -> PackedReads | None:
         """The split matrices decode reads packed and their measured time (every rank at
-        once), or None where none is (decode_choice.py)."""
-        if not SHADOWS.active:
+        once), or None where none is (decode_choice.py). Collective: a rank without
+        shadows (another CPU) takes part, and every rank gets the same answer."""
+        if not any(self.comm.allgather_object(SHADOWS.active)):
             return None
         matrices = [m["weight"] for m in split_modules(self.model) if "weight" in m]
         float32_bytes, seconds = SHADOWS.timed_reads(matrices, self.comm)

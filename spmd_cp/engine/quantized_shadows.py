@@ -1,18 +1,19 @@
-"""Quantized shadows: decode's matrix-vector products read a quantized file's packed weights.
+"""Quantized shadows: decode's matrix-vector products read a quantized model's packed weights.
 
-A GGUF file's Q4_1 matrices are dequantized to float32 at load (MLX's quantized matmul is
-slow on a CPU), and every decode step then reads 4 bytes a weight where the file held 5/8
-of a byte. blas/gemv_forward.c, which already takes MLX's matrix-vector products ahead of
-the BLAS, can instead read the packed form and dequantize in registers. Each float32 matrix
-is registered with its packed form ("shadow"); the C side checks at registration that the
+A quantized model's matrices (GGUF Q4_0/Q4_1/Q8_0, MLX's affine 4- and 8-bit) are
+dequantized to float32 at load on the CPU (MLX's quantized matmul is slow there), and
+every decode step then reads 4 bytes a weight where the file held 5/8 of a byte.
+blas/gemv_forward.c, which already takes MLX's matrix-vector products ahead of the BLAS,
+can instead read the packed form and dequantize in registers. Each float32 matrix is
+registered with its packed form ("shadow"); the C side checks at registration that the
 packed form dequantizes to the matrix's float32 values bit for bit and refuses it
 otherwise. A product then has exactly the float32 matrix's weights and differs from
 sgemv's only in the order of its sums (float32 rounding, as between two BLAS builds).
 
 Shadows follow the decode step's slices: a view of whole rows of a registered matrix is
 found by its address; a copy (the split step's column slices of o and down, its joined
-q/k/v rows) is registered with the matching slice of the packed form (``register_columns``,
-``register_stacked``).
+q/k/v rows) is registered with a view of the matching part of the packed form
+(``register_columns``, ``register_stacked``): no packed bytes beyond the model's.
 
 Registered arrays are kept for the life of the process: the C side holds their
 addresses. ``SPMD_CP_QUANTIZED_DECODE=0`` turns shadows off (decode reads float32).
@@ -23,6 +24,7 @@ or without AVX2 and FMA nothing registers and nothing changes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import time
@@ -87,6 +89,7 @@ def wanted() -> bool:
     return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "no", "false")
 
 
+@functools.lru_cache(maxsize=1)
 def _library():
     """The preloaded forward's registration entry points where registrations can succeed
     (blas/gemv_forward.c on an x86 CPU with AVX2 and FMA), or None."""
@@ -222,21 +225,22 @@ class Shadows:
 
     def timed_reads(self, matrices: list, comm) -> tuple[int, float]:
         """(float32 bytes, seconds) of the products of those of ``matrices`` that have a
-        shadow with one row each, as one decode step makes them: every rank at once after
-        a barrier, the best of two rounds, the slowest rank's (comm: runtime.comm.Comm)."""
+        shadow, one row each, as a decode step makes them: every rank at once after a
+        barrier, the best of two rounds. Collective (every rank calls it), and the same
+        answer on every rank, so that all decide alike: the fewest bytes any rank reads
+        packed and the longest time (comm: runtime.comm.Comm)."""
         mine = [m for m in matrices if m.dtype == mx.float32 and m.ndim == 2 and
                 self.packed_of(m) is not None]
-        if not mine:
-            return 0, 0.0
         rows = {m.shape[1]: mx.ones((1, m.shape[1]), mx.float32) for m in mine}
         mx.eval(list(rows.values()))
-        best = float("inf")
+        best = float("inf") if mine else 0.0
         comm.barrier()
-        for _ in range(2):
+        for _ in range(2 if mine else 0):
             start = time.perf_counter()
             mx.eval([rows[m.shape[1]] @ m.T for m in mine])
             best = min(best, time.perf_counter() - start)
-        return sum(m.nbytes for m in mine), max(comm.allgather_object(best))
+        answers = comm.allgather_object((sum(m.nbytes for m in mine), best))
+        return min(b for b, _ in answers), max(s for _, s in answers)
 
 
 SHADOWS = Shadows()
