@@ -154,6 +154,12 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert len(advice) == 2 and advice[0] == advice[1], advice
     assert len(malloc) == 2 and malloc[0] == malloc[1], malloc
     assert malloc[0] == "glibc malloc"  # jemalloc only on request (runtime/allocator.py)
+    # Whether decode reads quantized weights packed (engine/quantized_shadows.py): every
+    # rank alike, as its CPU allows.
+    packed = summary["quantized_decode"]
+    assert len(packed) == 2 and packed[0] == packed[1], packed
+    assert packed[0].startswith(("on (", "not available (")), packed
+    assert f"quantized decode {packed[0]}" in launch.stdout
     assert "allocator       glibc malloc" in launch.stdout
     if summary["blas_kind"][0] == "openblas" and huge_pages.system_mode() is not None:
         assert advice[0].startswith("glibc.malloc.hugetlb=1")
@@ -223,6 +229,8 @@ def test_doctor_warns_where_the_sgemv_forward_did_not_build(cache):
         assert summary["huge_pages"] == [
             f"not advised (SPMD_CP_HUGE_PAGES=off), THP {huge_pages.system_mode()}"] * 2
     assert summary["ok"] and summary["gemv_forward"] == [False, False]
+    assert summary["quantized_decode"] == [
+        "not available (needs the sgemv forward on an x86 CPU with AVX2 and FMA)"] * 2
     skipped = [w for w in summary["warnings"] if "no sgemv forward: false failed" in w]
     assert [w.split(":")[0] for w in skipped] == ["rank 0 (" + summary["host"][0] + ")",
                                                   "rank 1 (" + summary["host"][1] + ")"]

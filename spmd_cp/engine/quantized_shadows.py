@@ -116,6 +116,17 @@ def available() -> bool:
     return wanted() and mx.default_device() == mx.cpu and _library() is not None
 
 
+def availability() -> str:
+    """One line for doctor: whether decode reads quantized models' packed weights here."""
+    if not wanted():
+        return f"off ({ENV}={os.environ[ENV]})"
+    if mx.default_device() != mx.cpu:
+        return "not used (the GPU computes quantized weights as they are)"
+    if _library() is None:
+        return "not available (needs the sgemv forward on an x86 CPU with AVX2 and FMA)"
+    return "on (4- and 8-bit weights read packed)"
+
+
 def _rows(a: mx.array) -> np.ndarray | None:
     """A zero-copy numpy view of an evaluated 2-D array whose rows are each contiguous
     (a column slice's rows lie further apart than their width), or None."""
