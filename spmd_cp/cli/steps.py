@@ -108,7 +108,7 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
 
 def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):
     """Load the model ``check_model`` accepted, on every rank. ``decode``: decode steps
-    will follow (a quantized GGUF's packed matrices are then kept for them)."""
+    will follow (a quantized model's packed matrices are then kept for them)."""
     start = time.perf_counter()
     if spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
         log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",

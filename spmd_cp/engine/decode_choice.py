@@ -16,7 +16,7 @@ decode steps. It replaced timing the first steps of each mode: three replicated 
 three split steps (and building the slices either way) cost what the split gains over
 that many steps, and two timings per mode were too few to see past other load.
 
-Matrices decode reads in a packed form (quantized_shadows.py: a quantized GGUF on an x86
+Matrices decode reads in a packed form (quantized_shadows.py: a quantized model on an x86
 CPU) do not take W / stream: their kernel is bound by its arithmetic, not the float32
 bytes. Their time is measured when decode is readied (all their products once, every
 rank at once, the slowest rank's; 10-30 ms) and replaces their share of W / stream.

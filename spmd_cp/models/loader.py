@@ -95,9 +95,10 @@ def _check_file(file: Path, check):
         raise UserError(f"model file {file} is unusable: {error}") from None
 
 
-def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = True) -> LoadedModel:
+def load_model(path: str, keep_quantized: bool = False,
+               packed_decode: bool = True) -> LoadedModel:
     """Check, then load a model; any failure to read its files is a UserError naming them.
-    ``packed_decode``: register a quantized GGUF's packed matrices for decode's products
+    ``packed_decode``: register a quantized model's packed matrices for decode's products
     (engine/quantized_shadows.py; False where no decode step follows, e.g. ``score``)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))

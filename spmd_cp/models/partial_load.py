@@ -212,7 +212,7 @@ class WeightLayout:
     layers_compute: list  # per layer, as the modules compute with it
     vocab: int  # embedding and untied head, as computed with
     other: int  # the final norm
-    shadows: int = 0  # packed forms decode reads instead (replicated GGUF on a CPU)
+    shadows: int = 0  # packed forms decode reads instead (a replicated quantized model)
 
     @property
     def replicated(self) -> int:
