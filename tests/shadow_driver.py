@@ -20,15 +20,23 @@ from spmd_cp.engine.quantized_shadows import SHADOWS, Packed, available  # noqa:
 rng = np.random.default_rng(0)
 
 
-def packed_matrix(rows: int, cols: int, bits: int, group: int):
-    """(float32 matrix, its Packed form): scales and biases stored as float16 (as a GGUF
-    file holds them), the matrix dequantized from them in float32 arithmetic."""
+def packed_matrix(rows: int, cols: int, bits: int, group: int, kind=mx.float16):
+    """(float32 matrix, its Packed form): scales and biases stored as ``kind`` (float16
+    as a GGUF file holds them, bfloat16 as MLX models do), the matrix dequantized from
+    them in float32 arithmetic (numpy, independently of MLX's dequantize)."""
     dense = mx.array(rng.standard_normal((rows, cols)).astype(np.float32))
     words, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
-    packed = Packed.of(words, scales.astype(mx.float16), biases.astype(mx.float16), bits, group)
-    weights = mx.dequantize(words, packed.scales, packed.biases, group_size=group, bits=bits)
-    mx.eval(weights, packed.weight, packed.scales, packed.biases)
-    return weights, packed
+    packed = Packed.of(words, scales.astype(kind), biases.astype(kind), bits, group)
+    mx.eval(packed.weight, packed.scales, packed.biases)
+    per_word = 32 // bits
+    q = (np.array(words)[:, :, None] >> (bits * np.arange(per_word, dtype=np.uint32))) & \
+        np.uint32((1 << bits) - 1)
+    q = q.reshape(rows, cols).astype(np.float32)
+    widen = lambda a: np.repeat(np.array(a.astype(mx.float32)), group, axis=1)  # noqa: E731
+    # two roundings (a product, then a sum), as MLX's CPU dequantization computes
+    values = (q * widen(packed.scales)).astype(np.float32) + widen(packed.biases)
+    assert np.array_equal(values, np.array(packed.dequantized()))
+    return mx.array(values), packed
 
 
 def measured(product, reference: np.ndarray) -> dict:
@@ -51,11 +59,15 @@ def times_transposed(x: mx.array, weights: mx.array) -> dict:
 
 cases, registered = {}, {}
 for name, shape in {"q4g32": (1536, 576, 4, 32), "q8g32": (300, 576, 8, 32),
-                    "q4g64": (128, 256, 4, 64), "q8g64": (96, 512, 8, 64),
+                    "q4g64": (128, 256, 4, 64, mx.bfloat16), "q8g64": (96, 512, 8, 64, mx.float32),
                     "other": (200, 576, 4, 32), "third": (40, 576, 8, 32)}.items():
     weights, packed = packed_matrix(*shape)
     registered[name] = SHADOWS.register(weights, packed)
     cases[name] = times_transposed(row(shape[1]), weights)
+    if name == "q4g64":  # bfloat16 scales, a column copy: a strided view of their bits
+        copy = mx.contiguous(weights[:, 64:192])
+        SHADOWS.register_columns(copy, weights, 64, 192)
+        cases["columns bfloat16"] = times_transposed(row(128), copy)
     if name == "q4g32":
         big, big_packed = weights, packed
     elif name == "other":

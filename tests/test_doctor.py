@@ -230,7 +230,7 @@ def test_doctor_warns_where_the_sgemv_forward_did_not_build(cache):
             f"not advised (SPMD_CP_HUGE_PAGES=off), THP {huge_pages.system_mode()}"] * 2
     assert summary["ok"] and summary["gemv_forward"] == [False, False]
     assert summary["quantized_decode"] == [
-        "not available (needs the sgemv forward on an x86 CPU with AVX2 and FMA)"] * 2
+        "not available (needs the sgemv forward on an x86 CPU with AVX2, FMA and F16C)"] * 2
     skipped = [w for w in summary["warnings"] if "no sgemv forward: false failed" in w]
     assert [w.split(":")[0] for w in skipped] == ["rank 0 (" + summary["host"][0] + ")",
                                                   "rank 1 (" + summary["host"][1] + ")"]

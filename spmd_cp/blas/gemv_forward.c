@@ -135,23 +135,31 @@ static void few_rows_streamed(int m, int n, int k, float alpha, const float *a,
  * row, and refuses the shadow otherwise. So the product has the float32 matrix's
  * weights exactly and differs from sgemv's only in the order of its sums.
  *
- * Weights are w = scale * q + bias per group of columns (scale and bias float32, q the
- * unsigned integer of `bits` bits, MLX's packing: element e of a byte run at bit
- * bits * e). The dequantization that made the float32 matrix rounded either once (a
- * fused multiply-add) or twice; registration finds which and the kernel repeats it.
- * AVX2 and FMA only: scalar dequantization would be slower than reading the float32
- * matrix, so without them nothing registers.
+ * Weights are w = scale * q + bias per group of columns (scale and bias float32, kept
+ * as float32, float16 or bfloat16 and widened exactly; q the unsigned integer of `bits`
+ * bits, MLX's packing: element e of a byte run at bit bits * e). The dequantization
+ * that made the float32 matrix rounded either once (a fused multiply-add) or twice;
+ * registration finds which and the kernel repeats it. AVX2, FMA and F16C only: scalar
+ * dequantization would be slower than reading the float32 matrix, so without them
+ * nothing registers.
  */
 enum { MAX_SHADOWS = 8192 };
 enum { SHADOW_FUSED = 1, SHADOW_UNFUSED = 0, SHADOW_DIFFERS = -1, SHADOW_UNSUPPORTED = -2,
        SHADOW_FULL = -3, SHADOW_OVERLAPS = -4 };
+/* How scales and biases are stored; at most this many groups a row (the kernel widens
+ * a row's float16 or bfloat16 ones into float32 on its stack). */
+enum { GROUP_FLOAT32 = 0, GROUP_FLOAT16 = 1, GROUP_BFLOAT16 = 2, MAX_ROW_GROUPS = 2048 };
+
+/* Bytes of one group parameter stored as `kind`. */
+static inline size_t group_bytes(int kind) { return kind == GROUP_FLOAT32 ? 4 : 2; }
 
 typedef struct {
   const float *weights, *end; /* the float32 matrix (rows x cols, row-major) */
   int rows, cols, bits, group, fused;
   const uint8_t *packed;        /* row r at packed + r * packed_step bytes */
-  const float *scales, *biases; /* row r at + r * group_step floats */
+  const void *scales, *biases;    /* row r at + r * group_step values of group_kind */
   size_t packed_step, group_step; /* a column slice's rows are further apart than its width */
+  int group_kind;                 /* GROUP_FLOAT32, GROUP_FLOAT16 or GROUP_BFLOAT16 */
 } shadow;
 
 static shadow shadows[MAX_SHADOWS]; /* sorted by `weights` */
@@ -159,7 +167,7 @@ static int shadow_count;
 static long long shadow_products; /* products served, for tests and traces */
 
 #ifdef HAVE_X86_VECTORS
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 /* A prefetch the compiler keeps: GCC deletes a loop of __builtin_prefetch as a loop
  * without side effects. The kernels below fetch ahead themselves: on the 2-core Intel
@@ -203,6 +211,25 @@ AVX2_TARGET static inline __m256 dequantize8(__m256 q, __m256 scale, __m256 bias
 #endif
 }
 
+/* A row's n group parameters stored as `kind` (float16 or bfloat16), widened to float32
+ * (exactly) into out, eight at a time: once a row, not in the kernel's loop. */
+AVX2_TARGET static void widen_row(const void *values, int kind, int n, float *out) {
+  const uint16_t *halves = values;
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i eight = _mm_loadu_si128((const __m128i *)(halves + i));
+    __m256 wide = kind == GROUP_FLOAT16
+                      ? _mm256_cvtph_ps(eight)
+                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(eight), 16));
+    _mm256_storeu_ps(out + i, wide);
+  }
+  for (; i < n; i++) {
+    uint32_t bits = kind == GROUP_FLOAT16 ? 0 : (uint32_t)halves[i] << 16;
+    if (kind == GROUP_FLOAT16) out[i] = _cvtsh_ss(halves[i]);
+    else memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
 /* Block b's group parameter per lane: one group for all eight lanes, or (4-bit weights
  * in groups of 32) the first four lanes in one group and the last four in the next,
  * where there is a next (``groups`` a row). */
@@ -232,8 +259,15 @@ AVX2_TARGET static inline __m256i block_words(const uint32_t *p, int b, int whol
   enum { PER_WORD = 32 / BITS, SHIFT = BITS, ROUNDING = FUSED };                       \
   const uint32_t *p = (const uint32_t *)(sh->packed + (size_t)row * sh->packed_step);    \
   int groups = sh->cols / sh->group;                                                   \
-  const float *scales = sh->scales + (size_t)row * sh->group_step;                     \
-  const float *biases = sh->biases + (size_t)row * sh->group_step;                     \
+  size_t row_offset = (size_t)row * sh->group_step * group_bytes(sh->group_kind);       \
+  const float *scales = (const float *)((const char *)sh->scales + row_offset);        \
+  const float *biases = (const float *)((const char *)sh->biases + row_offset);        \
+  float wide_scales[MAX_ROW_GROUPS], wide_biases[MAX_ROW_GROUPS];                      \
+  if (sh->group_kind != GROUP_FLOAT32) {                                               \
+    widen_row(scales, sh->group_kind, groups, wide_scales);                            \
+    widen_row(biases, sh->group_kind, groups, wide_biases);                            \
+    scales = wide_scales, biases = wide_biases;                                        \
+  }                                                                                    \
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);                             \
   int whole = sh->cols / (8 * PER_WORD), blocks = padded_columns(sh->cols, BITS) / (8 * PER_WORD)
 
@@ -321,7 +355,8 @@ static int row_matches(const shadow *s, int row, int fused, float *out) {
 
 static int vectors_usable(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 #endif
 
@@ -358,7 +393,8 @@ enum { KEYS_AHEAD = 16, VALUE_TILE = 128 };
         query[j] = _mm256_loadu_ps(b + (ptrdiff_t)j * ldb + x);                          \
       UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
         __m256 key = _mm256_loadu_ps(a + (ptrdiff_t)(i + r) * lda + x);                  \
-        UNROLLED for (int j = 0; j < COLUMNS; j++) sum[r][j] = _mm256_fmadd_ps(key, query[j], sum[r][j]); \
+        UNROLLED for (int j = 0; j < COLUMNS; j++)                                       \
+          sum[r][j] = _mm256_fmadd_ps(key, query[j], sum[r][j]);                         \
       }                                                                                  \
     }                                                                                    \
     float total[ROWS][COLUMNS];                                                          \
@@ -448,7 +484,8 @@ static const few_columns_fn few_columns_avx2[FEW_COLUMNS + 1] = {
           }                                                                              \
         }                                                                                \
         UNROLLED for (int i = 0; i < M; i++)                                             \
-          UNROLLED for (int w = 0; w < W; w++) _mm256_storeu_ps(&partial[i][j + 8 * w], sum[i][w]); \
+          UNROLLED for (int w = 0; w < W; w++)                                           \
+            _mm256_storeu_ps(&partial[i][j + 8 * w], sum[i][w]);                         \
       }                                                                                  \
       for (int j = whole; j < n; j++) /* a width not a multiple of 8W: the last columns */ \
         for (int i = 0; i < M; i++) {                                                    \
@@ -481,16 +518,14 @@ static const few_rows_fn few_rows_avx2[STREAM_ROWS + 1] = {
     few_rows_5, few_rows_6, few_rows_7, few_rows_8};
 #endif
 
+#ifdef HAVE_X86_VECTORS
 /* Whether the AVX2 kernels run here (asked once). */
 static int avx2_here(void) {
-#ifdef HAVE_X86_VECTORS
   static int answer = -1;
   if (answer < 0) answer = vectors_usable();
   return answer;
-#else
-  return 0;
-#endif
 }
+#endif
 
 /* few_columns through its AVX2 form where there is one. */
 static void scores(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
@@ -529,17 +564,19 @@ static int shadow_matches(const shadow *s, int fused, float *row_buffer) {
 }
 
 /* Register the packed form of a float32 matrix (rows x cols, row-major): packed rows
- * `packed_step` bytes apart, scale and bias rows `group_step` floats apart (a column
- * slice of a packed matrix is a view). Answers SHADOW_FUSED or SHADOW_UNFUSED (the
- * rounding it reproduces), SHADOW_DIFFERS (it does not reproduce the matrix: not
- * registered), SHADOW_UNSUPPORTED (no AVX2/FMA; bits other than 4 or 8; a group size
- * the kernel cannot read; a row not a whole number of half blocks), SHADOW_FULL or
+ * `packed_step` bytes apart, scale and bias rows `group_step` values apart (a column
+ * slice of a packed matrix is a view), stored as `group_kind`. Answers SHADOW_FUSED or
+ * SHADOW_UNFUSED (the rounding it reproduces), SHADOW_DIFFERS (it does not reproduce
+ * the matrix: not registered), SHADOW_UNSUPPORTED (no AVX2/FMA/F16C; bits other than 4
+ * or 8; a group size the kernel cannot read; a row not a whole number of half blocks;
+ * more than MAX_ROW_GROUPS groups a row), SHADOW_FULL or
  * SHADOW_OVERLAPS (memory an earlier registration covers: a lookup has one answer).
  * The caller keeps every buffer alive and unchanged for the life of the process.
  * row_buffer: cols floats of scratch. */
 int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, int group,
-                            const void *packed, size_t packed_step, const float *scales,
-                            const float *biases, size_t group_step, float *row_buffer) {
+                            const void *packed, size_t packed_step, const void *scales,
+                            const void *biases, size_t group_step, int group_kind,
+                            float *row_buffer) {
 #ifdef HAVE_X86_VECTORS
   if (!vectors_usable()) return SHADOW_UNSUPPORTED;
 #else
@@ -548,7 +585,9 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
   int block = 8 * 32 / (bits > 0 ? bits : 1); /* weights the kernel reads at once */
   if ((bits != 4 && bits != 8) || group <= 0 || (group % block && group != block / 2) ||
       cols % group || cols % (block / 2) || rows <= 0 ||
-      packed_step < (size_t)cols * bits / 8 || group_step < (size_t)(cols / group))
+      packed_step < (size_t)cols * bits / 8 || group_step < (size_t)(cols / group) ||
+      group_kind < GROUP_FLOAT32 || group_kind > GROUP_BFLOAT16 ||
+      cols / group > MAX_ROW_GROUPS)
     return SHADOW_UNSUPPORTED;
   if (shadow_count == MAX_SHADOWS) return SHADOW_FULL;
   const float *end = weights + (size_t)rows * cols;
@@ -558,7 +597,7 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
                                                      shadows[at].weights < end))
     return SHADOW_OVERLAPS;
   shadow s = {weights, end, rows, cols, bits, group, 0, (const uint8_t *)packed, scales,
-              biases, packed_step, group_step};
+              biases, packed_step, group_step, group_kind};
   s.fused = shadow_matches(&s, SHADOW_UNFUSED, row_buffer)
                 ? SHADOW_UNFUSED
                 : shadow_matches(&s, SHADOW_FUSED, row_buffer) ? SHADOW_FUSED : SHADOW_DIFFERS;
@@ -572,7 +611,7 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
   return s.fused;
 }
 
-/* Whether registrations can succeed here (an x86 CPU with AVX2 and FMA). */
+/* Whether registrations can succeed here (an x86 CPU with AVX2, FMA and F16C). */
 int spmd_cp_shadow_usable(void) {
 #ifdef HAVE_X86_VECTORS
   return vectors_usable();
@@ -618,9 +657,10 @@ static inline void prefetch_row(const shadow *s, int row) {
   size_t row_bytes = (size_t)s->cols * s->bits / 8, groups = s->cols / s->group;
   const char *packed = (const char *)s->packed + row * s->packed_step;
   for (size_t at = 0; at < row_bytes; at += CACHE_LINE) prefetch(packed + at);
-  const float *scales = s->scales + row * s->group_step;
-  const float *biases = s->biases + row * s->group_step;
-  for (size_t at = 0; at < groups; at += CACHE_LINE / sizeof(float)) {
+  size_t row_offset = row * s->group_step * group_bytes(s->group_kind);
+  const char *scales = (const char *)s->scales + row_offset;
+  const char *biases = (const char *)s->biases + row_offset;
+  for (size_t at = 0; at < groups * group_bytes(s->group_kind); at += CACHE_LINE) {
     prefetch(scales + at);
     prefetch(biases + at);
   }

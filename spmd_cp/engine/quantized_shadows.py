@@ -18,7 +18,7 @@ q/k/v rows) is registered with a view of the matching part of the packed form
 Registered arrays are kept for the life of the process: the C side holds their
 addresses. ``SPMD_CP_QUANTIZED_DECODE=0`` turns shadows off (decode reads float32).
 Without the forward preloaded (macOS, a GPU, no C compiler, ``SPMD_CP_GEMV_FORWARD=0``)
-or without AVX2 and FMA nothing registers and nothing changes.
+or without AVX2, FMA and F16C nothing registers and nothing changes.
 """
 
 from __future__ import annotations
@@ -45,10 +45,16 @@ REFUSALS = {DIFFERS: "its packed form does not reproduce the float32 weights",
             OVERLAPS: "its memory is registered already"}
 
 
+# How gemv_forward.c reads scales and biases (GROUP_FLOAT32, ...): widened to float32
+# exactly, so a file's float16 or bfloat16 ones are kept as they are (half the bytes).
+GROUP_KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+
+
 @dataclass(frozen=True)
 class Packed:
     """A matrix (rows, cols) in MLX's affine packing: ``weight`` uint32 (rows, cols * bits
-    / 32), ``scales`` and ``biases`` float32 (rows, cols / group)."""
+    / 32), ``scales`` and ``biases`` (rows, cols / group) as float32, float16 or
+    bfloat16; its weights are ``scale * q + bias`` in float32 arithmetic."""
 
     weight: mx.array
     scales: mx.array
@@ -59,8 +65,15 @@ class Packed:
     @classmethod
     def of(cls, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
            group: int) -> Packed:
-        # float32 scales and biases: the values the dequantization to float32 used
-        return cls(weight, scales.astype(mx.float32), biases.astype(mx.float32), bits, group)
+        if scales.dtype not in GROUP_KINDS or biases.dtype != scales.dtype:
+            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        return cls(weight, scales, biases, bits, group)
+
+    def dequantized(self) -> mx.array:
+        """The float32 matrix, in float32 arithmetic (scales and biases widened first)."""
+        return mx.dequantize(self.weight, self.scales.astype(mx.float32),
+                             self.biases.astype(mx.float32), group_size=self.group,
+                             bits=self.bits)
 
     @property
     def cols(self) -> int:
@@ -92,7 +105,7 @@ def wanted() -> bool:
 @functools.lru_cache(maxsize=1)
 def _library():
     """The preloaded forward's registration entry points where registrations can succeed
-    (blas/gemv_forward.c on an x86 CPU with AVX2 and FMA), or None."""
+    (blas/gemv_forward.c on an x86 CPU with AVX2, FMA and F16C), or None."""
     try:
         scope = ctypes.CDLL(None)
         register = scope.spmd_cp_shadow_register
@@ -104,7 +117,7 @@ def _library():
     register.restype = ctypes.c_int
     register.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                          ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+                         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     products.restype = ctypes.c_longlong
     products.argtypes = []
     return register, products
@@ -123,7 +136,7 @@ def availability() -> str:
     if mx.default_device() != mx.cpu:
         return "not used (the GPU computes quantized weights as they are)"
     if _library() is None:
-        return "not available (needs the sgemv forward on an x86 CPU with AVX2 and FMA)"
+        return "not available (needs the sgemv forward on an x86 CPU with AVX2, FMA and F16C)"
     return "on (4- and 8-bit weights read packed)"
 
 
@@ -159,7 +172,7 @@ class Shadows:
         return bool(self._entries)
 
     def describe(self) -> str:
-        """e.g. "quantized decode: 271 matrices read packed (115 MB)"."""
+        """e.g. "quantized decode: 271 matrices read packed (98 MB)"."""
         refused = sum(self.refused.values())
         return (f"quantized decode: {len(self._entries)} matrices read packed "
                 f"({self.nbytes / 1e6:.0f} MB)" + (f", {refused} refused" if refused else ""))
@@ -177,7 +190,10 @@ class Shadows:
         if library is None or matrix.dtype != mx.float32 or matrix.ndim != 2:
             return False
         weights = _rows(matrix)
-        words, scales, biases = (_rows(a) for a in (packed.weight, packed.scales, packed.biases))
+        group_params = [packed.scales, packed.biases]
+        if packed.scales.dtype == mx.bfloat16:  # no numpy type: its bits (a view, strides kept)
+            group_params = [a.view(mx.uint16) for a in group_params]
+        words, scales, biases = (_rows(a) for a in [packed.weight, *group_params])
         rows, cols = matrix.shape
         if weights is None or not weights.flags.c_contiguous or words is None or \
                 scales is None or biases is None or scales.strides != biases.strides or \
@@ -187,7 +203,7 @@ class Shadows:
         answer = library[0](weights.ctypes.data, rows, cols, packed.bits, packed.group,
                             words.ctypes.data, words.strides[0], scales.ctypes.data,
                             biases.ctypes.data, scales.strides[0] // scales.itemsize,
-                            scratch.ctypes.data)
+                            GROUP_KINDS[packed.scales.dtype], scratch.ctypes.data)
         if answer not in (FUSED, UNFUSED):
             return self._refuse(REFUSALS.get(answer, f"answer {answer}"))
         self._entries.append(_Entry(weights.ctypes.data, rows, cols, packed))

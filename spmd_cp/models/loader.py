@@ -164,8 +164,7 @@ def dequantize_affine_float32(model: nn.Module) -> dict:
             continue
         form = Packed.of(module["weight"], module["scales"], module["biases"], module.bits,
                          module.group_size)
-        weight = mx.dequantize(form.weight, form.scales, form.biases,
-                               group_size=form.group, bits=form.bits)
+        weight = form.dequantized()
         if isinstance(module, nn.QuantizedLinear):
             dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:

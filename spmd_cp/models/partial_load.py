@@ -274,7 +274,7 @@ def weight_layout(path: str, keep_quantized: bool = False,
 
 def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
     """Bytes of the packed forms a replicated load registers as quantized shadows
-    (engine/quantized_shadows.py: the packed words, float32 scales and biases)."""
+    (engine/quantized_shadows.py: the packed words, the scales and biases as stored)."""
     from ..engine import quantized_shadows
 
     if not (form.float32_arithmetic and form.dequantize and form.float32) or \
@@ -285,7 +285,8 @@ def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         if base is None or f"{base}.scales" not in specs:
             continue
-        scales_shape = specs[f"{base}.scales"][0]
+        scales_shape, scales_dtype = specs[f"{base}.scales"]
         if form.bits(shape, scales_shape) in quantized_shadows.KERNEL_BITS:
-            total += math.prod(shape) * dtype.size + 2 * 4 * math.prod(scales_shape)
+            kept = scales_dtype.size if scales_dtype in quantized_shadows.GROUP_KINDS else 4
+            total += math.prod(shape) * dtype.size + 2 * kept * math.prod(scales_shape)
     return total
