@@ -180,15 +180,21 @@ def libraries(probe: dict) -> list[str]:
     return [p for p in probe["preload"].split() if "jemalloc" not in p]
 
 
+def run_result_script(script, tmp_path, timeout: float = 120, **env) -> dict:
+    """Run a probe script (it re-execs onto the BLAS with the forward) with a cache of its
+    own under tmp_path; its "RESULT {json}" line, parsed."""
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=clean_env(SPMD_CP_CACHE=str(tmp_path / "cache"), **env),
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
 def gemv_probe(tmp_path, **env) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "gemv_probe.py"
     script.write_text(GEMV_PROBE)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=clean_env(SPMD_CP_CACHE=str(tmp_path / "cache"), **env),
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return run_result_script(script, tmp_path, **env)
 
 
 @needs_openblas

@@ -4,16 +4,13 @@ float32 path (SPMD_CP_QUANTIZED_DECODE=0, OpenBLAS's sgemv)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from conftest import needs_c_helpers, run_cli
-from test_blas import clean_env, needs_openblas
+from test_blas import needs_openblas, run_result_script
 
 DRIVER = Path(__file__).with_name("shadow_driver.py")
 CPU_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -25,11 +22,7 @@ SHADOW_CASES = ["q4g32", "q8g32", "q4g64", "q8g64", "columns bfloat16", "other",
 
 
 def run_driver(tmp_path, **env) -> dict:
-    proc = subprocess.run([sys.executable, str(DRIVER)], capture_output=True, text=True,
-                          env=clean_env(SPMD_CP_CACHE=str(tmp_path / "cache"), **env),
-                          timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+    return run_result_script(DRIVER, tmp_path, timeout=180, **env)
 
 
 @needs_openblas
@@ -114,7 +107,7 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
 @needs_shadow_kernel
 def test_mlx_format_quantized_model_reads_packed_weights(tiny_models, tmp_path):
     """An MLX-format 4-bit model (bfloat16 scales, groups of 32): dequantized in float32
-    arithmetic (its scales widened first, as MLX's quantized matmul computes), its 22
+    arithmetic (its scales widened first, as a GGUF's are), its 22
     matrices registered, greedy tokens equal to the float32 path's on two ranks (the
     split step: row views and column copies; one rank's replicated step is the GGUF
     test's)."""

@@ -71,9 +71,9 @@ class Packed:
 
     def dequantized(self) -> mx.array:
         """The float32 matrix, in float32 arithmetic (scales and biases widened first)."""
-        return mx.dequantize(self.weight, self.scales.astype(mx.float32),
-                             self.biases.astype(mx.float32), group_size=self.group,
-                             bits=self.bits)
+        from ..models.gguf import dequantize_float32
+
+        return dequantize_float32(self.weight, self.scales, self.biases, self.bits, self.group)
 
     @property
     def cols(self) -> int:

@@ -119,14 +119,16 @@ def _mlx_name(gguf_name: str) -> str:
 
 
 def dequantize_float32(packed: mx.array, scales: mx.array, biases: mx.array,
-                       bits: int) -> mx.array:
+                       bits: int, group_size: int = GROUP_SIZE) -> mx.array:
     """A GGUF block-quantized tensor as float32, computed as llama.cpp does: each
     block's float16 scale and minimum widened to float32, ``q * d + m`` in float32.
+    (Also MLX's affine weights on the CPU, loader.dequantize_affine_float32, and what
+    decode's quantized shadows must reproduce bit for bit.)
     (MLX dequantizes in the scales' dtype: float16 arithmetic would round every weight
     to float16 first, and on a CPU without float16 units it is 9x slower: 6.5 vs 0.7 ms
     for a 1536 x 576 matrix.)"""
     return mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
-                         group_size=GROUP_SIZE, bits=bits)
+                         group_size=group_size, bits=bits)
 
 
 def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:

@@ -150,8 +150,8 @@ def dequantize_affine_float32(model: nn.Module) -> dict:
     as GGUF files are, models/gguf.py), and return {parameter name: Packed} of them.
 
     mlx-lm's dequantize_model computes in the scales' dtype, rounding every weight to
-    bfloat16 or float16 on the way; MLX's quantized matmul computes each weight in float32
-    arithmetic, as this does. The packed forms are what decode reads instead
+    bfloat16 or float16 on the way, which no float32 kernel over the packed form can
+    reproduce; in float32 arithmetic the packed form is what decode reads instead
     (engine/quantized_shadows.py). Other quantization modes are left to mlx-lm."""
     from mlx.utils import tree_unflatten
 

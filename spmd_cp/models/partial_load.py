@@ -43,6 +43,8 @@ class ComputeForm:
 
     def convert(self, packed: dict) -> dict:
         """Packed {name: array} -> the parameters the modules compute with."""
+        from .gguf import dequantize_float32
+
         out = {}
         for name, array in packed.items():
             base = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -51,10 +53,11 @@ class ComputeForm:
                     out[name] = array
                     continue
                 scales, biases = packed[f"{base}.scales"], packed[f"{base}.biases"]
-                if self.float32_arithmetic:
-                    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-                array = mx.dequantize(array, scales, biases, group_size=self.group_size,
-                                      bits=self.bits(array.shape, scales.shape))
+                bits = self.bits(array.shape, scales.shape)
+                array = (dequantize_float32(array, scales, biases, bits, self.group_size)
+                         if self.float32_arithmetic else
+                         mx.dequantize(array, scales, biases, group_size=self.group_size,
+                                       bits=bits))
             elif name.endswith((".scales", ".biases")) and self.dequantize:
                 continue
             if self.float32 and array.dtype != mx.float32 and mx.issubdtype(array.dtype,
