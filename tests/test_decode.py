@@ -211,10 +211,13 @@ def refused(launch, *fragments):
 
 def test_bad_caches_are_refused(files, tmp_path, tiny_models):
     cache = tmp_path / "cache"
-    run_cli(2, ["generate", "--prompt", "Hello", "--max-tokens", "2", "--save-cache", str(cache)])
-    args = ["generate", "--load-cache", str(cache), "--prompt", "Again", "--max-tokens", "2"]
+    model = ["--model", tiny_models["llama"]]  # small: these runs are about the cache
+    run_cli(2, ["generate", *model, "--prompt", "Hello", "--max-tokens", "2",
+                "--save-cache", str(cache)])
+    args = ["generate", *model, "--load-cache", str(cache), "--prompt", "Again",
+            "--max-tokens", "2"]
     refused(run_cli(3, args, check=False), "made on 2 ranks", "this job has 3")
-    refused(run_cli(2, args + ["--model", tiny_models["llama"]], check=False),
+    refused(run_cli(2, args[:1] + ["--model", tiny_models["qwen3"]] + args[3:], check=False),
             "made with another model")
     shard = cache / "rank-1-of-2.safetensors"
     data = bytearray(shard.read_bytes())

@@ -160,6 +160,11 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert len(packed) == 2 and packed[0] == packed[1], packed
     assert packed[0].startswith(("on (", "not available (")), packed
     assert f"quantized decode {packed[0]}" in launch.stdout
+    # Whether decode steps run natively (engine/native_decode.py): every rank alike.
+    native = summary["native_decode"]
+    assert len(native) == 2 and native[0] == native[1], native
+    assert native[0].startswith(("on (", "not available (")), native
+    assert f"native decode   {native[0]}" in launch.stdout
     assert "allocator       glibc malloc" in launch.stdout
     if summary["blas_kind"][0] == "openblas" and huge_pages.system_mode() is not None:
         assert advice[0].startswith("glibc.malloc.hugetlb=1")
@@ -231,6 +236,7 @@ def test_doctor_warns_where_the_sgemv_forward_did_not_build(cache):
     assert summary["ok"] and summary["gemv_forward"] == [False, False]
     assert summary["quantized_decode"] == [
         "not available (needs the sgemv forward on an x86 CPU with AVX2, FMA and F16C)"] * 2
+    assert summary["native_decode"] == ["not available (false failed: (no output))"] * 2
     skipped = [w for w in summary["warnings"] if "no sgemv forward: false failed" in w]
     assert [w.split(":")[0] for w in skipped] == ["rank 0 (" + summary["host"][0] + ")",
                                                   "rank 1 (" + summary["host"][1] + ")"]

@@ -89,7 +89,8 @@ def test_graph_collectives_stay_closed_where_asked_or_on_the_gpu_path(tmp_path):
 
 def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_rank(
         tmp_path, tiny_models):
-    """Greedy tokens with the split step and with the replicated one, collectives in the
+    """MLX's decode step (SPMD_CP_NATIVE_DECODE=0: the native step has no graph):
+    greedy tokens with the split step and with the replicated one, collectives in the
     graph or through MPI, equal one rank's; the log says which collectives ran."""
     model = tiny_models["llama"]
     prompt = ["--model", model, "--prompt", "the quick brown fox " * 40, "--max-tokens", "12",
@@ -99,9 +100,12 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
     runs = [("on", "mpi", None), ("off", "mpi", None)]
     runs += [(tp, "mlx", backend) for tp in ("on", "off") for backend in backends]
     for tp, comm, backend in runs:
-        env = {"SPMD_CP_GRAPH_BACKEND": backend} if backend else None
+        env = {"SPMD_CP_NATIVE_DECODE": "0"}
+        if backend:
+            env["SPMD_CP_GRAPH_BACKEND"] = backend
         launch = run_cli(2, ["generate", *prompt, "--decode-tp", tp, "--decode-comm", comm],
                          env=env)
+        assert launch.last_json()["decode_step"] == "mlx"
         assert launch.last_json()["token_ids"] == single, (tp, comm, backend)
         said = {"mpi": "MPI (--decode-comm mpi)", "mlx": "in MLX's graph (MLX"}[comm]
         assert f"decode collectives: {said}" in launch.stderr
@@ -140,7 +144,9 @@ def test_auto_keeps_the_faster_of_graph_and_mpi4py_collectives(tiny_models):
     prompt = ["generate", "--model", tiny_models["llama"], "--prompt", "the quick brown fox " * 20,
               "--max-tokens", "6", "--json", "--temp", "0"]
     single = run_cli(1, prompt).last_json()["token_ids"]
-    launch = run_cli(4, prompt, env={"SPMD_CP_GRAPH_BACKEND": "ring"}, timeout=240)
+    # MLX's decode step: the native one takes MPI's collectives without timing the graph's
+    launch = run_cli(4, prompt, env={"SPMD_CP_GRAPH_BACKEND": "ring",
+                                     "SPMD_CP_NATIVE_DECODE": "0"}, timeout=240)
     assert launch.last_json()["token_ids"] == single
     said = [line for line in launch.stderr.splitlines() if "decode collectives:" in line]
     assert said, launch.stderr

@@ -76,11 +76,11 @@ def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
         slow = not report["blas_fast"] and report["blas_kind"] != "accelerate"
         if slow or report["gemv_forward_skipped"]:  # the line says why
             warnings.append(f"rank {rank} ({report['host']}): {report['blas_line']}")
-    packed = {report["quantized_decode"] for report in reports}
-    if len(packed) > 1:
-        warnings.append("quantized decode differs between ranks (" + "; ".join(
-            f"{_rank_list([r])}: {report['quantized_decode']}"
-            for r, report in enumerate(reports)) + "): the slowest rank sets the pace")
+    for key in ("quantized_decode", "native_decode"):
+        if len({report[key] for report in reports}) > 1:
+            warnings.append(key.replace("_", " ") + " differs between ranks (" + "; ".join(
+                f"{_rank_list([r])}: {report[key]}" for r, report in enumerate(reports))
+                + "): the slowest rank sets the pace")
     kinds = {report["blas"] for report in reports}
     if len(kinds) > 1:
         warnings.append("BLAS differs between ranks (" + "; ".join(

@@ -112,7 +112,7 @@ def print_report(s: dict):
     out.append("same on every rank:" if not s["problems"] else "rank 0 has:")
     for key in ("spmd_cp", "python", "mlx", "mlx_lm", "mpi4py", "mpi_library", "backend",
                 "device", "compute_path", "scheduling", "allocator", "huge_pages",
-                "quantized_decode", "model_path", "model_checksum"):
+                "quantized_decode", "native_decode", "model_path", "model_checksum"):
         values = s[key]
         mark = "" if len(set(values)) == 1 else "   (differs)"
         label = labels.get(key, key.replace("_", " ")).replace(" version", "")

@@ -27,6 +27,10 @@ class LayerKV:
         self.values = None
         self.offset = 0
         self.dtype = dtype  # what appends are stored as (None: as they arrive)
+        # Counts the changes that may move the buffers (MLX's ``a[...] = b`` may give
+        # the same array object a new one): a native decode step re-reads their
+        # addresses when it changed.
+        self.buffers_version = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (NKV, n, d) keys/values; return the whole local shard including them."""
@@ -35,19 +39,35 @@ class LayerKV:
         n = keys.shape[1]
         if n == 0:
             return self.fetch() if self.keys is not None else (keys, values)
-        if self.keys is None or self.offset + n > self.keys.shape[1]:
-            grow = ((n + self.step - 1) // self.step) * self.step
-            shape = (keys.shape[0], grow, keys.shape[2])
-            new_k, new_v = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys[:, : self.offset], new_k], axis=1)
-                self.values = mx.concatenate([self.values[:, : self.offset], new_v], axis=1)
+        self._make_room(n, keys.shape[0], keys.shape[2], keys.dtype, values.dtype)
+        self.buffers_version += 1
         self.keys[:, self.offset : self.offset + n] = keys
         self.values[:, self.offset : self.offset + n] = values
         self.offset += n
         return self.keys[:, : self.offset], self.values[:, : self.offset]
+
+    def _make_room(self, n: int, kv_heads: int, head_dim: int, key_dtype: mx.Dtype,
+                   value_dtype: mx.Dtype):
+        """Capacity for ``n`` more entries (grown by whole steps, the entries kept)."""
+        if self.keys is not None and self.offset + n <= self.keys.shape[1]:
+            return
+        self.buffers_version += 1
+        grow = ((n + self.step - 1) // self.step) * self.step
+        shape = (kv_heads, grow, head_dim)
+        new_k, new_v = mx.zeros(shape, key_dtype), mx.zeros(shape, value_dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys[:, : self.offset], new_k], axis=1)
+            self.values = mx.concatenate([self.values[:, : self.offset], new_v], axis=1)
+
+    def reserve_row(self, kv_heads: int, head_dim: int) -> int:
+        """The row of one more entry, which the caller writes into the buffers in place
+        once evaluated (engine/native_decode.py); it counts from now on."""
+        dtype = self.dtype or mx.float32
+        self._make_room(1, kv_heads, head_dim, dtype, dtype)
+        self.offset += 1
+        return self.offset - 1
 
     def truncate(self, length: int):
         """Keep the first ``length`` entries (the buffer is reused by later appends)."""

@@ -21,6 +21,7 @@ from ..errors import UserError
 from ..runtime.comm import Comm
 from ..runtime.graph_comm import chained_latency, open_graph_collectives
 from .model import CPModel
+from .native_decode import NativeDecoder, native_obstacle
 from .quantized_shadows import SHADOWS
 from ..attention.partition import head_tail_positions, owner_of
 from .decode_choice import PackedReads, estimate_split, split_matrix_bytes, split_modules
@@ -53,6 +54,18 @@ class ScoreRecords:
             setattr(self, name, [getattr(self, name)[i] for i in order])
 
 
+def agreed_reason(comm: Comm, reason: str) -> str:
+    """Collective: "" where no rank gives a reason, else the first one given (naming its
+    rank where the ranks differ), the same on every rank."""
+    if comm.size == 1:
+        return reason
+    reasons = comm.allgather_object(reason)
+    if all(why == reasons[0] for why in reasons):
+        return reasons[0]
+    rank, why = next((rank, why) for rank, why in enumerate(reasons) if why)
+    return f"rank {rank}: {why}"
+
+
 class Engine:
     """Runs prefill chunks and decode steps of one model over one communicator."""
 
@@ -83,6 +96,8 @@ class Engine:
         self._mpi_collective_s = None  # mpi4py's chained collective, where auto timed it
         self.algos_used = []
         self.measured = None
+        self._native = {}  # split step or not -> its NativeDecoder, or None (MLX's step)
+        self._native_reason = None  # why decode steps stay MLX's ("" : they need not)
 
     def _layer_hook(self, phase: str):
         if self.on_layer is None:
@@ -219,11 +234,15 @@ class Engine:
         if lazy and self.comm.size > 1:
             raise ValueError("a lazy token needs one rank: the others must receive its id")
         cache.add_positions(rank_positions, [-1 if lazy else token])
-        collectives = self._decode_collectives()
-        attend = decode_attention(collectives, self.decode_merge)
         store, hook = self.comm.rank == owner, self._layer_hook("decode")
         split = self._use_tensor_parallel()
         tracer = self.comm.tracer
+        native = None if lazy else self._native_decoder(split)
+        if native is not None:
+            with span(tracer, "decode step", "decode", tensor_parallel=split, native=True), \
+                    self.comm.bounded("decode step"):
+                return native.step(int(token), int(position[0]), cache, store, hook, tracer)
+        attend = decode_attention(self._decode_collectives(), self.decode_merge)
         with span(tracer, "decode step", "decode", tensor_parallel=split):
             if split:
                 hidden = self.tp_decoder.forward(token, position, cache, attend, store, hook,
@@ -243,15 +262,49 @@ class Engine:
                     mx.eval(logits)
         return logits[0] if self.comm.rank == 0 else None
 
+    def _native_wanted(self) -> bool:
+        """Whether decode steps run natively (native_decode.py) where the weights allow:
+        every rank can (collective, asked once), and ``--decode-comm mlx`` did not ask
+        for MLX's step with its graph collectives. Says why not (rank 0's log)."""
+        if self._native_reason is None:
+            reason = native_obstacle(self.model) or ""
+            if self.decode_comm == "mlx":
+                reason = "--decode-comm mlx"
+            self._native_reason = reason = agreed_reason(self.comm, reason)
+            if reason and self.comm.rank == 0:
+                log.info("decode step: MLX's graph (%s)", reason)
+        return not self._native_reason
+
+    def _native_decoder(self, split: bool) -> NativeDecoder | None:
+        """The native step for the split step or the replicated one, built at its first
+        use, or None where any rank could not build it (collective: all run one step)."""
+        if not self._native_wanted():
+            return None
+        if split not in self._native:
+            decoder, reason = None, ""
+            try:
+                decoder = NativeDecoder(self.model, self.comm, self.tp_decoder if split else None)
+            except (TypeError, ValueError) as error:
+                reason = str(error)
+            reason = agreed_reason(self.comm, reason)
+            if reason and decoder is not None:
+                decoder.free()
+                decoder = None
+            if self.comm.rank == 0:
+                log.info("decode step: %s", "native (blas/decode_step.c)" if decoder is not None
+                         else f"MLX's graph ({reason})")
+            self._native[split] = decoder
+        return self._native[split]
+
     def prepare_decode(self):
         """Collective: what the first decode step would otherwise do before computing
-        (open its collectives, decide ``--decode-tp auto``, cut the split step's slices),
+        (open its collectives, decide ``--decode-tp auto``, cut the split step's slices,
+        build the native step),
         for callers that time it apart (generation.generate). Idempotent."""
-        if self.comm.size == 1:
-            return
         with span(self.comm.tracer, "decode setup", "decode"):
-            self._decode_collectives()
-            self._use_tensor_parallel()
+            if self.comm.size > 1:
+                self._decode_collectives()
+            self._native_decoder(self._use_tensor_parallel())
 
     @property
     def decode_modes(self) -> dict:
@@ -261,14 +314,18 @@ class Engine:
         used = None
         if self.collectives is not None and self.comm.size > 1:
             used = self.decode_comm
-        return {"decode_tp": self.decode_tp, "decode_comm": used}
+        native = any(decoder is not None for decoder in self._native.values())
+        return {"decode_tp": self.decode_tp, "decode_comm": used,
+                "decode_step": "native" if native else "mlx"}
 
     def _decode_collectives(self):
         """The decode step's collectives, chosen once (every rank at once)."""
         if self.collectives is None and self.comm.size == 1:
             self.collectives = self.comm  # nothing to communicate
         if self.collectives is None:
-            if self.decode_comm == "auto" and self._replicated_over_shards():
+            if self.decode_comm == "auto" and self._native_wanted():
+                graph, reason = None, "the native decode step's, persistent MPI requests"
+            elif self.decode_comm == "auto" and self._replicated_over_shards():
                 graph, reason = None, ("replicated steps over layer-sharded weights: each "
                                        "collective evaluates the layers before it, so the "
                                        "layers received for a step are freed one by one")

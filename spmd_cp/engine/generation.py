@@ -196,7 +196,7 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
 
     def ready():
         """Decode's one-time work (the collectives, --decode-tp auto, the split step's
-        slices), timed apart, after the prefill's freed pages are handed back where
+        slices, the native step and its library's first build), timed apart, after the prefill's freed pages are handed back where
         jemalloc allocates (runtime/allocator.py: 2-7 ms after a 3K prompt, left in the
         decode time; nothing to do under glibc). It
         runs after the prefill rather than before: readied before the prefill, steady
@@ -205,8 +205,6 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         text."""
         nonlocal setup_s
         allocator.release_free_memory()  # the prefill's score tiles and activations
-        if comm.size == 1:
-            return  # nothing to ready
         start = time.perf_counter()
         engine.prepare_decode()
         setup_s = time.perf_counter() - start

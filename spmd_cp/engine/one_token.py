@@ -86,9 +86,8 @@ class RopeMatrices:
         self._modules: list = []
         self._representative: list = []  # per layer: the first layer rotating alike, or None
 
-    def at(self, ropes: list, position: int):
-        """``matrix(layer_index, head_dim)`` for one step at ``position``: the layer's
-        RoPE matrix, or None where its module must run itself (not EXACT_AS_MATRIX)."""
+    def _group(self, ropes: list):
+        """Find each layer's representative (once per set of modules)."""
         if len(ropes) != len(self._modules) or any(
                 a is not b for a, b in zip(ropes, self._modules)):
             first: dict = {}
@@ -96,6 +95,11 @@ class RopeMatrices:
             self._representative = [
                 first.setdefault(_signature(r), i) if type(r) in EXACT_AS_MATRIX else None
                 for i, r in enumerate(ropes)]
+
+    def at(self, ropes: list, position: int):
+        """``matrix(layer_index, head_dim)`` for one step at ``position``: the layer's
+        RoPE matrix, or None where its module must run itself (not EXACT_AS_MATRIX)."""
+        self._group(ropes)
         built: dict = {}
 
         def matrix(index: int, head_dim: int) -> mx.array | None:
@@ -107,3 +111,24 @@ class RopeMatrices:
             return built[key]
 
         return matrix
+
+    def block(self, ropes: list, head_dim: int, start: int, count: int) -> list:
+        """Per layer: the (count, d, d) RoPE matrices of positions ``start`` to
+        ``start + count - 1`` (one array for the layers that rotate alike; the bits of
+        ``rotation_matrix`` at each position: the module computes each position's angles
+        from ``offset`` and its index the same way), or None where the module has no
+        matrix form. One module call per group for ``count`` decode steps."""
+        self._group(ropes)
+        built: dict = {}
+        for representative in set(self._representative) - {None}:
+            built[representative] = rotation_matrices(ropes[representative], head_dim,
+                                                      start, count)
+        return [built.get(r) for r in self._representative]
+
+
+def rotation_matrices(rope: nn.Module, head_dim: int, start: int, count: int) -> mx.array:
+    """(count, d, d): ``rotation_matrix`` at positions ``start`` .. ``start + count - 1``,
+    contiguous, in one call of the module."""
+    basis = mx.eye(head_dim, dtype=mx.float32)[None, :, None, :]
+    rotated = rope(mx.broadcast_to(basis, (1, head_dim, count, head_dim)), offset=start)
+    return mx.contiguous(rotated[0].transpose(1, 0, 2))

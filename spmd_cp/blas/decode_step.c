@@ -1,0 +1,370 @@
+/*
+ * A decode step's work between its collectives, on the CPU (engine/native_decode.py).
+ *
+ * Through MLX a decode step of SmolLM2-135M is about 1,500 graph nodes, each built on
+ * the Python thread and handed to MLX's compute thread with its buffers malloc'ed: at
+ * two ranks on two cores that costs as much as the step's products. Here one rank's
+ * part of a layer is four calls, each a few loops over one token's vectors around the
+ * same cblas_sgemm calls MLX makes (so blas/gemv_forward.c's matrix-vector forward,
+ * quantized shadows and attention kernels serve both paths): the products are MLX's,
+ * the elementwise work (RMSNorm, softmax, SwiGLU, the merge of the ranks' partials) is
+ * the same arithmetic in float32 in another order, in AVX2 where the CPU has it. No
+ * allocation: the caller owns every buffer.
+ *
+ * Layouts (float32, row-major): a weight is (outputs x inputs) with rows `ld` apart, as
+ * nn.Linear holds it; the KV cache (kv_heads x capacity x head_dim); a rank's attention
+ * partial (kv_heads x group x (head_dim + 2)): the unnormalized values, the sum of the
+ * probabilities and the largest unscaled score, block.decode_partial_packed's layout.
+ */
+
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#if __GNUC__ >= 11
+#define VECTOR_TARGET "arch=x86-64-v3"
+#else
+#define VECTOR_TARGET "avx2"
+#endif
+/* -O3 for loops of a runtime length (the build's -O2 leaves them scalar), in an AVX2
+ * clone picked when the library loads where the CPU has it (gemv_forward.c says more). */
+#define LOOPS_VECTORIZED \
+  __attribute__((target_clones(VECTOR_TARGET, "default"), optimize("O3")))
+#else
+#define LOOPS_VECTORIZED
+#endif
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+static sgemm_fn sgemm;
+
+/* Whether the process has a cblas_sgemm in its global scope (the preloaded forward or
+ * the BLAS: blas/reexec.py preloads them); 0 where not, and the step stays MLX's. */
+int spmd_cp_decode_ready(void) {
+  if (sgemm == NULL) sgemm = (sgemm_fn)dlsym(RTLD_DEFAULT, "cblas_sgemm");
+  return sgemm != NULL;
+}
+
+typedef struct {
+  const float *weights; /* rows x cols, rows ld apart */
+  const float *bias;    /* rows, or NULL */
+  int rows, cols, ld;
+} matrix;
+
+enum { MAX_PIECES = 3, MAX_GROUP = 64 }; /* engine/native_decode.py checks both */
+
+/* One rank's part of one layer, filled once by engine/native_decode.py (the cache's
+ * pointers again whenever it grows). */
+typedef struct {
+  int dim, heads, kv_heads, head_dim;
+  const float *input_norm, *post_norm; /* (dim) */
+  float input_eps, post_eps;
+  const float *q_norm, *k_norm; /* (head_dim) each, or NULL (Qwen3 has them) */
+  float qk_eps;
+  int qkv_pieces; /* this rank's q/k/v outputs: consecutive rows of up to 3 matrices */
+  matrix qkv[MAX_PIECES];
+  matrix o;              /* rows of W_o: this rank's outputs */
+  matrix gate, up, down; /* rows of gate and up, the matching columns of down */
+  float *keys, *values;  /* this rank's cache: kv_heads x capacity x head_dim */
+  int capacity;
+  float scale;
+} layer;
+
+/* c (n) = W x (+ bias): x (1 x k) times W' through cblas_sgemm, as MLX multiplies a
+ * row by a weight's transposed view. */
+static void product(const matrix *w, const float *x, float *c) {
+  sgemm(ROW_MAJOR, NO_TRANS, TRANS, 1, w->rows, w->cols, 1.0f, x, w->cols, w->weights,
+        w->ld, 0.0f, c, w->rows);
+  if (w->bias != NULL)
+    for (int i = 0; i < w->rows; i++) c[i] += w->bias[i];
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, MLX's RMSNorm (sum in double: the mean of
+ * n squares, then one rounding). */
+static void rms_norm(const float *x, const float *weight, float eps, int n, float *out) {
+  double sum = 0.0;
+  for (int i = 0; i < n; i++) sum += (double)x[i] * x[i];
+  float inverse = 1.0f / sqrtf((float)(sum / n) + eps);
+  for (int i = 0; i < n; i++) out[i] = x[i] * inverse * weight[i];
+}
+
+/* attention/exp.py's polynomial (Cephes expf), for x <= 0: within 2 ulp. */
+static const float LOG2E = 1.4426950408889634f, LN2_HI = 0.693359375f,
+                   LN2_LO = -2.12194440e-4f, ROUNDING_SHIFT = 12582912.0f, LOWEST = -88.0f;
+static const float C0 = 5.0000001201e-1f, C1 = 1.6666665459e-1f, C2 = 4.1665795894e-2f,
+                   C3 = 8.3334519073e-3f, C4 = 1.3981999507e-3f, C5 = 1.9875691500e-4f;
+
+static inline float exp_nonpositive(float x) {
+  x = x < LOWEST ? LOWEST : x;
+  float n = (x * LOG2E + ROUNDING_SHIFT) - ROUNDING_SHIFT;
+  float r = (x - n * LN2_HI) - n * LN2_LO;
+  float r2 = r * r;
+  float tail = (C0 + C1 * r) + r2 * (C2 + C3 * r) + (r2 * r2) * (C4 + C5 * r);
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float two_n;
+  memcpy(&two_n, &bits, sizeof two_n);
+  return ((r + 1.0f) + r2 * tail) * two_n;
+}
+
+/* The scalar forms (any CPU), and the AVX2 ones below where the CPU has AVX2 and FMA:
+ * GCC leaves these loops scalar (a float sum or maximum is not reassociated without
+ * -ffast-math; the exponent's bit cast stops it too). */
+
+/* p[i] = exp((s[i] - top) * scale) over a row of scores; returns their sum. */
+static float softmax_row_plain(const float *s, int n, float top, float scale, float *p) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; i++) {
+    p[i] = exp_nonpositive((s[i] - top) * scale);
+    sum += p[i];
+  }
+  return sum;
+}
+
+static float row_max_plain(const float *s, int n) {
+  float top = -INFINITY;
+  for (int i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
+  return top;
+}
+
+/* act = silu(gate) * up, with e^-|g| (no overflow): mlx-lm's swiglu, as exp.py's. */
+static void swiglu_plain(const float *gate, const float *up, int n, float *act) {
+  for (int i = 0; i < n; i++) {
+    float g = gate[i];
+    float e = exp_nonpositive(g < 0.0f ? g : -g);
+    float sigmoid = (g < 0.0f ? e : 1.0f) / (1.0f + e);
+    act[i] = g * sigmoid * up[i];
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* exp_nonpositive on eight lanes, the same steps (no contraction: explicit products). */
+AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(LOWEST), x); /* NaN stays NaN */
+  __m256 shift = _mm256_set1_ps(ROUNDING_SHIFT);
+  __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), shift),
+                           shift);
+  __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                           _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
+  __m256 r2 = _mm256_mul_ps(r, r);
+#define LINEAR(A, B) _mm256_add_ps(_mm256_set1_ps(A), _mm256_mul_ps(_mm256_set1_ps(B), r))
+  __m256 tail = _mm256_add_ps(_mm256_add_ps(LINEAR(C0, C1), _mm256_mul_ps(r2, LINEAR(C2, C3))),
+                              _mm256_mul_ps(_mm256_mul_ps(r2, r2), LINEAR(C4, C5)));
+#undef LINEAR
+  __m256 e_r = _mm256_add_ps(_mm256_add_ps(r, _mm256_set1_ps(1.0f)), _mm256_mul_ps(r2, tail));
+  __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e_r, _mm256_castsi256_ps(bits));
+}
+
+/* The sum of v's eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
+AVX2 static inline float lanes_sum(__m256 v) {
+  float lane[8];
+  _mm256_storeu_ps(lane, v);
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+AVX2 static float softmax_row_avx2(const float *s, int n, float top, float scale, float *p) {
+  __m256 sum = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top), scale8 = _mm256_set1_ps(scale);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), top8),
+                                              scale8));
+    _mm256_storeu_ps(p + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return lanes_sum(sum) + softmax_row_plain(s + i, n - i, top, scale, p + i);
+}
+
+AVX2 static float row_max_avx2(const float *s, int n) {
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) top8 = _mm256_max_ps(_mm256_loadu_ps(s + i), top8);
+  float lane[8], top = row_max_plain(s + i, n - i);
+  _mm256_storeu_ps(lane, top8);
+  for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+  return top;
+}
+
+AVX2 static void swiglu_avx2(const float *gate, const float *up, int n, float *act) {
+  __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = _mm256_loadu_ps(gate + i);
+    __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign)); /* e^-|g| */
+    __m256 negative = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
+    __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+  }
+  swiglu_plain(gate + i, up + i, n - i, act + i);
+}
+
+static int avx2_here(void) {
+  static int known = -1;
+  if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return known;
+}
+
+static float softmax_row(const float *s, int n, float top, float scale, float *p) {
+  return avx2_here() ? softmax_row_avx2(s, n, top, scale, p)
+                     : softmax_row_plain(s, n, top, scale, p);
+}
+static float row_max(const float *s, int n) {
+  return avx2_here() ? row_max_avx2(s, n) : row_max_plain(s, n);
+}
+static void swiglu(const float *gate, const float *up, int n, float *act) {
+  if (avx2_here())
+    swiglu_avx2(gate, up, n, act);
+  else
+    swiglu_plain(gate, up, n, act);
+}
+#else
+#define softmax_row softmax_row_plain
+#define row_max row_max_plain
+#define swiglu swiglu_plain
+#endif
+
+LOOPS_VECTORIZED
+static void add_into(float *h, const float *x, int n) {
+  for (int i = 0; i < n; i++) h[i] += x[i];
+}
+
+/* h += added (where given), then this rank's q/k/v outputs of RMSNorm(h) into qkv. */
+void spmd_cp_decode_qkv(const layer *l, float *h, const float *added, float *normed,
+                        float *qkv) {
+  if (added != NULL) add_into(h, added, l->dim);
+  rms_norm(h, l->input_norm, l->input_eps, l->dim, normed);
+  for (int p = 0; p < l->qkv_pieces; p++) {
+    product(&l->qkv[p], normed, qkv);
+    qkv += l->qkv[p].rows;
+  }
+}
+
+/* RoPE of `count` heads in place: x (count x d) times the (d x d) rotation, as MLX's
+ * matmul does it (engine/one_token.py's matrix). */
+static void rotate(float *x, int count, int d, const float *rotation, float *scratch) {
+  sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, count, d, d, 1.0f, x, d, rotation, d, 0.0f, scratch,
+        d);
+  memcpy(x, scratch, (size_t)count * d * sizeof(float));
+}
+
+static void norm_heads(float *x, int count, int d, const float *weight, float eps) {
+  for (int h = 0; h < count; h++) rms_norm(x + (size_t)h * d, weight, eps, d, x + (size_t)h * d);
+}
+
+/* The layer's attention over this rank's cache for the token whose full q/k/v (after
+ * the gather) is `qkv`: q/k norms and RoPE in place, k and v stored at cache row
+ * `store_row` (-1: another rank caches this token), then over the first `length`
+ * rows: the partial (kv_heads x group x (d + 2)), or with `normalized` the output
+ * (heads x d) itself. `scores`: max(group x length, heads x d) floats at least. */
+void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, int store_row,
+                           int length, int normalized, float *scores, float *out) {
+  int d = l->head_dim, heads = l->heads, kv = l->kv_heads, group = heads / kv;
+  float *q = qkv, *k = qkv + (size_t)heads * d, *v = k + (size_t)kv * d;
+  if (l->q_norm != NULL) {
+    norm_heads(q, heads, d, l->q_norm, l->qk_eps);
+    norm_heads(k, kv, d, l->k_norm, l->qk_eps);
+  }
+  if (rotation != NULL) {
+    rotate(q, heads, d, rotation, scores);
+    rotate(k, kv, d, rotation, scores);
+  }
+  size_t head_stride = (size_t)l->capacity * d;
+  if (store_row >= 0)
+    for (int g = 0; g < kv; g++) {
+      memcpy(l->keys + g * head_stride + (size_t)store_row * d, k + (size_t)g * d,
+             d * sizeof(float));
+      memcpy(l->values + g * head_stride + (size_t)store_row * d, v + (size_t)g * d,
+             d * sizeof(float));
+    }
+  int width = normalized ? d : d + 2;
+  for (int g = 0; g < kv; g++) {
+    float *o = out + (size_t)g * group * width;
+    if (length == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
+      for (int r = 0; r < group; r++) {
+        memset(o + (size_t)r * width, 0, (d + 1) * sizeof(float));
+        o[(size_t)r * width + d + 1] = -INFINITY;
+      }
+      continue;
+    }
+    const float *keys = l->keys + g * head_stride, *values = l->values + g * head_stride;
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, length, d, 1.0f, q + (size_t)g * group * d, d,
+          keys, d, 0.0f, scores, length);
+    float top[MAX_GROUP], total[MAX_GROUP];
+    for (int r = 0; r < group; r++) {
+      float *row = scores + (size_t)r * length;
+      top[r] = row_max(row, length);
+      total[r] = softmax_row(row, length, top[r], l->scale, row);
+    }
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, length, 1.0f, scores, length, values, d,
+          0.0f, o, width);
+    for (int r = 0; r < group; r++) {
+      float *row = o + (size_t)r * width;
+      if (normalized) {
+        for (int i = 0; i < d; i++) row[i] /= total[r];
+      } else {
+        row[d] = total[r], row[d + 1] = top[r];
+      }
+    }
+  }
+}
+
+/* The exact merge of `ranks` partials (ranks x heads x (d + 2), stacked in rank order)
+ * into the attention output (heads x d): each rank's sums weighted by
+ * exp((max - top) * scale), the values' sum over the probabilities'. */
+void spmd_cp_decode_merge(int ranks, int heads, int d, float scale, const float *partials,
+                          float *out) {
+  size_t width = d + 2, rank_stride = (size_t)heads * width;
+  for (int h = 0; h < heads; h++) {
+    float top = -INFINITY;
+    for (int r = 0; r < ranks; r++) {
+      float m = partials[r * rank_stride + h * width + d + 1];
+      top = m > top ? m : top;
+    }
+    float *o = out + (size_t)h * d, total = 0.0f;
+    memset(o, 0, d * sizeof(float));
+    for (int r = 0; r < ranks; r++) {
+      const float *part = partials + r * rank_stride + h * width;
+      if (part[d + 1] == -INFINITY) continue; /* an empty shard */
+      float weight = exp_nonpositive((part[d + 1] - top) * scale);
+      for (int i = 0; i < d; i++) o[i] += weight * part[i];
+      total += weight * part[d];
+    }
+    for (int i = 0; i < d; i++) o[i] /= total;
+  }
+}
+
+/* This rank's outputs of the output projection: its rows of W_o times the attention
+ * output (heads x d, flattened). */
+void spmd_cp_decode_output(const layer *l, const float *attention, float *part) {
+  product(&l->o, attention, part);
+}
+
+/* h += attention's projected output, then this rank's share of the MLP of RMSNorm(h).
+ * `scratch`: dim + 2 x gate rows floats. */
+void spmd_cp_decode_mlp(const layer *l, float *h, const float *added, float *scratch,
+                        float *part) {
+  add_into(h, added, l->dim);
+  float *normed = scratch, *gate = scratch + l->dim, *up = gate + l->gate.rows;
+  rms_norm(h, l->post_norm, l->post_eps, l->dim, normed);
+  product(&l->gate, normed, gate);
+  product(&l->up, normed, up);
+  swiglu(gate, up, l->gate.rows, gate);
+  product(&l->down, gate, part);
+}
+
+/* The last step: h += added, RMSNorm(h), times this rank's rows of the LM head. */
+void spmd_cp_decode_head(const matrix *head, int dim, float *h, const float *added,
+                         const float *norm, float eps, float *normed, float *logits) {
+  add_into(h, added, dim);
+  rms_norm(h, norm, eps, dim, normed);
+  product(head, normed, logits);
+}
