@@ -62,3 +62,31 @@ def test_mlx_step_kept_on_request_equals_mlx_lm_forward(tiny_models, tmp_path):
     for result in results:
         assert result["decode_step"] == "mlx", result
         assert result["error"] < TOLERANCE and result["argmax_equal"], result
+
+
+def test_what_keeps_mlx_step_is_named(tiny_models, monkeypatch):
+    """native_obstacle names what the native step does not cover, checked before any
+    rank commits to it: 4-bit layers kept packed (--keep-quantized), bfloat16 weights,
+    the variable; a plain float32 model has none but, in this process (no BLAS preloaded
+    by the re-exec), the missing cblas_sgemm."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.engine.native_decode import native_obstacle
+    from spmd_cp.models.loader import load_model
+
+    def obstacle(transform=None):
+        model = load_model(tiny_models["llama"]).model
+        if transform:
+            transform(model)
+        return native_obstacle(CPModel(model))
+
+    assert obstacle(lambda m: nn.quantize(m.model.layers[1], group_size=32, bits=4)) == \
+        "layer 1: q_proj is a QuantizedLinear of uint32"
+    assert obstacle(lambda m: m.set_dtype(mx.bfloat16)) == \
+        "the embedding is a Embedding of bfloat16"
+    plain = obstacle()
+    assert plain is None or "cblas_sgemm" in plain or "failed" in plain, plain
+    monkeypatch.setenv("SPMD_CP_NATIVE_DECODE", "0")
+    assert obstacle() == "SPMD_CP_NATIVE_DECODE=0"

@@ -187,8 +187,9 @@ class _Held:
 
 
 def native_obstacle(model: CPModel) -> str | None:
-    """Why decode steps of ``model`` cannot run here, or None (the checks that need no
-    weights cut; the weights' own are made while building, see ``NativeDecoder``)."""
+    """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
+    modules and their dtypes, the C library (the split step's slices are checked as
+    ``NativeDecoder`` is built)."""
     if not wanted():
         return f"{ENV}={os.environ[ENV]}"
     if on_gpu_path():
@@ -197,8 +198,10 @@ def native_obstacle(model: CPModel) -> str | None:
         return "the KV cache is not float32"
     if getattr(model.layers, "sharded", False):
         return "layer-sharded weights"
-    if type(model.embed_tokens) is not nn.Embedding:
-        return f"the embedding is a {type(model.embed_tokens).__name__}"
+    embedding = model.embed_tokens
+    if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
+        return (f"the embedding is a {type(embedding).__name__} of "
+                f"{str(embedding['weight'].dtype).removeprefix('mlx.core.')}")
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
     for index, layer in enumerate(model.layers):
@@ -206,6 +209,18 @@ def native_obstacle(model: CPModel) -> str | None:
             return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
         if type(layer.self_attn.rope) not in EXACT_AS_MATRIX:
             return f"layer {index}: its RoPE is a {type(layer.self_attn.rope).__name__}"
+        attn, mlp = layer.self_attn, layer.mlp
+        for name, module in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj),
+                             ("v_proj", attn.v_proj), ("o_proj", attn.o_proj),
+                             ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
+                             ("down_proj", mlp.down_proj)):
+            if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
+                return (f"layer {index}: {name} is a {type(module).__name__} of "
+                        f"{str(module['weight'].dtype).removeprefix('mlx.core.')}")
+    head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding
+    if type(head) not in (nn.Linear, nn.Embedding) or head["weight"].dtype != mx.float32:
+        return (f"the LM head is a {type(head).__name__} of "
+                f"{str(head['weight'].dtype).removeprefix('mlx.core.')}")
     library, why = _library()
     return None if library is not None else why
 
