@@ -3,10 +3,12 @@
     mpiexec -n N python tests/native_decode_driver.py OUT_JSON MODEL [MODEL ...]
 
 For each model and each decode mode (one rank: replicated; several: the split step and
-the replicated one), a random prompt is prefilled, then fixed random tokens are fed one
+the replicated one, and for the first model the split step with blocking collectives in
+place of persistent ones), a random prompt is prefilled, then fixed random tokens are fed one
 decode step at a time; rank 0 keeps every step's logits. The reference is mlx-lm's
 unmodified model over the whole sequence at once (no cache, float32 weights as loaded).
-Writes {"ranks", "results": [{"model", "tp", "decode_step", "error", "argmax_equal"}]}.
+Writes {"ranks", "results": [{"model", "tp", "persistent", "decode_step", "error",
+"argmax_equal"}]}.
 """
 
 import json
@@ -17,17 +19,27 @@ import numpy as np
 PROMPT, STEPS = 40, 6
 
 
-def run(comm, model_path: str, loaded, tp: str) -> dict:
+def run(comm, model_path: str, loaded, tp: str, persistent: bool = True) -> dict:
     import mlx.core as mx
 
     from spmd_cp.engine.engine import Engine
     from spmd_cp.engine.model import CPModel
+    from spmd_cp.engine.native_decode import NativeDecoder
 
     rng = np.random.default_rng(7)
     ids = rng.integers(3, 2000, size=PROMPT + STEPS)
     engine = Engine(CPModel(loaded), comm, algo="pass-kv", decode_tp=tp)
     cache = engine.new_cache()
     logits, _ = engine.prefill(cache, ids[:PROMPT])
+    engine.prepare_decode()
+    split = engine.decode_tp == "on"
+    if not persistent and engine._native.get(split) is not None:
+        # the blocking collectives a library without persistent ones (MPI 3) gets,
+        # built in place of the engine's own step
+        engine._native[split].free()
+        engine._native[split] = NativeDecoder(engine.model, comm,
+                                              engine.tp_decoder if split else None,
+                                              persistent=False)
     steps = [logits]
     for token in ids[PROMPT:-1]:
         steps.append(engine.decode_step(cache, int(token)))
@@ -37,7 +49,8 @@ def run(comm, model_path: str, loaded, tp: str) -> dict:
     reference = np.array(loaded(mx.array(ids[:-1])[None])[0].astype(mx.float32), np.float64)
     wanted = reference[PROMPT - 1:]
     error = float(np.abs(got - wanted).max() / np.abs(wanted).max())
-    return {"model": model_path, "tp": tp, "decode_step": engine.decode_modes["decode_step"],
+    return {"model": model_path, "tp": tp, "persistent": persistent,
+            "decode_step": engine.decode_modes["decode_step"],
             "error": error,
             "argmax_equal": bool((got.argmax(axis=1) == wanted.argmax(axis=1)).all())}
 
@@ -51,6 +64,8 @@ def main(comm, _options):
     for path in models:
         loaded = load_model(path).model
         results += [run(comm, path, loaded, tp) for tp in modes]
+        if comm.size > 1 and path == models[0]:
+            results.append(run(comm, path, loaded, "on", persistent=False))
     if comm.rank == 0:
         with open(out_path, "w") as f:
             json.dump({"ranks": comm.size, "results": results}, f)

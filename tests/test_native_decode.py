@@ -47,10 +47,13 @@ def driver_results(n: int, models: list[str], tmp_path, **env) -> list[dict]:
 def test_native_steps_equal_mlx_lm_forward(n, tiny_models, tiny_variant_models, tmp_path):
     """Llama, Qwen3 (q/k norms) and Qwen2 (q/k/v biases, untied head): every decode
     step's logits within 1e-4 (relative to the largest) of mlx-lm's forward over the
-    whole sequence, the same argmax; at N = 2 with the split step and the replicated one."""
+    whole sequence, the same argmax; at N = 2 with the split step and the replicated one,
+    and the split step over blocking collectives (as on an MPI without persistent ones)."""
     models = [tiny_models["llama"], tiny_models["qwen3"], tiny_variant_models["qwen2"]]
     results = driver_results(n, models, tmp_path)
-    assert len(results) == len(models) * (2 if n > 1 else 1)
+    # at N = 2 also the split step over blocking collectives (an MPI without persistent ones)
+    assert len(results) == len(models) * (2 if n > 1 else 1) + (n > 1)
+    assert [r["persistent"] for r in results].count(False) == (n > 1)
     for result in results:
         assert result["decode_step"] == "native", result
         assert result["error"] < TOLERANCE and result["argmax_equal"], result

@@ -149,6 +149,34 @@ def _norm_weight(module) -> tuple[np.ndarray, float]:
     return _vector(module["weight"]), float(module.eps)
 
 
+class _Blocking:
+    """A collective run by ``Start`` (``Wait`` has nothing left to do): the stand-in for
+    a persistent request where the MPI library has no persistent collectives (they came
+    with MPI 4.0; Open MPI 4, for one, lacks them)."""
+
+    def __init__(self, call):
+        self.Start = call
+
+    def Wait(self):
+        pass
+
+    def Free(self):
+        pass
+
+
+def _collective(mpi, name: str, persistent: bool, *args, **kwargs):
+    """mpi4py's persistent ``<name>_init`` request over ``mpi`` (collective: every rank
+    calls it), or, where ``persistent`` is off or the library lacks it (mpi4py raises
+    NotImplementedError), the blocking ``name`` behind the same Start/Wait."""
+    if persistent:
+        try:
+            return getattr(mpi, name + "_init")(*args, **kwargs)
+        except NotImplementedError:
+            pass
+    call = getattr(mpi, name)
+    return _Blocking(lambda: call(*args, **kwargs))
+
+
 def _offsets(counts: list[int]) -> list[int]:
     return [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
 
@@ -230,9 +258,12 @@ class NativeDecoder:
     computes its slices of the weights' work (``split``: tp_decode.TensorParallelDecoder)
     or all of it (``split`` None: the replicated step, one collective a layer)."""
 
-    def __init__(self, model: CPModel, comm, split=None):
-        """TypeError or ValueError, in words, where a layer's weights do not qualify."""
+    def __init__(self, model: CPModel, comm, split=None, persistent: bool = True):
+        """TypeError or ValueError, in words, where a layer's weights do not qualify.
+        ``persistent``: the collectives as persistent MPI requests where the library has
+        them (off: blocking calls, as on a library without them)."""
         self.model, self.comm, self.split = model, comm, split
+        self.persistent = persistent
         self.library, _ = _library()
         attn = model.layers[0].self_attn
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
@@ -320,17 +351,19 @@ class NativeDecoder:
         if size > 1:
             from mpi4py import MPI
 
-            mpi = self.comm.mpi
-            gather = mpi.Allgather_init(self.partial, self.partials)
-            self.requests = [gather]
+            def collective(name: str, *args, **kwargs):
+                return _collective(self.comm.mpi, name, self.persistent, *args, **kwargs)
+
+            self.requests = [collective("Allgather", self.partial, self.partials)]
             if split:
                 counts = self.split.layers[0].qkv_sizes
-                gather_qkv = mpi.Allgatherv_init(self.qkv_local,
-                                                 [self.qkv, (counts, _offsets(counts))])
+                gather_qkv = collective("Allgatherv", self.qkv_local,
+                                        [self.qkv, (counts, _offsets(counts))])
                 rows = [b - a for a, b in split_ranges(self.dim, size)]
                 self.o_part = f32(rows[self.comm.rank])
-                sum_o = mpi.Allgatherv_init(self.o_part, [self.o_sum, (rows, _offsets(rows))])
-                sum_mlp = mpi.Allreduce_init(self.mlp_part, self.mlp_sum, op=MPI.SUM)
+                sum_o = collective("Allgatherv", self.o_part,
+                                   [self.o_sum, (rows, _offsets(rows))])
+                sum_mlp = collective("Allreduce", self.mlp_part, self.mlp_sum, op=MPI.SUM)
                 self.requests += [gather_qkv, sum_o, sum_mlp]
                 vocab = list(self.vocab_sizes)
                 self.all_logits = f32(sum(vocab)) if self.comm.rank == 0 else None
