@@ -154,7 +154,7 @@ def test_counted_bytes_equal_analytic_volumes(tiny_models, tmp_path):
 
 def test_prefill_memory_per_rank_shrinks_with_n(embedded_model, tmp_path):
     """Peak memory beyond the weights at N=4 is at most 40% of one rank's (pass-kv)."""
-    config = [{"algo": "pass-kv", "chunk": 0, "length": 1536, "decode": 0, "seed": 2,
+    config = [{"algo": "pass-kv", "chunk": 0, "length": 1024, "decode": 0, "seed": 2,
                "score": False}]
     single = run_driver(1, embedded_model, config, tmp_path)[0]["peak_beyond_weights"][0]
     four = run_driver(4, embedded_model, config, tmp_path)[0]["peak_beyond_weights"]

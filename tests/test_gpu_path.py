@@ -133,18 +133,18 @@ def test_bf16_model_keeps_a_bf16_cache_and_mlx_lm_precision(n, half_models, docu
                                      where)
 
 
-@pytest.mark.parametrize("path", ["cpu", "gpu"])
+# The CPU path's --keep-quantized runs: tests/test_tensor_parallel.py (N = 1 and 2,
+# the split step over packed slices) and tests/test_gguf.py (against the float32 model).
+@pytest.mark.parametrize("path", ["gpu"])
 def test_quantized_model_on_two_ranks(path, half_models, document, tmp_path):
-    """--keep-quantized 4-bit weights through every algorithm, on either path."""
+    """--keep-quantized 4-bit weights through every algorithm on the GPU path."""
     env = {"SPMD_CP_PATH": path}
     ids, half, full = mlx_lm_logprobs(half_models["q4"], document.read_text())
     one, _, single = score(1, half_models["q4"], document, tmp_path / "one.jsonl", "pass-kv", env)
     assert one["kv_dtype"] == ("bfloat16" if path == "gpu" else "float32")
     assert (one["warmup_s"] > 0) == (path == "gpu")
     assert_within_half_precision(single, half, full, path == "gpu", f"{path} N=1")
-    # pass-q on the CPU path: its merge is the same code for every weight format, run at
-    # every rank count by test_cp_exact
-    for algo in RING_ALGOS if path == "gpu" else ("pass-kv", "allgather-kv"):
+    for algo in RING_ALGOS:
         _, _, logprob = score(2, half_models["q4"], document, tmp_path / f"{algo}.jsonl", algo,
                               env)
         where = f"{path} N=2 {algo}"

@@ -63,6 +63,22 @@ def test_rope_matrices_are_shared_by_alike_layers_and_left_to_the_rest():
                                       np.array(rope(heads, offset=3000)))
 
 
+def test_rope_matrix_blocks_equal_one_position_at_a_time_bit_for_bit():
+    """RopeMatrices.block (the native decode step's: 64 positions in one module call)
+    gives each position the matrix rotation_matrix builds alone, for every RoPE with a
+    matrix form; layers that rotate alike share one block, YaRN gets None."""
+    names = [n for n in ROPES if n != "yarn"]
+    ropes = [make_rope(n) for n in names] + [make_rope("plain"), make_rope("yarn")]
+    blocks = RopeMatrices().block(ropes, 64, 4090, 8)
+    assert blocks[len(names)] is blocks[0] and blocks[-1] is None
+    for name, rope, block in zip(names, ropes, blocks):
+        assert block.shape == (8, 64, 64)
+        for i in (0, 5, 7):
+            np.testing.assert_array_equal(np.array(block[i]),
+                                          np.array(rotation_matrix(rope, 64, 4090 + i)),
+                                          err_msg=f"{name} at {4090 + i}")
+
+
 def test_compiled_rms_norm_is_the_module_bit_for_bit():
     norm = nn.RMSNorm(576, eps=1e-5)
     norm.weight = mx.random.normal((576,), key=mx.random.key(5))

@@ -196,13 +196,13 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
 
     def ready():
         """Decode's one-time work (the collectives, --decode-tp auto, the split step's
-        slices, the native step and its library's first build), timed apart, after the prefill's freed pages are handed back where
-        jemalloc allocates (runtime/allocator.py: 2-7 ms after a 3K prompt, left in the
-        decode time; nothing to do under glibc). It
-        runs after the prefill rather than before: readied before the prefill, steady
-        decode steps were 4% slower (median step of 5 runs each, N = 2, 3K tokens: 76.5
-        vs 73.5 ms; not pinned down), and after the first token is out it delays no
-        text."""
+        slices, the native step and its library's first build), timed apart, after the
+        prefill's freed pages are handed back where jemalloc allocates
+        (runtime/allocator.py: 2-7 ms after a 3K prompt, left in the decode time; nothing
+        to do under glibc). It runs after the prefill rather than before: readied before
+        the prefill, steady decode steps were 4% slower (median step of 5 runs each,
+        N = 2, 3K tokens: 76.5 vs 73.5 ms; not pinned down), and after the first token is
+        out it delays no text."""
         nonlocal setup_s
         allocator.release_free_memory()  # the prefill's score tiles and activations
         start = time.perf_counter()

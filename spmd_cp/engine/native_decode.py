@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
-import logging
 import os
 from pathlib import Path
 
@@ -46,9 +45,8 @@ from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 from .model import SWIGLU_MLPS, CPModel
 from .one_token import EXACT_AS_MATRIX
+from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
-
-log = logging.getLogger("spmd_cp")
 
 ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
 SOURCE = Path(__file__).resolve().parent.parent / "blas" / "decode_step.c"
@@ -276,9 +274,7 @@ class NativeDecoder:
         if split is not None:
             head, self.vocab_sizes = split.head, split.vocab_sizes
         else:
-            from .tp_decode import _head
-
-            head, self.vocab_sizes = _head(model), None
+            head, self.vocab_sizes = head_matrix(model), None
         self.head = self.held.matrix(head)
         self.scale = self.layers[0].scale
         if any(layer.scale != self.scale for layer in self.layers):

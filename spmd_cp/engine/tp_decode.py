@@ -158,7 +158,7 @@ class LayerSlice:
         return self.comm.allreduce_onto(h, self.down(act))
 
 
-def _head(model: CPModel) -> WeightMatrix:
+def head_matrix(model: CPModel) -> WeightMatrix:
     """The LM head's matrix: its own, or the tied embedding's (vocab, D)."""
     head = model.lm_head
     return WeightMatrix.of(head if isinstance(head, nn.Module) else model.embed_tokens)
@@ -187,7 +187,7 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
         except (TypeError, ValueError) as error:
             return f"layer {index}: {error}"
     try:
-        _split("vocabulary", _head(model).out_width, size)
+        _split("vocabulary", head_matrix(model).out_width, size)
     except (TypeError, ValueError) as error:
         return f"LM head: {error}"
     return None
@@ -249,7 +249,7 @@ class TensorParallelDecoder:
         if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows
             self.head, self.vocab_sizes = model.lm_head.project, model.lm_head.widths
         else:  # rows of the replicated head: a view
-            head = _head(model)
+            head = head_matrix(model)
             ranges = split_ranges(head.out_width, comm.size)
             self.vocab_sizes = [b - a for a, b in ranges]
             self.head = head.rows(*ranges[comm.rank]).evaluated(copy=False)
