@@ -16,12 +16,12 @@ blas.ensure_fast_blas()
 
 import numpy as np  # noqa: E402
 
-from spmd_cp.engine import native_decode as nd  # noqa: E402
+from spmd_cp.blas.decode_step import MAX_PIECES, Layer, Matrix, library  # noqa: E402
 
 rng = np.random.default_rng(1)
 DIM, HEADS, KV, D, HIDDEN, CAPACITY, CACHED = 48, 12, 1, 16, 40, 32, 20
 EPS, SCALE = 1e-5, D ** -0.5
-library, why = nd._library()
+library, why = library()
 assert library is not None, why
 
 
@@ -30,8 +30,8 @@ def f32(*shape, scale=1.0):
 
 
 def matrix(weights, bias=None):
-    return nd.Matrix(weights.ctypes.data, None if bias is None else bias.ctypes.data,
-                     weights.shape[0], weights.shape[1], weights.strides[0] // 4)
+    return Matrix(weights.ctypes.data, None if bias is None else bias.ctypes.data,
+                  weights.shape[0], weights.shape[1], weights.strides[0] // 4)
 
 
 def rms(x, w):
@@ -52,11 +52,11 @@ norm_in, norm_post, q_norm, k_norm = (1 + f32(n, scale=0.1) for n in (DIM, DIM, 
 keys, values = f32(KV, CAPACITY, D), f32(KV, CAPACITY, D)
 keys[:, CACHED:] = values[:, CACHED:] = 0
 rotation = np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32)
-pieces = (nd.Matrix * nd.MAX_PIECES)(matrix(wq, bq), matrix(wkv, bkv))
-layer = nd.Layer(DIM, HEADS, KV, D, norm_in.ctypes.data, norm_post.ctypes.data, EPS, EPS,
-                 q_norm.ctypes.data, k_norm.ctypes.data, EPS, 2, pieces, matrix(wo),
-                 matrix(wg), matrix(wu), matrix(wd), keys.ctypes.data, values.ctypes.data,
-                 CAPACITY, SCALE)
+pieces = (Matrix * MAX_PIECES)(matrix(wq, bq), matrix(wkv, bkv))
+layer = Layer(DIM, HEADS, KV, D, norm_in.ctypes.data, norm_post.ctypes.data, EPS, EPS,
+              q_norm.ctypes.data, k_norm.ctypes.data, EPS, 2, pieces, matrix(wo),
+              matrix(wg), matrix(wu), matrix(wd), keys.ctypes.data, values.ctypes.data,
+              CAPACITY, SCALE)
 ref = ctypes.byref(layer)
 result = {}
 

@@ -26,20 +26,6 @@
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#if __GNUC__ >= 11
-#define VECTOR_TARGET "arch=x86-64-v3"
-#else
-#define VECTOR_TARGET "avx2"
-#endif
-/* -O3 for loops of a runtime length (the build's -O2 leaves them scalar), in an AVX2
- * clone picked when the library loads where the CPU has it (gemv_forward.c says more). */
-#define LOOPS_VECTORIZED \
-  __attribute__((target_clones(VECTOR_TARGET, "default"), optimize("O3")))
-#else
-#define LOOPS_VECTORIZED
-#endif
-
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
 static sgemm_fn sgemm;
@@ -232,7 +218,6 @@ static void swiglu(const float *gate, const float *up, int n, float *act) {
 #define swiglu swiglu_plain
 #endif
 
-LOOPS_VECTORIZED
 static void add_into(float *h, const float *x, int n) {
   for (int i = 0; i < n; i++) h[i] += x[i];
 }

@@ -20,6 +20,7 @@ from ..attention.calibrate import calibrate
 from ..errors import UserError
 from ..runtime.comm import Comm
 from ..runtime.graph_comm import chained_latency, open_graph_collectives
+from ..runtime.spmd import first_reason
 from .model import CPModel
 from .native_decode import NativeDecoder, native_obstacle
 from .quantized_shadows import SHADOWS
@@ -52,18 +53,6 @@ class ScoreRecords:
         order = np.argsort(self.pos, kind="stable")
         for name in ("pos", "token", "logprob", "argmax"):
             setattr(self, name, [getattr(self, name)[i] for i in order])
-
-
-def agreed_reason(comm: Comm, reason: str) -> str:
-    """Collective: "" where no rank gives a reason, else the first one given (naming its
-    rank where the ranks differ), the same on every rank."""
-    if comm.size == 1:
-        return reason
-    reasons = comm.allgather_object(reason)
-    if all(why == reasons[0] for why in reasons):
-        return reasons[0]
-    rank, why = next((rank, why) for rank, why in enumerate(reasons) if why)
-    return f"rank {rank}: {why}"
 
 
 class Engine:
@@ -267,10 +256,10 @@ class Engine:
         every rank can (collective, asked once), and ``--decode-comm mlx`` did not ask
         for MLX's step with its graph collectives. Says why not (rank 0's log)."""
         if self._native_reason is None:
-            reason = native_obstacle(self.model) or ""
+            reason = native_obstacle(self.model)
             if self.decode_comm == "mlx":
                 reason = "--decode-comm mlx"
-            self._native_reason = reason = agreed_reason(self.comm, reason)
+            self._native_reason = reason = first_reason(self.comm, reason) or ""
             if reason and self.comm.rank == 0:
                 log.info("decode step: MLX's graph (%s)", reason)
         return not self._native_reason
@@ -281,12 +270,12 @@ class Engine:
         if not self._native_wanted():
             return None
         if split not in self._native:
-            decoder, reason = None, ""
+            decoder, reason = None, None
             try:
                 decoder = NativeDecoder(self.model, self.comm, self.tp_decoder if split else None)
             except (TypeError, ValueError) as error:
                 reason = str(error)
-            reason = agreed_reason(self.comm, reason)
+            reason = first_reason(self.comm, reason)
             if reason and decoder is not None:
                 decoder.free()
                 decoder = None

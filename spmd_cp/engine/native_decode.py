@@ -35,12 +35,13 @@ import atexit
 import ctypes
 import functools
 import os
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..blas import decode_step
+from ..blas.decode_step import MAX_GROUP, MAX_PIECES, Layer, Matrix
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 from .model import SWIGLU_MLPS, CPModel
@@ -49,63 +50,12 @@ from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
 
 ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
-SOURCE = Path(__file__).resolve().parent.parent / "blas" / "decode_step.c"
-MAX_PIECES = 3  # decode_step.c's: q/k/v rows of at most three matrices a rank
-MAX_GROUP = 64  # query heads a KV head, at most (the C side's stack arrays)
 # Decode positions whose RoPE matrices are built at once (64 x 16 KB for d = 64).
 ROPE_BLOCK = 64
 
 
-class Matrix(ctypes.Structure):
-    _fields_ = [("weights", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("ld", ctypes.c_int)]
-
-
-class Layer(ctypes.Structure):
-    _fields_ = [("dim", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int),
-                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
-                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                ("qk_eps", ctypes.c_float),
-                ("qkv_pieces", ctypes.c_int), ("qkv", Matrix * MAX_PIECES),
-                ("o", Matrix),
-                ("gate", Matrix), ("up", Matrix), ("down", Matrix),
-                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
-                ("capacity", ctypes.c_int), ("scale", ctypes.c_float)]
-
-
 def wanted() -> bool:
     return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "no", "false")
-
-
-@functools.lru_cache(maxsize=1)
-def _library():
-    """The built decode_step.c, or (None, why not)."""
-    from ..runtime import native
-
-    try:
-        path = native.build(SOURCE, native.built_path(SOURCE, "blas", "spmd-cp-decode-step"))
-        library = ctypes.CDLL(str(path))
-    except (RuntimeError, OSError) as error:
-        return None, str(error)
-    if not library.spmd_cp_decode_ready():
-        return None, "no cblas_sgemm in the process's global scope"
-    pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    signatures = {
-        "spmd_cp_decode_qkv": [pointer] * 5,
-        "spmd_cp_decode_attend": [pointer, pointer, pointer, integer, integer, integer,
-                                  pointer, pointer],
-        "spmd_cp_decode_merge": [integer, integer, integer, real, pointer, pointer],
-        "spmd_cp_decode_output": [pointer] * 3,
-        "spmd_cp_decode_mlp": [pointer] * 5,
-        "spmd_cp_decode_head": [pointer, integer, pointer, pointer, pointer, real, pointer,
-                                pointer],
-    }
-    for name, argtypes in signatures.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, None
-    return library, ""
 
 
 def availability() -> str:
@@ -115,7 +65,7 @@ def availability() -> str:
         return f"off ({ENV}={os.environ[ENV]})"
     if on_gpu_path():
         return "not used (the GPU path runs MLX's step)"
-    library, why = _library()
+    library, why = decode_step.library()
     if library is None:
         return f"not available ({why})"
     return "on (decode steps as C calls between MPI collectives)"
@@ -247,7 +197,7 @@ def native_obstacle(model: CPModel) -> str | None:
     if type(head) not in (nn.Linear, nn.Embedding) or head["weight"].dtype != mx.float32:
         return (f"the LM head is a {type(head).__name__} of "
                 f"{str(head['weight'].dtype).removeprefix('mlx.core.')}")
-    library, why = _library()
+    library, why = decode_step.library()
     return None if library is not None else why
 
 
@@ -262,7 +212,7 @@ class NativeDecoder:
         them (off: blocking calls, as on a library without them)."""
         self.model, self.comm, self.split = model, comm, split
         self.persistent = persistent
-        self.library, _ = _library()
+        self.library, _ = decode_step.library()
         attn = model.layers[0].self_attn
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
         self.dim = model.embed_tokens["weight"].shape[1]

@@ -44,6 +44,7 @@ import mlx.core as mx
 
 from . import mpi_abi
 from .device import on_gpu_path
+from .spmd import first_reason
 
 log = logging.getLogger("spmd_cp")
 
@@ -186,12 +187,6 @@ def graph_obstacle(comm) -> str | None:
     return None
 
 
-def _first_reason(comm, reason: str | None) -> str | None:
-    """Collective: the first rank's reason, "rank r: ...", or None where no rank has one."""
-    reasons = [f"rank {r}: {why}" for r, why in enumerate(comm.allgather_object(reason)) if why]
-    return reasons[0] if reasons else None
-
-
 def _own_address(processor: str, same_host: bool) -> str | None:
     """The address peers reach this rank's ring port at: loopback when every rank runs on
     this host, else what this host's name resolves to (None when that is loopback)."""
@@ -217,7 +212,7 @@ def open_graph_collectives(comm, mode: str = "auto") -> tuple[GraphCollectives |
     every rank can take it, else over its ring backend."""
     if mode == "mpi":
         return None, "--decode-comm mpi"
-    obstacle = _first_reason(comm, graph_obstacle(comm))
+    obstacle = first_reason(comm, graph_obstacle(comm))
     if obstacle:
         return None, obstacle
     backend = mpi_abi.requested_backend()
@@ -237,7 +232,7 @@ def open_graph_collectives(comm, mode: str = "auto") -> tuple[GraphCollectives |
 
 def _open_mpi(comm):
     """Collective: (MLX's MPI group, None), or (None, the first rank's reason)."""
-    refused = _first_reason(comm, mpi_abi.local_obstacle())
+    refused = first_reason(comm, mpi_abi.local_obstacle())
     if refused:
         return None, refused
     library, failure = None, None
@@ -245,11 +240,11 @@ def _open_mpi(comm):
         library = mpi_abi.adapter_library()
     except RuntimeError as error:
         failure = str(error)
-    failure = _first_reason(comm, failure)  # all ranks built it, or none goes on
+    failure = first_reason(comm, failure)  # all ranks built it, or none goes on
     if failure:
         return None, failure
     group, failure = _cached_group("mpi", comm, lambda: _init_mpi(comm, library))
-    failure = _first_reason(comm, failure)
+    failure = first_reason(comm, failure)
     return (None, failure) if failure else (group, None)
 
 
@@ -274,7 +269,7 @@ def _open_ring(comm):
     ring = RingAddresses([where for _, where in answers])
     # An init may fail on one rank (e.g. a port another process took meanwhile)
     group, failure = _cached_group("ring", comm, lambda: _init_ring(comm.rank, ring))
-    failure = _first_reason(comm, failure)  # all or none
+    failure = first_reason(comm, failure)  # all or none
     if failure:
         return None, failure
     return group, f"MLX ring backend over {ring.hosts[0].split(':')[0]}"

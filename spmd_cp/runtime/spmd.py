@@ -71,6 +71,13 @@ def everywhere(comm: Comm, fn, *args, **kwargs):
     return outcome[1]
 
 
+def first_reason(comm: Comm, reason: str | None) -> str | None:
+    """Collective: the first rank's reason, "rank r: ...", or None where no rank has one
+    (every rank gets the same answer, so all take the same way)."""
+    reasons = [f"rank {r}: {why}" for r, why in enumerate(comm.allgather_object(reason)) if why]
+    return reasons[0] if reasons else None
+
+
 def require_same(comm: Comm, what: str, value):
     """Fail on every rank, naming the ranks, unless all ranks hold the same ``value``."""
     values = comm.allgather_object(value)

@@ -1,0 +1,72 @@
+"""The native decode step's C library (decode_step.c): built on first use, its structs.
+
+engine/native_decode.py fills one ``Layer`` per layer of a model and calls the library's
+four functions a layer between its collectives; this module only builds and loads the
+library (runtime/native.py, like the sgemv forward), declares the functions' argument
+types, and mirrors decode_step.c's ``matrix`` and ``layer`` structs. The library resolves
+``cblas_sgemm`` in the process's global scope (the forward or the BLAS that the re-exec
+preloads, blas/reexec.py); where there is none it is not used. Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode_step.c")
+NAME = "spmd-cp-decode-step"  # the built file: <cache>/blas/<NAME>-<source hash>.so
+MAX_PIECES = 3  # decode_step.c's: q/k/v rows of at most three matrices a rank
+MAX_GROUP = 64  # query heads a KV head, at most (the C side's stack arrays)
+
+
+class Matrix(ctypes.Structure):
+    """decode_step.c's ``matrix``: a weight (rows x cols, rows ld floats apart)."""
+
+    _fields_ = [("weights", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("rows", ctypes.c_int), ("cols", ctypes.c_int), ("ld", ctypes.c_int)]
+
+
+class Layer(ctypes.Structure):
+    """decode_step.c's ``layer``: one rank's part of one layer."""
+
+    _fields_ = [("dim", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qk_eps", ctypes.c_float),
+                ("qkv_pieces", ctypes.c_int), ("qkv", Matrix * MAX_PIECES),
+                ("o", Matrix),
+                ("gate", Matrix), ("up", Matrix), ("down", Matrix),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("capacity", ctypes.c_int), ("scale", ctypes.c_float)]
+
+
+@functools.lru_cache(maxsize=1)
+def library():
+    """(the loaded library, "") or (None, why not)."""
+    from ..runtime import native
+
+    try:
+        path = native.build(SOURCE, native.built_path(SOURCE, "blas", NAME))
+        loaded = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as error:
+        return None, str(error)
+    if not loaded.spmd_cp_decode_ready():
+        return None, "no cblas_sgemm in the process's global scope"
+    pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "spmd_cp_decode_qkv": [pointer] * 5,
+        "spmd_cp_decode_attend": [pointer, pointer, pointer, integer, integer, integer,
+                                  pointer, pointer],
+        "spmd_cp_decode_merge": [integer, integer, integer, real, pointer, pointer],
+        "spmd_cp_decode_output": [pointer] * 3,
+        "spmd_cp_decode_mlp": [pointer] * 5,
+        "spmd_cp_decode_head": [pointer, integer, pointer, pointer, pointer, real, pointer,
+                                pointer],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(loaded, name)
+        function.argtypes, function.restype = argtypes, None
+    return loaded, ""
