@@ -42,6 +42,7 @@ import numpy as np
 
 from ..blas import decode_step
 from ..blas.decode_step import MAX_GROUP, MAX_PIECES, Layer, Matrix
+from ..runtime.comm import offsets
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 from .model import SWIGLU_MLPS, CPModel
@@ -125,10 +126,6 @@ def _collective(mpi, name: str, persistent: bool, *args, **kwargs):
     return _Blocking(lambda: call(*args, **kwargs))
 
 
-def _offsets(counts: list[int]) -> list[int]:
-    return [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-
-
 class _Addresses:
     """The addresses of a decoder's buffers, read once (``ndarray.ctypes`` builds an
     object each time it is read)."""
@@ -162,6 +159,12 @@ class _Held:
         return view.ctypes.data
 
 
+def _described(module) -> str:
+    """'a QuantizedLinear of uint32': a module's class and its weight's dtype."""
+    dtype = str(module["weight"].dtype).removeprefix("mlx.core.")
+    return f"a {type(module).__name__} of {dtype}"
+
+
 def native_obstacle(model: CPModel) -> str | None:
     """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
     modules and their dtypes, the C library (the split step's slices are checked as
@@ -176,8 +179,7 @@ def native_obstacle(model: CPModel) -> str | None:
         return "layer-sharded weights"
     embedding = model.embed_tokens
     if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
-        return (f"the embedding is a {type(embedding).__name__} of "
-                f"{str(embedding['weight'].dtype).removeprefix('mlx.core.')}")
+        return f"the embedding is {_described(embedding)}"
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
     for index, layer in enumerate(model.layers):
@@ -191,12 +193,10 @@ def native_obstacle(model: CPModel) -> str | None:
                              ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
                              ("down_proj", mlp.down_proj)):
             if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
-                return (f"layer {index}: {name} is a {type(module).__name__} of "
-                        f"{str(module['weight'].dtype).removeprefix('mlx.core.')}")
+                return f"layer {index}: {name} is {_described(module)}"
     head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding
     if type(head) not in (nn.Linear, nn.Embedding) or head["weight"].dtype != mx.float32:
-        return (f"the LM head is a {type(head).__name__} of "
-                f"{str(head['weight'].dtype).removeprefix('mlx.core.')}")
+        return f"the LM head is {_described(head)}"
     library, why = decode_step.library()
     return None if library is not None else why
 
@@ -305,16 +305,16 @@ class NativeDecoder:
             if split:
                 counts = self.split.layers[0].qkv_sizes
                 gather_qkv = collective("Allgatherv", self.qkv_local,
-                                        [self.qkv, (counts, _offsets(counts))])
+                                        [self.qkv, (counts, offsets(counts))])
                 rows = [b - a for a, b in split_ranges(self.dim, size)]
                 self.o_part = f32(rows[self.comm.rank])
                 sum_o = collective("Allgatherv", self.o_part,
-                                   [self.o_sum, (rows, _offsets(rows))])
+                                   [self.o_sum, (rows, offsets(rows))])
                 sum_mlp = collective("Allreduce", self.mlp_part, self.mlp_sum, op=MPI.SUM)
                 self.requests += [gather_qkv, sum_o, sum_mlp]
                 vocab = list(self.vocab_sizes)
                 self.all_logits = f32(sum(vocab)) if self.comm.rank == 0 else None
-                self.vocab_counts = (vocab, _offsets(vocab))
+                self.vocab_counts = (vocab, offsets(vocab))
             # freed before mpi4py finalizes MPI (its own atexit handler, registered
             # earlier, runs later): MPICH warns of requests left
             atexit.register(self.free)

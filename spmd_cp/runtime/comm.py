@@ -166,8 +166,8 @@ class Comm:
             recv[:] = send
         else:
             with self._waiting("Alltoallv"):
-                self.mpi.Alltoallv([send, (send_counts, _offsets(send_counts))],
-                                   [recv, (recv_counts, _offsets(recv_counts))])
+                self.mpi.Alltoallv([send, (send_counts, offsets(send_counts))],
+                                   [recv, (recv_counts, offsets(recv_counts))])
         self.bytes_sent += sum(s.nbytes for r, s in enumerate(sends) if r != self.rank)
         pieces = np.split(recv, np.cumsum(recv_counts)[:-1])
         return [from_wire(p.reshape(shape), dtype) for p, shape in zip(pieces, recv_shapes)]
@@ -214,7 +214,7 @@ class Comm:
         recv = np.empty((sum(counts),) + row_shape, dtype=send.dtype)
         sizes = [c * row_elems for c in counts]
         with self._waiting("Allgatherv"):
-            self.mpi.Allgatherv(send, [recv, (sizes, _offsets(sizes))])
+            self.mpi.Allgatherv(send, [recv, (sizes, offsets(sizes))])
         self.bytes_sent += (self.size - 1) * send.nbytes
         return mx.moveaxis(from_wire(recv, array.dtype), 0, axis)
 
@@ -225,7 +225,7 @@ class Comm:
         send = to_wire(array)
         recv = np.empty(sum(counts), dtype=send.dtype) if self.rank == root else None
         with self._waiting("Gatherv", None if self.rank == root else root):
-            self.mpi.Gatherv(send, [recv, (list(counts), _offsets(counts))] if recv is not None
+            self.mpi.Gatherv(send, [recv, (list(counts), offsets(counts))] if recv is not None
                              else None, root=root)
         if self.rank != root:
             self.bytes_sent += send.nbytes
@@ -299,5 +299,6 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _offsets(counts) -> list[int]:
+def offsets(counts) -> list[int]:
+    """The displacements of consecutive blocks of ``counts`` (a v-collective's)."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
