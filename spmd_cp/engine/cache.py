@@ -9,12 +9,16 @@ prefill extras and decode tokens go) need no communication.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..attention.partition import decode_owner
+
+
+_BUFFER_VERSIONS = itertools.count()  # LayerKV.buffers_version: never the same twice
 
 
 class LayerKV:
@@ -27,10 +31,11 @@ class LayerKV:
         self.values = None
         self.offset = 0
         self.dtype = dtype  # what appends are stored as (None: as they arrive)
-        # Counts the changes that may move the buffers (MLX's ``a[...] = b`` may give
-        # the same array object a new one): a native decode step re-reads their
-        # addresses when it changed.
-        self.buffers_version = 0
+        # Renewed at every change that may move the buffers (MLX's ``a[...] = b`` may give
+        # the same array object a new one), unique across all caches of the process (a
+        # cache built after another is freed may live at its address): a native decode
+        # step re-reads the buffers' addresses when it differs from the one it saw.
+        self.buffers_version = next(_BUFFER_VERSIONS)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (NKV, n, d) keys/values; return the whole local shard including them."""
@@ -40,7 +45,7 @@ class LayerKV:
         if n == 0:
             return self.fetch() if self.keys is not None else (keys, values)
         self._make_room(n, keys.shape[0], keys.shape[2], keys.dtype, values.dtype)
-        self.buffers_version += 1
+        self.buffers_version = next(_BUFFER_VERSIONS)
         self.keys[:, self.offset : self.offset + n] = keys
         self.values[:, self.offset : self.offset + n] = values
         self.offset += n
@@ -51,7 +56,7 @@ class LayerKV:
         """Capacity for ``n`` more entries (grown by whole steps, the entries kept)."""
         if self.keys is not None and self.offset + n <= self.keys.shape[1]:
             return
-        self.buffers_version += 1
+        self.buffers_version = next(_BUFFER_VERSIONS)
         grow = ((n + self.step - 1) // self.step) * self.step
         shape = (kv_heads, grow, head_dim)
         new_k, new_v = mx.zeros(shape, key_dtype), mx.zeros(shape, value_dtype)

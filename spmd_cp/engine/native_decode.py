@@ -347,13 +347,13 @@ class NativeDecoder:
     def _attach_cache(self, index: int, layer_kv) -> None:
         """Point layer ``index``'s struct at its cache's buffers where they may have
         moved since (``LayerKV.buffers_version``)."""
-        if self._cache_versions[index] == (id(layer_kv), layer_kv.buffers_version):
+        if self._cache_versions[index] == layer_kv.buffers_version:
             return
         layer = self.layers[index]
         keys, values = _view(layer_kv.keys), _view(layer_kv.values)
         layer.keys, layer.values = keys.ctypes.data, values.ctypes.data
         layer.capacity = keys.shape[1]
-        self._cache_versions[index] = (id(layer_kv), layer_kv.buffers_version)
+        self._cache_versions[index] = layer_kv.buffers_version
 
     def _rotations(self, position: int) -> list:
         """Per layer: the address of its (d, d) RoPE matrix at ``position``, from blocks
