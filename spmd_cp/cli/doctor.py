@@ -122,8 +122,9 @@ def local_report() -> dict:
 
 # -- the command ---------------------------------------------------------------------------
 @click.command()
-@click.option("--model", "model_path", default=None, metavar="PATH",
-              help="GGUF file or MLX/HF model directory (default: embedded SmolLM2-135M-Instruct).")
+@click.option("--model", "model_path", default=None, metavar="PATH|ORG/NAME",
+              help="GGUF file, MLX/HF model directory, or a Hugging Face repo id in this "
+                   "host's cache (default: embedded SmolLM2-135M-Instruct).")
 @click.option("--recalibrate", is_flag=True,
               help="Measure link and compute again and replace the cached calibration.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
@@ -182,13 +183,17 @@ def doctor_command(comm, options: dict, outcome: dict):
 
 def check_model(comm, model_path: str | None, hosts: list[str], host: str) -> dict:
     """This rank's model path, checksum and error (every rank checks its own copy)."""
+    from ..models import hub
     from ..models.loader import check_model_path, default_model_path
 
     # Each rank resolves the default itself: in an MPMD launch ranks may name different
-    # files, and a missing model must be reported, not deadlock.
+    # files, and a missing model must be reported, not deadlock. A hub repo id is looked
+    # up in this host's cache only: doctor checks, it does not download.
     error = None
     try:
         model_path = model_path or default_model_path()
+        if hub.is_repo_id(model_path):
+            model_path = hub.local_snapshot(model_path, download=False)
         check_model_path(model_path)
     except UserError as failure:
         error = str(failure)

@@ -38,8 +38,10 @@ def common_options(fn):
 
     d = RunConfig.default
     return _apply(fn, [
-        click.option("--model", "model_path", default=d("model_path"), metavar="PATH",
-                     help="GGUF file or MLX/HF model directory (default: embedded SmolLM2-135M-Instruct)."),
+        click.option("--model", "model_path", default=d("model_path"), metavar="PATH|ORG/NAME",
+                     help="GGUF file, MLX/HF model directory, or a Hugging Face repo id "
+                          "(fetched into the hub's cache once per host; HF_HOME and "
+                          "HF_HUB_OFFLINE honoured). Default: embedded SmolLM2-135M-Instruct."),
         click.option("--cp-algo", type=click.Choice(PREFILL_ALGOS), default=d("cp_algo"),
                      show_default=True, help="Context-parallel prefill attention."),
         click.option("--prefill-chunk", type=click.IntRange(min=0), default=d("prefill_chunk"),

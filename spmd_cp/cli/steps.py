@@ -8,6 +8,7 @@ on rank 0 and broadcast the ids, run the engine, gather per-rank metrics to rank
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..engine.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model, weight_bytes
 from ..engine.startup import require_same_path
 from ..errors import UserError
+from ..models import hub
 from ..models.checksum import model_checksum, model_files
 from ..models.loader import check_model_path, default_model_path, load_model
 from ..models.partial_load import load_rank_share
@@ -99,11 +101,29 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
     spmd.everywhere(comm, scheduling.requested)
     spmd.everywhere(comm, huge_pages.requested)
     spmd.everywhere(comm, allocator.requested)
-    path = run.model_path or spmd.on_root(comm, default_model_path)
+    path = model_location(comm, run.model_path)
     spmd.everywhere(comm, check_model_path, path)
     checksum = spmd.everywhere(comm, model_checksum, path)
     spmd.require_same(comm, "model file checksum", checksum)
     return path, checksum
+
+
+def model_location(comm: Comm, spec: str | None) -> str:
+    """Every rank: where --model is on its host. A path is used as it is; a Hugging Face
+    repo id (``org/name``) is fetched into the hub's cache by the first rank of each host
+    while the others wait, then every rank reads that cache (one download per host)."""
+    if spec is None:
+        return spmd.on_root(comm, default_model_path)
+    if not spmd.on_root(comm, hub.is_repo_id, spec):
+        return spec
+    hosts = comm.allgather_object(socket.gethostname())
+    first_on_host = hosts.index(hosts[comm.rank]) == comm.rank
+    spmd.everywhere(comm, lambda: hub.local_snapshot(spec, download=True)
+                    if first_on_host else None)
+    path = spmd.everywhere(comm, hub.local_snapshot, spec, download=False)
+    if comm.rank == 0:
+        log.info("model %s: %s", spec, path)
+    return path
 
 
 def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):

@@ -57,7 +57,11 @@ def local_obstacle() -> str | None:
                 "(the adapter is for MPICH-family libraries)")
     # Not mx.distributed.is_available("mpi"): MLX looks for its MPI library once per
     # process, and must first see MLX_MPI_LIBNAME name the adapter.
-    if not _target().exists() and native.compiler() is None:
+    try:
+        built = _target().exists()
+    except RuntimeError as error:  # the C source is missing from the install
+        return str(error)
+    if not built and native.compiler() is None:
         return "no C compiler to build the adapter (cc, or $CC)"
     return None
 

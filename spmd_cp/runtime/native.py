@@ -1,9 +1,10 @@
 """Small C libraries compiled on first use into the cache directory.
 
-Two pieces of spmd-cp are a few dozen lines of C because they stand in for a C entry point
-another library calls: the BLAS's matrix-vector forward (blas/gemv_forward.c) and the
-MPI ABI adapter MLX's MPI backend loads (runtime/mpi_abi_adapter.c). Neither is worth a
-compiled wheel: each is built with the system's C compiler (``cc``, or ``$CC``) the first
+Three pieces of spmd-cp are C: the BLAS's matrix-vector forward (blas/gemv_forward.c)
+and the MPI ABI adapter MLX's MPI backend loads (runtime/mpi_abi_adapter.c), which stand in
+for a C entry point another library calls, and the native decode step
+(blas/decode_step.c). They ship as sources inside the package (wheel and sdist), so the
+wheel stays pure Python: each is built with the system's C compiler (``cc``, or ``$CC``) the first
 time it is needed, into ``$SPMD_CP_CACHE/<kind>/<name>-<hash of the source>.so``, and
 reused after; the forward is preloaded into every rank from there, so that directory
 must be writable by its user only (``~/.cache/spmd-cp`` is). Standard library only (the
@@ -31,9 +32,16 @@ def compiler() -> str | None:
 
 def built_path(source: Path, kind: str, name: str) -> Path:
     """Where ``source`` built for this platform lives in the cache (keyed by the source,
-    the OS and the machine: a cache shared by x86 and ARM hosts keeps one of each)."""
+    the OS and the machine: a cache shared by x86 and ARM hosts keeps one of each).
+    Raises RuntimeError when the source is missing (an install that left it out): the
+    callers fall back as they do without a compiler."""
     target = f"{sys.platform}-{platform.machine()}".encode()
-    key = hashlib.sha256(source.read_bytes() + target).hexdigest()[:16]
+    try:
+        text = source.read_bytes()
+    except OSError as error:
+        raise RuntimeError(f"cannot read {source.name} ({error.strerror}): "
+                           "reinstall spmd-cp") from error
+    key = hashlib.sha256(text + target).hexdigest()[:16]
     return cache_dir() / kind / f"{name}-{key}.so"
 
 

@@ -1,0 +1,62 @@
+"""benchmarks/gpu_check.py's whole flow on the CPU at tiny sizes (SPMD_CP_PATH=gpu: the
+GPU path's fused attention and model-dtype cache), so that the check a lent GPU runs in
+its few minutes cannot be broken while no GPU is at hand. Its figures are checked for
+what the CPU can promise: the paths that merge nothing equal mlx-lm's forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import RANK_ENV
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, **RANK_ENV, "SPMD_CP_PATH": "gpu"}
+    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--sizes", "96", "--exact-tokens",
+           "64", "--max-tokens", "3", "--out", str(out), "--run-timeout", "120"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"gpu_check did not finish in 500 s:\n{error.stderr}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "gpu_check.json").read_text())
+    data["_markdown"] = (out / "gpu_check.md").read_text()
+    return data
+
+
+def test_every_run_measured(check):
+    assert check["failures"] == [] and check["skipped"] == []
+    (row,) = check["speed"]
+    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=2"):
+        r = row[run]
+        assert r["prompt_tokens"] == 96 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+        assert len(r["peak_mem_bytes"]) == (2 if run.endswith("N=2") else 1)
+    assert row["spmd-cp N=1"]["kv_dtype"] == "bfloat16"
+    # Greedy continuations of the bf16 model on one rank: mlx-lm's own tokens.
+    assert row["spmd-cp N=1"]["token_ids"] == row["mlx-lm"]["token_ids"]
+
+
+def test_exactness_rows(check):
+    rows = {(e["model"], e["run"]): e for e in check["exactness"]}
+    assert len(rows) == 8  # bf16 and q4: N=1 vs mlx-lm, three algorithms at N=2
+    for model in ("bf16", "q4"):
+        # Nothing merged: the same computation as mlx-lm's forward, position by position.
+        for run in ("N=1 vs mlx-lm", "N=2 allgather-kv vs N=1"):
+            assert rows[(model, run)]["max_dlogprob"] == 0.0, (model, run)
+            assert rows[(model, run)]["argmax_agreement"] == 1.0
+            assert rows[(model, run)]["positions"] == 63
+        # The rings merge half-precision partials; on the CPU MLX's attention rounds
+        # scores to bf16 as well (see test_gpu_path), so only a loose bound holds here.
+        for algo in ("pass-kv", "pass-q"):
+            assert rows[(model, f"N=2 {algo} vs N=1")]["max_dlogprob"] < 0.2
+    assert "| 96 | spmd-cp N=2 |" in check["_markdown"]
