@@ -1,6 +1,6 @@
 """Re-run every table of docs/BENCHMARKS.md and the measured gains of docs/CPU_SPEED.md.
 
-    python benchmarks/run_all.py                  # everything (about 75 min on 2 idle cores)
+    python benchmarks/run_all.py                  # everything (about 90 min on 2 idle cores)
     python benchmarks/run_all.py --only generate vs-mlx-lm
     python benchmarks/run_all.py --skip network   # e.g. without root
 
