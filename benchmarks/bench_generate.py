@@ -92,8 +92,7 @@ def generate(ranks: int, prompt: Path, tokens: int, env: dict, spmd_cp: str = bl
     load = bl.loadavg()[0]
     # From the prompt's folder, not the repository: a baseline started as `python -m
     # spmd_cp` with PYTHONPATH set would import the repository's package from the
-    # working directory, which comes first on sys.path (session 5's first baseline
-    # rows ran this code that way).
+    # working directory, which comes first on sys.path.
     result = bl.run_json(cmd, env=env, keep_stderr=True, cwd=prompt.parent)
     result.update(_load_before=load, _variant=variant)
     result["_decode_choice"] = decode_choice(result.pop("_stderr", ""))

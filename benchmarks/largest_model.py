@@ -11,7 +11,7 @@ headers), the KV shard, one prefill chunk's activations, and PROCESS_BYTES for w
 rank process holds outside MLX (measured 0.14-0.17 GiB on the test machine, rounded up).
 Weights and KV in bfloat16 (the GPU path: Metal on Macs, CUDA); the CPU path computes in
 float32 and needs twice the weight and KV bytes. One cell is measured, not computed:
-docs/SHARDED_WEIGHTS.md (Memory) and docs/BENCHMARKS.md.
+docs/SHARDED_WEIGHTS.md ("The largest model per budget").
 """
 
 from __future__ import annotations

@@ -1,22 +1,21 @@
-"""Regenerate every figure of docs/BENCHMARKS.md, one benchmark after the other.
+"""Re-run every table of docs/BENCHMARKS.md and the measured gains of docs/CPU_SPEED.md.
 
-    python benchmarks/run_all.py                  # everything (~100 min on 2 idle cores)
-    python benchmarks/run_all.py --only decode soak
+    python benchmarks/run_all.py                  # everything (about 90 min on 2 idle cores)
+    python benchmarks/run_all.py --only generate vs-mlx-lm
     python benchmarks/run_all.py --skip network   # e.g. without root
 
-Each step is the exact command quoted next to its table in docs/BENCHMARKS.md; each writes
-benchmarks/results/<name>.json (raw numbers) and <name>.md (the printed tables, with the
-machine description and load average), and the last step draws docs/benchmarks.png
-from the results. The steps run one at a time: they time things, and share the machine
-with nothing of their own. Before every measured launch the drivers wait up to
-$BENCH_QUIET_WAIT seconds (default 20) for other processes to go quiet, and they record
-how many cores others used anyway.
+Each step is the command quoted beside its row in docs/BENCHMARKS.md (or docs/CPU_SPEED.md
+for the ``knob-*`` steps); each writes benchmarks/results/<name>.json (raw numbers) and
+<name>.md (the printed tables, with the machine description and load average), the same
+file the docs cite, and the last step draws docs/benchmarks.png from the results. The steps
+run one at a time: they time things, and share the machine with nothing of their own.
+Before every measured launch the drivers wait up to $BENCH_QUIET_WAIT seconds (default 20)
+for other processes to go quiet, and they record how many cores others used anyway.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -24,26 +23,38 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
+GENERATE = [PY, HERE / "bench_generate.py", "--ranks", "1", "2", "--tokens", "64"]
+
+
+def knob(variable_off: str, name: str, rounds: str = "3", *extra: str) -> list:
+    """The command users run with the shipped setting and with ``variable_off`` beside it."""
+    return GENERATE + ["--rounds", rounds, *extra, "--compare-env", variable_off,
+                       "--baseline-ranks", "1", "2", "--name", name]
+
 
 STEPS = {
-    "prefill-scaling": [PY, HERE / "bench_prefill.py", "scaling", "--new", "3072", "--ranks",
-                        "1", "2", "--rounds", "3", "--profile"],
-    "prefill-algos": [PY, HERE / "bench_prefill.py", "algos", "--ranks", "2", "--mix", "2048:0",
-                      "--mix", "128:2048", "--rounds", "2"],
-    "decode": [PY, HERE / "bench_decode.py", "--contexts", "16", "2048", "4096", "8192",
-               "--ranks", "1", "2", "4", "--rounds", "3"],
-    # As root, also N = 2 over 2 simulated hosts (TCP through veth links capped at 16 gbit).
-    "vs-mlx-lm": [PY, HERE / "bench_vs_mlx_lm.py", "--sizes", "1024", "2048", "4096", "8160",
-                  "--ranks", "1", "2", "4", "--rounds", "2", "--rounds-long", "1"]
-                 + (["--cluster-rate", "16gbit"] if os.geteuid() == 0 else []),
-    "network": [PY, HERE / "bench_network.py", "--rates", "1gbit", "4gbit", "16gbit",
-                "--mix", "2048:0", "--mix", "64:2048", "--rounds", "2"],
-    "soak": [PY, HERE / "soak.py", "--generations", "200", "--jobs", "20"],
-    "decode-overhead": [PY, HERE / "decode_overhead.py", "--context", "1024"],
-    "decode-overhead-4k": [PY, HERE / "decode_overhead.py", "--context", "4096"],
-    "generate": [PY, HERE / "bench_generate.py", "--ranks", "1", "2", "4", "--rounds", "2"],
+    # docs/BENCHMARKS.md, the table of the current code
+    "generate": GENERATE + ["--rounds", "3"],
+    "vs-mlx-lm": [PY, HERE / "bench_vs_mlx_lm.py", "--sizes", "1024", "4096", "--ranks", "1",
+                  "2", "--rounds", "2", "--skip-memory"],
+    # docs/BENCHMARKS.md, the checks on record
     "long-greedy": [PY, HERE / "check_long_greedy.py", "--lengths", "500", "3000", "--tokens",
                     "128", "--ranks", "1", "2", "3", "4"],
+    "soak": [PY, HERE / "soak.py", "--generations", "200", "--jobs", "20"],
+    "prefill-algos": [PY, HERE / "bench_prefill.py", "algos", "--ranks", "2", "--mix", "2048:0",
+                      "--mix", "128:2048", "--rounds", "2"],
+    # needs root (network namespaces)
+    "network": [PY, HERE / "bench_network.py", "--rates", "1gbit", "4gbit", "16gbit",
+                "--mix", "2048:0", "--mix", "64:2048", "--rounds", "2"],
+    # docs/CPU_SPEED.md, the knobs' measured gains
+    "knob-fast-exp": knob("SPMD_CP_FAST_EXP=0", "generate_fast_exp_off", "2"),
+    "knob-fast-exp-8k": knob("SPMD_CP_FAST_EXP=0", "generate_fast_exp_off_8k", "1",
+                             "--prompt-tokens", "7900"),
+    "knob-sched": knob("SPMD_CP_SCHED=default", "generate_sched_default"),
+    "knob-huge-pages": knob("SPMD_CP_HUGE_PAGES=off", "generate_huge_pages_off"),
+    # glibc is the default: the other allocator is the one compared
+    "knob-allocator": knob("SPMD_CP_ALLOCATOR=jemalloc", "generate_allocator"),
+    "knob-quantized-decode": knob("SPMD_CP_QUANTIZED_DECODE=0", "generate_quantized_decode_off"),
     "plot": [PY, HERE / "plot.py"],
 }
 

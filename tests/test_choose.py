@@ -1,9 +1,10 @@
-"""``--cp-algo auto`` against every measured cell of docs/BENCHMARKS.md sections 2 and 3. Pure.
+"""``--cp-algo auto`` against every recorded prefill-algorithm cell. Pure.
 
-Each cell of benchmarks/results/{prefill_algos,network}{,_before_session5}.json,
-prefill_algos_before_e53f861.json and the session 6 follow-up re-runs (``*_followup_*``)
-records the prefill times of every algorithm (one per round) and the calibration the
-ranks measured for that run (C, BW, ring latency). The choice, fed those measurements,
+Each cell of benchmarks/results/{prefill_algos,network}{,_xeon}.json (docs/BENCHMARKS.md),
+prefill_algos_old_tiling.json and the short follow-up re-runs (``*_followup_*``, before
+and after the transfer drag joined the calibration) records the prefill times of every
+algorithm (one per round) and the calibration the ranks measured for that run (C, BW,
+ring latency). The choice, fed those measurements,
 must name an algorithm within 5% of the fastest. Not every run recorded a copy rate or
 a transfer drag (calibration measures them since): the choice must hold over the whole
 range of host copy rates seen on such machines (1-16 GB/s) and of drags measured on this
@@ -26,12 +27,12 @@ from spmd_cp.attention.choose import (EXTRA_MARGIN, LinkAndCompute, choose_prefi
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # SmolLM2-135M, the model of every recorded run: 9 query heads, 3 KV heads, d = 64, float32.
 HEADS, KV_HEADS, HEAD_DIM, ELEM = 9, 3, 64, 4
-# Recorded with the attention tiling the package ships (the _before_e53f861 file is not).
-SHIPPED_TILING = ("prefill_algos", "prefill_algos_before_session5", "network",
-                  "network_before_session5", "network_followup_session6",
-                  "network_followup_session6_drag", "network_followup_session6_drag_1_16",
-                  "prefill_algos_followup_session6", "prefill_algos_followup_session6_drag")
-RECORDS = SHIPPED_TILING + ("prefill_algos_before_e53f861",)
+# Recorded with the attention tiling the package ships (the _old_tiling file is not).
+SHIPPED_TILING = ("prefill_algos", "prefill_algos_xeon", "network",
+                  "network_xeon", "network_followup_4gbit_no_drag",
+                  "network_followup_4gbit_drag", "network_followup_1_16gbit_drag",
+                  "prefill_algos_followup_no_drag", "prefill_algos_followup_drag")
+RECORDS = SHIPPED_TILING + ("prefill_algos_old_tiling",)
 
 
 def recorded_cells():
@@ -55,15 +56,15 @@ CELLS = recorded_cells()
 
 
 def test_the_recorded_cells_are_the_documented_ones():
-    # Sections 2 and 3: 2 + 2 + 2 cells over shared memory, 6 + 6 over the simulated
-    # links (session 5's runs and the ones before them), and session 6's re-runs of the
-    # short follow-ups: 2 over shared memory, 4 over the links.
+    # 2 + 2 + 2 cells over shared memory, 6 + 6 over the simulated links (the AMD EPYC
+    # runs, which record a copy rate, and the Intel Xeon ones, which do not), and the
+    # re-runs of the short follow-ups: 2 over shared memory, 4 over the links.
     assert len(CELLS) == 24
     assert {c["name"] for c in CELLS} >= {"prefill_algos:128:2048", "network:4gbit|64:2048",
                                           "network:16gbit|64:2048",
-                                          "network_before_session5:4gbit|64:2048",
-                                          "network_followup_session6:4gbit|64:2048",
-                                          "network_followup_session6_drag:4gbit|64:2048"}
+                                          "network_xeon:4gbit|64:2048",
+                                          "network_followup_4gbit_no_drag:4gbit|64:2048",
+                                          "network_followup_4gbit_drag:4gbit|64:2048"}
 
 
 @pytest.mark.parametrize("drag", [0.1, 0.25, 0.5])
@@ -73,11 +74,11 @@ def test_the_recorded_cells_are_the_documented_ones():
 def test_auto_picks_the_measured_fastest_in_every_recorded_cell(cell, copy_gbps,
                                                                latency_factor, drag):
     m = cell["measured"]
-    copy = m.get("copy_bytes_per_s", copy_gbps * 1e9)  # session 5's runs recorded theirs
+    copy = m.get("copy_bytes_per_s", copy_gbps * 1e9)  # the AMD EPYC runs recorded theirs
     measured = LinkAndCompute(m["attention_flops"], m["ring_bytes_per_s"],
                               latency_factor * m["ring_latency_s"], copy,
                               collective_s=m.get("collective_s") or m["ring_latency_s"],
-                              transfer_drag=m.get("transfer_drag", drag))  # session 6 on
+                              transfer_drag=m.get("transfer_drag", drag))  # the drag re-runs
     algo, reason = choose_prefill_algo(cell["new"], cell["cached"], cell["ranks"], HEADS,
                                        KV_HEADS, ELEM, measured, HEAD_DIM)
     # Best of the rounds: other processes' load only ever adds time.
@@ -91,7 +92,7 @@ def test_auto_picks_the_measured_fastest_in_every_recorded_cell(cell, copy_gbps,
 def test_without_the_copy_cost_and_the_margin_the_follow_ups_go_wrong():
     """What the old rule lacked: with free copies and no margin for the model's error,
     pass-kv is chosen for short follow-ups where it measured 1.03-1.17x pass-q's time.
-    Session 5's calibration records its copy rate: there the copy term alone did not
+    The AMD EPYC runs' calibration records its copy rate: there the copy term alone did not
     suffice (4 Gbit/s: pass-kv's addition estimated 12% below pass-q's, pass-kv measured
     1.08-1.12x), the margin does."""
     def wrong_cells(free_copies: bool, margin: float) -> list:
@@ -111,17 +112,17 @@ def test_without_the_copy_cost_and_the_margin_the_follow_ups_go_wrong():
                 wrong.append(cell["name"])
         return wrong
 
-    assert {"prefill_algos_before_session5:128:2048",
-            "network_before_session5:4gbit|64:2048"} <= set(wrong_cells(True, 0.0))
+    assert {"prefill_algos_xeon:128:2048",
+            "network_xeon:4gbit|64:2048"} <= set(wrong_cells(True, 0.0))
     assert "network:4gbit|64:2048" in wrong_cells(False, 0.0)  # as recorded: copy 12.5 GB/s
-    # The margin alone (no drag) still misses session 6's two re-runs of that cell: see
-    # the next test.
-    assert wrong_cells(False, EXTRA_MARGIN) == ["network_followup_session6:4gbit|64:2048",
-                                                "network_followup_session6_drag:4gbit|64:2048"]
+    # The margin alone (no drag) still misses the two re-runs of that cell: see the next
+    # test.
+    assert wrong_cells(False, EXTRA_MARGIN) == ["network_followup_4gbit_no_drag:4gbit|64:2048",
+                                                "network_followup_4gbit_drag:4gbit|64:2048"]
 
 
 def test_the_transfer_drag_turns_the_4gbit_follow_up_to_pass_q():
-    """Session 6 re-ran the 4 Gbit/s follow-up (64 new tokens on 2,048 cached) with the
+    """A re-run of the 4 Gbit/s follow-up (64 new tokens on 2,048 cached) with the
     margin: pass-kv still chosen, 1.059x pass-q's time, because a transfer the attention
     hides still slows it (MPI's progress loop and TCP on the two cores). Calibrated, that
     drag (0.24-0.26 there) charges pass-kv's 10x larger transfer and names pass-q, the
@@ -135,8 +136,8 @@ def test_the_transfer_drag_turns_the_4gbit_follow_up_to_pass_q():
                                    KV_HEADS, ELEM, measured, HEAD_DIM)[0]
 
     cells = {c["name"]: c for c in CELLS}
-    before = cells["network_followup_session6:4gbit|64:2048"]
-    after = cells["network_followup_session6_drag:4gbit|64:2048"]
+    before = cells["network_followup_4gbit_no_drag:4gbit|64:2048"]
+    after = cells["network_followup_4gbit_drag:4gbit|64:2048"]
     assert before["measured"]["copy_bytes_per_s"] > 0 and "transfer_drag" not in before["measured"]
     assert choice(before, 0.0) == "pass-kv"  # what that run chose: 1.059x the fastest
     assert choice(before, 0.25) == choice(after, after["measured"]["transfer_drag"]) == "pass-q"

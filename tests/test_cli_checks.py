@@ -1,5 +1,5 @@
 """Bad flags and dangerous outputs are refused before any work; what the CLI streams and
-prints (issue 17): real mpiexec runs of the console script with the embedded SmolLM2."""
+prints: real mpiexec runs of the console script with the embedded SmolLM2."""
 
 from __future__ import annotations
 

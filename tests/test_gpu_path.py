@@ -6,7 +6,7 @@ in half precision (a GPU's fused kernel keeps them in float32), so a half-precis
 model's ring partials here carry more rounding than they would on a GPU. The bars:
 paths that merge nothing (one rank, all-gather) equal mlx-lm's bf16 forward; the rings
 are no further from the float32 evaluation of the same weights than mlx-lm's own bf16
-forward is. The issue's GPU bar (max |dlogprob| <= 2e-3 on a 1B model) needs a GPU.
+forward is. The bar on a GPU (max |dlogprob| <= 2e-3 on a 1B model) needs one.
 """
 
 from __future__ import annotations

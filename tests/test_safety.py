@@ -1,4 +1,4 @@
-"""Launch safety and bad input (issue 17): symlinks planted in a cache directory, damaged
+"""Launch safety and bad input: symlinks planted in a cache directory, damaged
 model files, a launcher that belongs to another MPI than the one mpi4py loads."""
 
 from __future__ import annotations

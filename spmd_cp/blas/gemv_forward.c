@@ -22,7 +22,7 @@
  *     down c's rows, or down its columns for the transposed product);
  *   - few rows over a matrix: m <= 8 rows of accumulators, one pass over its rows.
  * With AVX2 and FMA both run as the kernels further down instead, their accumulators in
- * registers (session 13, a 2-core Intel guest: 7-8 -> 10-13 GB/s over a 3K cache).
+ * registers (a 2-core Intel Xeon guest: 7-8 -> 10-13 GB/s over a 3K cache).
  *
  * And a matrix-vector product with a float32 matrix registered with its quantized form
  * (below: "quantized shadows") reads the packed form instead.

@@ -76,7 +76,7 @@ def overlap_by_default(comm) -> bool:
     generate_step overlaps for that reason. On MLX's CPU backend the host's graph building
     takes a core from the BLAS threads instead: measured here in one process, lock-step
     decoded 4-7% faster than the overlapped loop at 1K and 4K context
-    (benchmarks/decode_overhead.py, docs/BENCHMARKS.md section 5).
+    (benchmarks/decode_overhead.py, MLX's decode step, docs/ALGORITHMS.md).
     Several ranks always run in lock-step: the token must be broadcast first.
     """
     return comm.size == 1 and mx.default_device() == mx.gpu

@@ -17,7 +17,7 @@ missing or corrupt shard.
 Every file is written under a fresh name created by this process (O_CREAT | O_EXCL |
 O_NOFOLLOW) and renamed into place: a symlink planted in the directory under a final or
 a temporary name is replaced, never written through, so nothing outside the directory
-is touched (issue 17).
+is touched.
 """
 
 from __future__ import annotations

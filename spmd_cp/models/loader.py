@@ -26,7 +26,7 @@ from .safetensors_header import check_safetensors
 from .shape import SUPPORTED_MODEL_TYPES, ModelShape
 
 # What reading damaged or foreign model files raises, in mlx-lm and MLX's loaders: such a
-# failure is the files' fault, reported as a UserError naming them (issue 17).
+# failure is the files' fault, reported as a UserError naming them.
 LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, IndexError)
 MAX_ERROR_CHARS = 300  # of a loader's message in that one line
 

@@ -4,7 +4,7 @@ The most common MPI installation mistake: mpi4py loads one MPI library (Open MPI
 system or Homebrew, a cluster module) while the `mpiexec` on PATH belongs to another (the
 MPICH wheel). The library cannot talk to that launcher, so every process initialises as a
 singleton: `mpiexec -n 2` runs two independent one-rank jobs, each writing the same
-outputs, and exits 0 (issue 17). Every launcher tells its processes their place in the
+outputs, and exits 0. Every launcher tells its processes their place in the
 environment; when that says "one of N > 1" but COMM_WORLD has one rank, the job refuses.
 
 Standard library only; the caller passes COMM_WORLD's size and the library's version.
