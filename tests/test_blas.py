@@ -269,3 +269,12 @@ def test_local_ranks_and_default_threads(monkeypatch):
     monkeypatch.setenv("MPI_LOCALNRANKS", "not-a-number")
     assert blas.local_ranks() == 3
     assert blas.default_threads() == max(1, blas.usable_cpus() // 3)
+
+
+def test_missing_c_source_is_a_fallback_not_a_crash(tmp_path):
+    """An install that lost a C source (a wheel built without package data) reports a
+    reason the callers log and fall back on, as they do without a compiler."""
+    from spmd_cp.runtime import native
+
+    with pytest.raises(RuntimeError, match="cannot read absent.c .*reinstall spmd-cp"):
+        native.built_path(tmp_path / "absent.c", "blas", "absent")
