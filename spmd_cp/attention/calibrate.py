@@ -12,8 +12,14 @@ For ``--decode-tp auto`` (engine.py), with every rank working at once as in deco
 - weight streaming rate: bytes/s of a matrix-vector product over a large matrix;
 - one small collective as the split decode step issues it (evaluate, Allreduce, convert).
 
-Measured once per set of hosts and rank count and cached on disk, so later runs pay
-nothing; ``spmd-cp doctor --recalibrate`` measures again.
+Measured once per set of hosts and rank count and cached on disk with the time and the
+load average it was taken under, so later runs pay nothing; ``spmd-cp doctor
+--recalibrate`` measures again. A cached file is not trusted forever: the two decode
+figures, the ones a ``--decode-tp auto`` decision hinges on, are cheap (about 30 ms) and
+``recheck_decode_figures`` measures them again before each decision. The fresh figures
+decide, and a file more than ``STALE_FACTOR`` off is replaced. A file written while the
+machine was busy once made every later run choose the slower decode step: it held 1,541
+us per collective, where an idle measurement gives 95.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -211,27 +219,54 @@ def calibration_file(comm: Comm) -> Path:
     blas = comm.allgather_object([describe_blas()["line"], polynomial_exp_enabled(),
                                   allocator(), huge_pages()])
     key = hashlib.sha256(json.dumps([hosts, comm.size, blas]).encode()).hexdigest()[:16]
-    # "v4": transfer_drag added; "v3": the stream rate of decode's W @ x on the CPU (v2
+    # "v5": the time and load average of the measurement beside the figures; "v4":
+    # transfer_drag added; "v3": the stream rate of decode's W @ x on the CPU (v2
     # timed x @ W.T, 1.5x slower). Versions before v2 read calibration-<key>.json and
     # fail on unknown fields, so the formats keep apart (hosts running either version
     # can share one cache).
-    return cache_dir() / f"calibration-v4-{key}.json"
+    return cache_dir() / f"calibration-v5-{key}.json"
 
 
 FIELDS = {f.name for f in dataclasses.fields(LinkAndCompute)}
+# A re-measured decode figure this many times off the file's replaces the file.
+STALE_FACTOR = 2.0
+log = logging.getLogger("spmd_cp")
+
+
+def read_calibration(path: Path) -> dict | None:
+    """The file's record (the figures, ``measured_at``, ``load_average``), or None when
+    it is missing, unreadable or written by another version."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not FIELDS <= set(record):
+        return None
+    return record
+
+
+def write_calibration(path: Path, measured: LinkAndCompute):
+    """Rank 0: the figures with when and under what load they were taken, replaced
+    atomically (ranks of other jobs may read it meanwhile)."""
+    record = {**measured.__dict__,
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "load_average": round(os.getloadavg()[0], 2)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        scratch.write_text(json.dumps(record))
+        os.replace(scratch, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
 
 
 def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
     """The measurements for these ranks: from the on-disk cache, else measured now."""
     path = calibration_file(comm)
     cached = None
-    if comm.rank == 0 and not recalibrate and path.is_file():
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = None  # unreadable: measure again
-        if not isinstance(cached, dict) or set(cached) != FIELDS:
-            cached = None  # written by an older version: measure what it lacks
+    if comm.rank == 0 and not recalibrate:
+        record = read_calibration(path)
+        cached = record and {k: record[k] for k in FIELDS}
     cached = comm.bcast_object(cached)
     if cached is not None:
         return LinkAndCompute(**cached)
@@ -243,9 +278,27 @@ def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
                                   measure_collective(comm),
                                   measure_transfer_drag(comm, bandwidth))
     if comm.rank == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(measured.__dict__))
-        except OSError:
-            pass  # a read-only home only costs a re-measurement next time
+        write_calibration(path, measured)
     return measured
+
+
+def recheck_decode_figures(comm: Comm, measured: LinkAndCompute) -> LinkAndCompute:
+    """Collective: ``measured`` with the weight read rate and the collective cost
+    measured again now (each a best of several, so a moment's load does not decide),
+    the file replaced when either is more than ``STALE_FACTOR`` off. Every rank gets
+    the same figures."""
+    path = calibration_file(comm)  # collective: every rank, before rank 0 alone writes
+    with uncounted(comm):
+        stream = measure_stream(comm, repeats=4)
+        collective = measure_collective(comm)
+    fresh = dataclasses.replace(measured, stream_bytes_per_s=stream, collective_s=collective)
+    off = [name for name, old, new in (("weight read rate", measured.stream_bytes_per_s, stream),
+                                       ("collective", measured.collective_s, collective))
+           if min(old, new) > 0 and max(old, new) / min(old, new) > STALE_FACTOR]
+    if off and comm.rank == 0:
+        log.info("calibration: the cached %s was over %gx off what the ranks measure now "
+                 "(collective %.0f us, was %.0f us; weight reads %.1f GB/s, were %.1f GB/s): "
+                 "the file is replaced", " and ".join(off), STALE_FACTOR, 1e6 * collective,
+                 1e6 * measured.collective_s, stream / 1e9, measured.stream_bytes_per_s / 1e9)
+        write_calibration(path, fresh)
+    return fresh

@@ -216,18 +216,28 @@ def check_model(comm, model_path: str | None, hosts: list[str], host: str) -> di
 
 def run_calibration(comm, recalibrate: bool):
     """(the calibration auto decides with, its description for the report)."""
-    from ..attention.calibrate import calibration_file, calibrate
+    from ..attention.calibrate import (calibrate, calibration_file, read_calibration,
+                                       recheck_decode_figures)
 
     cache_file = calibration_file(comm)
     cached = comm.bcast_object(cache_file.is_file() if comm.rank == 0 else None)
     start = time.perf_counter()
     measured = calibrate(comm, recalibrate=recalibrate)
+    seconds = time.perf_counter() - start
+    record = comm.bcast_object(read_calibration(cache_file) if comm.rank == 0 else None) or {}
+    # What --decode-tp auto will decide with: the decode figures measured again now (a
+    # file more than STALE_FACTOR off is replaced).
+    fresh = recheck_decode_figures(comm, measured)
     links = ("ring_bytes_per_s", "ring_latency_s", "collective_s")  # null on one rank
     calibration = {
         **{k: (None if k in links and comm.size == 1 else v) for k, v in vars(measured).items()},
         "source": "cache" if cached and not recalibrate else "measured",
-        "seconds": round(time.perf_counter() - start, 3),
+        "seconds": round(seconds, 3),
         "file": str(cache_file),
+        "measured_at": record.get("measured_at"),
+        "load_average": record.get("load_average"),
+        "decode_now": {"stream_bytes_per_s": fresh.stream_bytes_per_s,
+                       "collective_s": fresh.collective_s if comm.size > 1 else None},
     }
     return measured, calibration
 

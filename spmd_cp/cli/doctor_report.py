@@ -42,8 +42,17 @@ def calibration_lines(s: dict) -> list[str]:
     out.append(f"weight reads {c['stream_bytes_per_s'] / 1e9:.1f} GB/s per rank (all ranks at "
                f"once); host copies {c['copy_bytes_per_s'] / 1e9:.1f} GB/s")
     out.append(f"attention (slowest rank): {_gflops(c['attention_flops'])}")
+    now = c.get("decode_now")
+    if now:
+        collective = (f"collective {now['collective_s'] * 1e6:.0f} us, "
+                      if now["collective_s"] is not None else "")
+        out.append(f"decode figures measured now ({collective}weight reads "
+                   f"{now['stream_bytes_per_s'] / 1e9:.1f} GB/s): --decode-tp auto decides "
+                   "with these")
     if c["source"] == "cache":
-        out.append(f"calibration: read from {c['file']} "
+        taken = (f", measured {c['measured_at']} under load {c['load_average']}"
+                 if c.get("measured_at") else "")
+        out.append(f"calibration: read from {c['file']}{taken} "
                    "(`spmd-cp doctor --recalibrate` measures again)")
     else:
         out.append(f"calibration: measured now ({c['seconds']:.1f} s), written to {c['file']}")

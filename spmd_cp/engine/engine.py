@@ -16,7 +16,7 @@ import numpy as np
 
 from ..attention import decode_attention, prefill_attention
 from .cache import ShardedKVCache
-from ..attention.calibrate import calibrate
+from ..attention.calibrate import calibrate, recheck_decode_figures
 from ..errors import UserError
 from ..runtime.comm import Comm
 from ..runtime.graph_comm import chained_latency, open_graph_collectives
@@ -392,7 +392,10 @@ class Engine:
                 self.decode_tp = "off"
                 return False
             if self.decode_tp == "auto":
-                measured = self._calibrated()
+                # The figures this decision hinges on, measured again now: a cached file
+                # taken under another load must not decide every later run.
+                measured = self.measured = recheck_decode_figures(self.comm,
+                                                                  self._calibrated())
                 # A collective as this step will issue it: graph collectives are timed
                 # now (a few ms); mpi4py's as _faster_of timed it, else the calibration's.
                 collectives = self._decode_collectives()
