@@ -19,7 +19,7 @@ from spmd_cp.engine.engine import Engine
 from spmd_cp.engine.generation import decode_tokens
 from spmd_cp.models.loader import load_model
 from spmd_cp.engine.model import CPModel
-from spmd_cp.engine.quantized_shadows import SHADOWS
+from spmd_cp.models.quantized_shadows import SHADOWS
 
 
 def prompt_ids(length: int, seed: int, vocab: int) -> np.ndarray:
@@ -69,7 +69,7 @@ def main(comm, _options):
     model_path, configs_json, out_path = sys.argv[1:4]
     loaded = load_model(model_path).model
     # the weights held: the parameters and the packed forms decode reads (a quantized
-    # GGUF's shadows, engine/quantized_shadows.py)
+    # GGUF's shadows, models/quantized_shadows.py)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters())) + SHADOWS.nbytes
     model = CPModel(loaded)
     results = [run_config(comm, model, c, model_bytes) for c in json.loads(configs_json)]

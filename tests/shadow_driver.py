@@ -1,4 +1,4 @@
-"""Quantized shadows (engine/quantized_shadows.py, blas/gemv_forward.c) against numpy.
+"""Quantized shadows (models/quantized_shadows.py, blas/gemv_forward.c) against numpy.
 
 Run as a script (the re-exec preloads the forward): random matrices quantized by MLX,
 dequantized to float32 as a GGUF load does (float32 scales and biases), registered, then
@@ -15,7 +15,7 @@ blas.ensure_fast_blas()
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from spmd_cp.engine.quantized_shadows import SHADOWS, Packed, available  # noqa: E402
+from spmd_cp.models.quantized_shadows import SHADOWS, Packed, available  # noqa: E402
 
 rng = np.random.default_rng(0)
 

@@ -154,7 +154,7 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert len(advice) == 2 and advice[0] == advice[1], advice
     assert len(malloc) == 2 and malloc[0] == malloc[1], malloc
     assert malloc[0] == "glibc malloc"  # jemalloc only on request (runtime/allocator.py)
-    # Whether decode reads quantized weights packed (engine/quantized_shadows.py): every
+    # Whether decode reads quantized weights packed (models/quantized_shadows.py): every
     # rank alike, as its CPU allows.
     packed = summary["quantized_decode"]
     assert len(packed) == 2 and packed[0] == packed[1], packed

@@ -9,9 +9,8 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
-import platform
-import sys
-import sysconfig
+
+from ..runtime.library_paths import library_dirs
 
 ENV_CHOICE = "SPMD_CP_BLAS"  # unset/"auto", "reference", a family name, or a library path
 ENV_GUARD = "SPMD_CP_BLAS_REEXEC"  # pid of the process that re-executed itself
@@ -61,15 +60,6 @@ def blas_kind(path: str) -> str | None:
     if name.startswith(("libblas", "libcblas", "liblapack")):
         return "reference"
     return None
-
-
-def library_dirs() -> list[str]:
-    multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
-    dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}", "/usr/lib64", "/usr/lib",
-            "/usr/local/lib", "/opt/OpenBLAS/lib", os.path.join(sys.prefix, "lib")]
-    if os.environ.get("CONDA_PREFIX"):
-        dirs.append(os.path.join(os.environ["CONDA_PREFIX"], "lib"))
-    return dirs
 
 
 def _mkl_wheel_libraries() -> list[str]:

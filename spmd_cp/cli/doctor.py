@@ -85,7 +85,8 @@ def local_report() -> dict:
     from mpi4py import MPI
 
     from ..blas import describe_blas, usable_cpus
-    from ..engine import native_decode, quantized_shadows
+    from ..engine import native_decode
+    from ..models import quantized_shadows
     from ..runtime.allocator import describe as allocator
     from ..runtime.device import BackendInfo
     from ..runtime.huge_pages import describe as huge_pages

@@ -35,7 +35,7 @@ def auto_shards(replicated_bytes: int, limit: int) -> bool:
 @lru_cache(maxsize=4)
 def layout_of(path: str, keep_quantized: bool, decode: bool = True):
     """``decode``: a decode step follows (a replicated load then holds the packed forms
-    decode reads, engine/quantized_shadows.py)."""
+    decode reads, models/quantized_shadows.py)."""
     return weight_layout(path, keep_quantized, decode)
 
 

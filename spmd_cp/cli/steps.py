@@ -21,7 +21,7 @@ from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
 from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
 from ..engine.model import kv_model_shape
-from ..engine.quantized_shadows import SHADOWS
+from ..models.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model, weight_bytes
 from ..engine.startup import require_same_path
 from ..errors import UserError

@@ -40,7 +40,7 @@ class SplitEstimate:
 
 @dataclass(frozen=True)
 class PackedReads:
-    """Split matrices decode reads in a packed form instead (engine/quantized_shadows.py):
+    """Split matrices decode reads in a packed form instead (models/quantized_shadows.py):
     their float32 bytes, and the seconds one rank's products of all of them took,
     every rank at once (measured)."""
 

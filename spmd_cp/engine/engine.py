@@ -23,7 +23,7 @@ from ..runtime.graph_comm import chained_latency, open_graph_collectives
 from ..runtime.spmd import first_reason
 from .model import CPModel
 from .native_decode import NativeDecoder, native_obstacle
-from .quantized_shadows import SHADOWS
+from ..models.quantized_shadows import SHADOWS
 from ..attention.partition import head_tail_positions, owner_of
 from .decode_choice import PackedReads, estimate_split, split_matrix_bytes, split_modules
 from .tp_decode import TensorParallelDecoder, is_layer_sharded, supports_tensor_parallel

@@ -7,7 +7,7 @@ from mlx.utils import tree_flatten
 
 from ..runtime.comm import Comm
 from .model import CPModel, first_layer_stand_in
-from .quantized_shadows import SHADOWS
+from ..models.quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .weights import LayerStore
 

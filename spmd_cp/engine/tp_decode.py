@@ -31,7 +31,7 @@ import numpy as np
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
 from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
-from .quantized_shadows import SHADOWS
+from ..models.quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelHead
 from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges, stack_rows
 

@@ -154,8 +154,8 @@ def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
 def packed_weights(path: str) -> dict:
     """{mlx-lm parameter name: quantized_shadows.Packed} of the file's block-quantized
     matrices: what decode reads in place of their float32 copies
-    (engine/quantized_shadows.py)."""
-    from ..engine.quantized_shadows import Packed
+    (models/quantized_shadows.py)."""
+    from .quantized_shadows import Packed
 
     tensors, packed = mx.load(path), {}
     for name, t in tensors.items():

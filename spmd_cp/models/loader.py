@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from ..runtime.paths import cache_dir
 from .checksum import model_checksum
-from ..engine import quantized_shadows
+from . import quantized_shadows
 from ..errors import UserError
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import check_safetensors
@@ -99,7 +99,7 @@ def load_model(path: str, keep_quantized: bool = False,
                packed_decode: bool = True) -> LoadedModel:
     """Check, then load a model; any failure to read its files is a UserError naming them.
     ``packed_decode``: register a quantized model's packed matrices for decode's products
-    (engine/quantized_shadows.py; False where no decode step follows, e.g. ``score``)."""
+    (models/quantized_shadows.py; False where no decode step follows, e.g. ``score``)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
     try:
@@ -152,10 +152,10 @@ def dequantize_affine_float32(model: nn.Module) -> dict:
     mlx-lm's dequantize_model computes in the scales' dtype, rounding every weight to
     bfloat16 or float16 on the way, which no float32 kernel over the packed form can
     reproduce; in float32 arithmetic the packed form is what decode reads instead
-    (engine/quantized_shadows.py). Other quantization modes are left to mlx-lm."""
+    (models/quantized_shadows.py). Other quantization modes are left to mlx-lm."""
     from mlx.utils import tree_unflatten
 
-    from ..engine.quantized_shadows import Packed
+    from .quantized_shadows import Packed
 
     replaced, packed = [], {}
     for name, module in model.named_modules():

@@ -277,8 +277,8 @@ def weight_layout(path: str, keep_quantized: bool = False,
 
 def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
     """Bytes of the packed forms a replicated load registers as quantized shadows
-    (engine/quantized_shadows.py: the packed words, the scales and biases as stored)."""
-    from ..engine import quantized_shadows
+    (models/quantized_shadows.py: the packed words, the scales and biases as stored)."""
+    from . import quantized_shadows
 
     if not (form.float32_arithmetic and form.dequantize and form.float32) or \
             not quantized_shadows.available():

@@ -51,7 +51,7 @@ def find_jemalloc(dirs: list[str] | None = None) -> str | None:
     """The first jemalloc library in ``dirs`` (default: where distributions put
     libraries, as for the BLAS), or None."""
     if dirs is None:
-        from ..blas.libraries import library_dirs
+        from .library_paths import library_dirs
         dirs = library_dirs()
     for directory in dirs:
         for name in LIBRARY_NAMES:

@@ -71,7 +71,7 @@ class Packed:
 
     def dequantized(self) -> mx.array:
         """The float32 matrix, in float32 arithmetic (scales and biases widened first)."""
-        from ..models.gguf import dequantize_float32
+        from .gguf import dequantize_float32
 
         return dequantize_float32(self.weight, self.scales, self.biases, self.bits, self.group)
 

@@ -1,0 +1,57 @@
+"""The package's layers hold (docs/ARCHITECTURE.md): every import, module-level or inside
+a function, runs from a layer to itself or to a layer below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "spmd_cp"
+# Lowest first. errors.py and config.py sit under all of them.
+LAYERS = ["runtime", "blas", "attention", "models", "engine", "cli"]
+BASE = {"errors", "config"}
+
+
+def imported_layers(path: Path):
+    """(line, layer name) of every spmd_cp module ``path`` imports."""
+    here = path.relative_to(PACKAGE).parts[:-1]  # the packages the module sits in
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                parts = (node.module or "").split(".")
+                if parts[0] != "spmd_cp":
+                    continue
+                target = parts[1:]
+            else:
+                target = list(here[:len(here) - node.level + 1]) + \
+                    (node.module.split(".") if node.module else [])
+            names = target or [alias.name for alias in node.names]
+            for name in names[:1] if target else names:
+                yield node.lineno, name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "spmd_cp" and len(parts) > 1:
+                    yield node.lineno, parts[1]
+
+
+def test_imports_run_downward_only():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if len(parts) < 2 or parts[0] not in LAYERS:
+            continue  # spmd_cp/__init__, __main__, config, errors: above or beside all
+        level = LAYERS.index(parts[0])
+        for line, name in imported_layers(path):
+            if name in LAYERS and LAYERS.index(name) > level:
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+            elif name not in LAYERS and name not in BASE and name != parts[0]:
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports "
+                              f"spmd_cp.{name}, which is in no layer")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_base_imports_no_layer():
+    for name in BASE:
+        layers = [n for _, n in imported_layers(PACKAGE / f"{name}.py") if n in LAYERS]
+        assert not layers, (name, layers)
