@@ -316,7 +316,7 @@ def machine() -> dict:
 
 def markdown(data: dict) -> str:
     m = data["machine"]
-    lines = [f"# GPU check: spmd-cp against mlx-lm\n",
+    lines = ["# GPU check: spmd-cp against mlx-lm\n",
              f"Machine: {m.get('gpu') or 'no NVIDIA GPU'}; {m['cpu']}, {m['cores']} cores; "
              f"mlx {m.get('mlx')}, mlx-lm {m.get('mlx-lm')}"
              + "".join(f", {k} {m[k]}" for k in ("mlx-cuda-13", "mlx-cuda-12") if k in m)

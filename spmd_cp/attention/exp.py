@@ -47,6 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from ..runtime.device import compiled_kernels_work
+from ..runtime.switches import switched_off
 
 ENV = "SPMD_CP_FAST_EXP"  # "0", "off", "no" or "false": MLX's exp everywhere
 # Below this many elements the six nodes of the compiled form cost more than the
@@ -146,7 +147,7 @@ def polynomial_exp(x: mx.array, compiled: bool = True) -> mx.array:
 @functools.lru_cache(maxsize=None)
 def polynomial_exp_enabled() -> bool:
     """Whether this process computes attention's ``exp`` by the compiled polynomial."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "no", "false"):
+    if switched_off(ENV):
         return False
     if os.environ.get("MLX_DISABLE_COMPILE"):  # mx.compile would run the ops one by one
         return False

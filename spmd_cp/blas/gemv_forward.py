@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..runtime.switches import switched_off
+
 ENV_FORWARD = "SPMD_CP_GEMV_FORWARD"  # "0", "off", "no" or "false": do not preload it
 # Why the re-exec preloaded the BLAS without the forward it wanted (the re-executed
 # process cannot see the build's outcome otherwise): describe.py reports it.
@@ -27,7 +29,7 @@ NAME = "spmd-cp-gemv-forward"  # the built file: <cache>/blas/<NAME>-<source has
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV_FORWARD, "").strip().lower() not in ("0", "off", "no", "false")
+    return not switched_off(ENV_FORWARD)
 
 
 def is_forward_library(path: str | None) -> bool:

@@ -49,6 +49,7 @@ from .model import SWIGLU_MLPS, CPModel
 from .one_token import EXACT_AS_MATRIX
 from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
+from ..runtime.switches import switched_off
 
 ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
 # Decode positions whose RoPE matrices are built at once (64 x 16 KB for d = 64).
@@ -56,7 +57,7 @@ ROPE_BLOCK = 64
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "no", "false")
+    return not switched_off(ENV)
 
 
 def availability() -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 from ..errors import UserError
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..runtime.switches import switched_off
+
 log = logging.getLogger("spmd_cp")
 
 ENV = "SPMD_CP_QUANTIZED_DECODE"
@@ -99,7 +101,7 @@ class Packed:
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "no", "false")
+    return not switched_off(ENV)
 
 
 @functools.lru_cache(maxsize=1)
