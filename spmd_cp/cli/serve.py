@@ -24,6 +24,8 @@ import click
 from ..config import DecodeConfig, RunConfig, SamplingConfig, ServeConfig, from_options
 from .options import common_options, decode_options, ranged_option, sampling_options
 
+REPEAT_S = 2.0  # signals this close to the first are the same stop request
+
 
 @click.command()
 @common_options
@@ -115,15 +117,20 @@ def spmd_log():
 def catch_signals(comm, state):
     """SIGTERM and SIGINT stop the server in order: rank 0 stops taking requests and
     broadcasts the end; the other ranks wait for it. The watchdog, which sees the
-    signals through the wakeup fd, then lets the ranks exit by themselves."""
+    signals through the wakeup fd, then lets the ranks exit by themselves. A signal sent
+    to the whole process group reaches a rank twice (directly and forwarded by mpiexec):
+    repeats within REPEAT_S count as one; a later one aborts at once."""
+    import time
+
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: None)
-    seen = []
+    first = []
 
     def on_interrupt(number: int) -> bool:
-        seen.append(number)
-        if len(seen) > 1:
-            return False  # a second signal: abort now
+        now = time.monotonic()
+        if first:
+            return now - first[0] < REPEAT_S
+        first.append(now)
         if state is not None:
             spmd_log().info("signal %d: finishing the current request, then stopping", number)
             state.stopping.set()

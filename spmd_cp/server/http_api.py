@@ -60,6 +60,7 @@ class ServerState:
         self.busy = False
         self.cache = {"entries": 0, "bytes": 0, "tokens": 0}
         self.served = 0
+        self.cancelled = 0  # requests whose client went away before the answer's end
 
     def drain(self):
         """Answer what is still queued with 503 (the server is stopping)."""
@@ -74,7 +75,8 @@ class ServerState:
         status = "stopping" if self.stopping.is_set() else "ok" if self.ready.is_set() \
             else "loading"
         return {"status": status, "model": self.model_id, "queue_length": self.queue.qsize(),
-                "busy": self.busy, "requests_served": self.served, "cache": dict(self.cache)}
+                "busy": self.busy, "requests_served": self.served,
+                "requests_cancelled": self.cancelled, "cache": dict(self.cache)}
 
 
 def peer_closed(sock: socket.socket) -> bool:

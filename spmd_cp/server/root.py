@@ -37,6 +37,7 @@ class RootSide:
             except queue.Empty:
                 continue
             if pending.cancelled.is_set():
+                self.state.cancelled += 1
                 continue
             try:
                 work = self.prepare(pending.request, cached_ids)
@@ -97,3 +98,4 @@ class RootSide:
         self.state.cache = {"entries": int(cache_tokens > 0), "bytes": int(cache_bytes),
                             "tokens": int(cache_tokens)}
         self.state.served += 1
+        self.state.cancelled += result.finish_reason == "cancelled"
