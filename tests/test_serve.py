@@ -18,10 +18,12 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 from spmd_cp.config import SamplingConfig
 from spmd_cp.server.openai_api import ApiError, parse_json, parse_request
+from spmd_cp.server.resident import ResidentCaches
 
 from conftest import MPIEXEC, RANK_ENV, SPMD_CP, run_cli
 
@@ -132,6 +134,67 @@ def test_parse_request_checks_types_and_ranges():
         parse_json(b"[1, 2]")
 
 
+class FakeLayer:
+    def fetch(self):
+        return None, None
+
+
+class FakeCache:
+    def __init__(self, ids=()):
+        self.token_ids = np.asarray(ids, np.int64)
+        self.layers, self.cp_rank, self.decode_steps, self.decode_owner = [], 0, 0, 0
+        self.rank_positions = [np.arange(len(self.token_ids))]
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+    def add_positions(self, rank_positions, ids):
+        self.rank_positions = [np.asarray(p) for p in rank_positions]
+        self.token_ids = np.r_[self.token_ids, ids].astype(np.int64)
+
+    def truncate(self, n):
+        self.token_ids = self.token_ids[:n]
+        self.rank_positions = [p[p < n] for p in self.rank_positions]
+
+
+class FakeEngine:
+    def new_cache(self):
+        return FakeCache()
+
+
+def filled(cache, ids):
+    cache.token_ids = np.asarray(ids, np.int64)
+    cache.rank_positions = [np.arange(len(ids))]
+    return cache
+
+
+def test_resident_caches_continue_fork_and_evict_least_recently_used():
+    caches = ResidentCaches(FakeEngine(), max_entries=2)
+    fits = lambda resident, reused: None  # noqa: E731
+    a = filled(caches.take(caches.plan(np.arange(30), fits)), np.arange(30))
+    plan = caches.plan(np.r_[np.arange(30), 50, 51], fits)  # a follow-up: in place
+    assert plan == {"entry": 0, "fork": False, "reused": 30, "evict": []}
+    assert caches.take(plan) is a
+    # Shares 2 of 30 tokens: the prefix is copied, the first conversation kept whole.
+    b = filled(caches.take(caches.plan(np.r_[0, 1, 99, 98, 97, 96], fits)),
+               [0, 1, 99, 98, 97, 96])
+    assert caches.entries == [a, b] and a.num_tokens == 30
+    plan = caches.plan(np.array([7, 7, 7]), fits)  # a third conversation: the LRU goes
+    assert plan == {"entry": None, "fork": False, "reused": 0, "evict": [0]}
+    c = filled(caches.take(plan), [7, 7, 7])
+    assert caches.entries == [b, c]
+
+    def tight(resident, reused):  # room for the request alone
+        if resident:
+            raise ApiError(400, "over the memory limit")
+
+    plan = caches.plan(np.array([0, 1, 99, 98, 97, 5]), tight)
+    assert plan["entry"] == 0 and not plan["fork"] and plan["evict"] == [1]
+    with pytest.raises(ApiError):
+        caches.plan(np.array([1, 2]), lambda resident, reused: tight(1, reused))
+
+
 # -- a real server -------------------------------------------------------------------
 def test_health_and_models(server):
     status, health = server.get("/health")
@@ -174,18 +237,23 @@ def test_completions_streaming_and_not(server):
 
 
 def test_follow_up_reuses_the_resident_cache(server):
+    """A follow-up continues its conversation's cache, even after another conversation."""
     client = server.client()
     first = [{"role": "user", "content": "Name a red fruit."}]
     answer = client.chat.completions.create(model="any", messages=first, max_tokens=12,
                                             temperature=0)
+    # Begins as the first one does (the template's system prompt), then differs: a
+    # second entry, with that prefix copied, not a cut of the first.
+    other = chat(server, "Count to three.", max_tokens=8)
     follow = first + [{"role": "assistant", "content": answer.choices[0].message.content},
                       {"role": "user", "content": "And a yellow one?"}]
     reply = client.chat.completions.create(model="any", messages=follow, max_tokens=12,
                                            temperature=0)
     cached = reply.usage.prompt_tokens_details.cached_tokens
     assert cached >= answer.usage.prompt_tokens, (cached, answer.usage)
+    assert other.usage.prompt_tokens_details.cached_tokens < other.usage.prompt_tokens
     status, health = server.get("/health")
-    assert health["cache"]["entries"] == 1 and health["cache"]["bytes"] > 0
+    assert health["cache"]["entries"] >= 2 and health["cache"]["bytes"] > 0
 
 
 def test_curl_streaming_and_not(server):

@@ -7,8 +7,8 @@
 Rank 0 runs the HTTP server (spmd_cp/server) in threads that queue requests; its main
 thread takes one request at a time, tokenizes it and broadcasts the work; every rank then
 runs the same prefill and decode as `generate`, and rank 0 streams the text back. The
-sharded KV cache of the last conversation stays on the ranks: the next request prefills
-only what follows the longest token prefix it shares with it. SIGTERM or SIGINT: the
+sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
+the next request prefills only what follows the longest token prefix it shares with one. SIGTERM or SIGINT: the
 request being answered is finished, queued ones get 503, and every rank exits 0.
 See docs/SERVE.md.
 """
@@ -35,6 +35,10 @@ REPEAT_S = 2.0  # signals this close to the first are the same stop request
               show_default=True, help="TCP port (0: any free port, logged).")
 @click.option("--api-key", default=None, envvar="SPMD_CP_API_KEY",
               help="Require 'Authorization: Bearer KEY' (also from SPMD_CP_API_KEY).")
+@click.option("--cache-entries", type=click.IntRange(min=1),
+              default=ServeConfig.default("cache_entries"), show_default=True,
+              help="Conversations whose KV cache stays on the ranks (least recently used "
+                   "go first; --memory-limit bounds them too).")
 @click.option("--model-name", default=None,
               help="The model id /v1/models lists (default: the model file's name).")
 @sampling_options
@@ -76,7 +80,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             host, port = held["server"].server_address[:2]
             steps.log.info("serving %s on http://%s:%d/v1 (%d ranks)", state.model_id,
                            host, port, comm.size)
-        serve_loop(comm, engine, loaded, root)
+        serve_loop(comm, engine, loaded, root, args.cache_entries)
     finally:
         if comm.rank == 0:
             close_server(held)
@@ -155,25 +159,25 @@ def idle(comm):
         watchdog.timeout, watchdog.context = timeout, context
 
 
-def serve_loop(comm, engine, loaded, root):
+def serve_loop(comm, engine, loaded, root, max_entries: int):
     """Every rank: the next request from rank 0, answered together, until it says stop."""
     from ..engine.generation import generate
     from ..runtime import spmd
+    from ..server.resident import ResidentCaches
 
-    cache = engine.new_cache()
+    caches = ResidentCaches(engine, max_entries)
     while True:
         with idle(comm):
-            work = spmd.on_root(comm, lambda: root.next_work(cache.token_ids.copy()))
+            work = spmd.on_root(comm, lambda: root.next_work(caches))
         if work is None:
             return
-        reused = work["reused"]
-        cache.truncate(reused)
-        result = generate(engine, cache, work["ids"][reused:], loaded.tokenizer,
+        cache = caches.take(work)
+        result = generate(engine, cache, work["ids"][work["reused"]:], loaded.tokenizer,
                           work["sampling"], write=root.emit if root else None,
                           cancelled=root.cancelled if root else None)
-        kv_bytes = comm.gather_object(int(cache.nbytes))
+        kv_bytes = comm.gather_object(int(caches.nbytes))
         if root is not None:
             spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
-                          "generated, %s", len(work["ids"]), reused, len(result.tokens),
-                          result.finish_reason)
-            root.finished(result, work, sum(kv_bytes), cache.num_tokens)
+                          "generated, %s; %d cache entries", len(work["ids"]), work["reused"],
+                          len(result.tokens), result.finish_reason, len(caches.entries))
+            root.finished(result, work, caches, sum(kv_bytes))

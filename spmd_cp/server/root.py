@@ -26,7 +26,7 @@ class RootSide:
         self.may_split = may_split
         self.current: Pending | None = None
 
-    def next_work(self, cached_ids) -> dict | None:
+    def next_work(self, caches) -> dict | None:
         """The next request's work for every rank (None: shut down). Requests whose
         client has gone are dropped; bad ones are answered here with their 4xx."""
         self.current = None
@@ -40,7 +40,7 @@ class RootSide:
                 self.state.cancelled += 1
                 continue
             try:
-                work = self.prepare(pending.request, cached_ids)
+                work = self.prepare(pending.request, caches)
             except ApiError as error:
                 pending.fail(error)
                 continue
@@ -63,11 +63,11 @@ class RootSide:
             raise ApiError(400, f"the chat template refused these messages: {error}",
                            code="invalid_messages", param="messages") from None
 
-    def prepare(self, request, cached_ids) -> dict:
-        """Token ids, how many the resident cache holds, the sampling (checked: context
-        and memory forecast)."""
+    def prepare(self, request, caches) -> dict:
+        """Token ids, the resident caches' plan for them (the entry continued, the tokens
+        kept, the entries evicted), the sampling; checked: the context and the memory
+        forecast with the resident entries kept."""
         from ..cli.steps import check_memory, tokenize_checked
-        from ..engine.prompt_cache import common_prefix_length
 
         sampling = request.sampling
         try:
@@ -75,14 +75,17 @@ class RootSide:
         except UserError as error:
             raise ApiError(400, str(error), code="context_length_exceeded",
                            param="messages" if request.kind == "chat" else "prompt") from None
-        reused = common_prefix_length(cached_ids, ids)
-        try:
-            check_memory(self.comm, self.loaded, self.run, len(ids) + sampling.max_tokens,
-                         len(ids) - reused,
-                         split_decode=self.may_split and sampling.max_tokens > 1)
-        except UserError as error:
-            raise ApiError(400, str(error), code="memory_limit_exceeded") from None
-        return {"ids": ids, "reused": reused, "sampling": sampling}
+
+        def fits(resident_tokens: int, reused: int):
+            try:
+                check_memory(self.comm, self.loaded, self.run,
+                             len(ids) + sampling.max_tokens + resident_tokens,
+                             len(ids) - reused,
+                             split_decode=self.may_split and sampling.max_tokens > 1)
+            except UserError as error:
+                raise ApiError(400, str(error), code="memory_limit_exceeded") from None
+
+        return {"ids": ids, "sampling": sampling, **caches.plan(ids, fits)}
 
     def emit(self, text: str):
         self.current.emit(text)
@@ -91,11 +94,11 @@ class RootSide:
         # Not on shutdown: the request being answered is finished first.
         return self.current.cancelled.is_set()
 
-    def finished(self, result, work: dict, cache_bytes: int, cache_tokens: int):
+    def finished(self, result, work: dict, caches, cache_bytes: int):
         counts = {"prompt_tokens": len(work["ids"]), "completion_tokens": len(result.tokens),
                   "cached_tokens": int(work["reused"])}
         self.current.done(result.text, result.finish_reason, counts)
-        self.state.cache = {"entries": int(cache_tokens > 0), "bytes": int(cache_bytes),
-                            "tokens": int(cache_tokens)}
+        self.state.cache = {"entries": len(caches.entries), "bytes": int(cache_bytes),
+                            "tokens": int(caches.num_tokens)}
         self.state.served += 1
         self.state.cancelled += result.finish_reason == "cancelled"
