@@ -195,6 +195,31 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
         caches.plan(np.array([1, 2]), lambda resident, reused: tight(1, reused))
 
 
+def test_http_side_alone_api_key_and_loading():
+    """The HTTP layer without ranks: /health says loading, the key is asked for."""
+    from spmd_cp.server import http_api
+
+    state = http_api.ServerState(SamplingConfig(), api_key="sesame")
+    httpd = http_api.make_server("127.0.0.1", 0, state)
+    http_api.start(httpd)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert error.value.code == 503 and json.loads(error.value.read())["status"] == "loading"
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + "/v1/models", timeout=10)
+        assert error.value.code == 401
+        assert json.loads(error.value.read())["error"]["code"] == "invalid_api_key"
+        keyed = urllib.request.Request(url + "/v1/models",
+                                       headers={"Authorization": "Bearer sesame"})
+        with urllib.request.urlopen(keyed, timeout=10) as reply:
+            assert json.loads(reply.read())["data"][0]["object"] == "model"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 # -- a real server -------------------------------------------------------------------
 def test_health_and_models(server):
     status, health = server.get("/health")
@@ -215,6 +240,9 @@ def test_greedy_chat_equals_generate(server):
     assert reply.usage.completion_tokens == expected["tokens"]
     assert reply.usage.total_tokens == expected["prompt_tokens"] + expected["tokens"]
     assert reply.choices[0].finish_reason == expected["finish_reason"]
+    again = chat(server, QUESTION)  # now from the resident cache's prefix
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == expected["text"]
 
 
 def test_chat_streaming_matches_whole_answer(server):
