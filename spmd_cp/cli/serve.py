@@ -8,8 +8,9 @@ Rank 0 runs the HTTP server (spmd_cp/server) in threads that queue requests; its
 thread takes one request at a time, tokenizes it and broadcasts the work; every rank then
 runs the same prefill and decode as `generate`, and rank 0 streams the text back. The
 sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
-the next request prefills only what follows the longest token prefix it shares with one. SIGTERM or SIGINT: the
-request being answered is finished, queued ones get 503, and every rank exits 0.
+the next request prefills only what follows the longest token prefix it shares with
+one. SIGTERM or SIGINT: the request being answered is finished, queued ones get 503,
+and every rank exits 0.
 See docs/SERVE.md.
 """
 
@@ -42,7 +43,8 @@ REPEAT_S = 2.0  # signals this close to the first are the same stop request
 @click.option("--model-name", default=None,
               help="The model id /v1/models lists (default: the model file's name).")
 @sampling_options
-@ranged_option("--seed", "seed", int, "Default seed of requests that give none (default: unseeded).")
+@ranged_option("--seed", "seed", int,
+               "Default seed of requests that give none (default: unseeded).")
 @decode_options
 def serve(**options):
     """Serve the model over an OpenAI-compatible HTTP API (rank 0 listens)."""
