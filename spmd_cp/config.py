@@ -137,6 +137,7 @@ class ServeConfig(_Settings):
     api_key: str | None = None  # None: no Authorization header asked for
     model_name: str | None = None  # the id /v1/models lists (None: the model file's name)
     cache_entries: int = 4  # conversations' KV caches kept resident (LRU)
+    preload: tuple[str, ...] = ()  # --save-cache directories loaded as entries at start
 
 
 def from_options(options: dict, *classes) -> tuple:

@@ -33,6 +33,7 @@ START_DEADLINE_S = 300
 REQUEST_TIMEOUT_S = 180
 MAX_CONTEXT = 256  # small, so that an over-long prompt is cheap to send
 QUESTION = "What is the capital of France?"
+SAVED_QUESTION = "Describe a cat in one sentence."  # saved with generate, preloaded
 
 
 def free_port() -> int:
@@ -88,14 +89,19 @@ class Server:
 def server(tmp_path_factory):
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
     port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    folder = tmp_path_factory.mktemp("serve")
+    log_path = folder / "server.log"
+    saved = run_cli(2, ["generate", "--prompt", SAVED_QUESTION, "--max-tokens", "8",
+                        "--max-context", str(MAX_CONTEXT), "--save-cache",
+                        str(folder / "saved"), "--json"], timeout=300).last_json()
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
             [MPIEXEC, "-n", "2", *SPMD_CP, "serve", "--port", str(port),
-             "--max-context", str(MAX_CONTEXT)],
+             "--max-context", str(MAX_CONTEXT), "--preload-cache", str(folder / "saved")],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **RANK_ENV}, start_new_session=True)
     running = Server(proc, port, log_path)
+    running.saved, running.saved_dir = saved, folder / "saved"
     try:
         running.wait_healthy()
         yield running
@@ -228,6 +234,21 @@ def test_health_and_models(server):
     assert {"entries", "bytes", "tokens"} <= set(health["cache"])
     models = server.client().models.list()
     assert [m.id for m in models.data] == [health["model"]]
+
+
+def test_preloaded_conversation_continues_as_generate_load_cache(server):
+    """Before other conversations evict it: the --preload-cache entry is the oldest."""
+    expected = run_cli(2, ["generate", "--load-cache", str(server.saved_dir), "--prompt",
+                           "And a dog?", "--max-tokens", "16", "--json",
+                           "--max-context", str(MAX_CONTEXT)], timeout=300).last_json()
+    messages = [{"role": "user", "content": SAVED_QUESTION},
+                {"role": "assistant", "content": server.saved["text"]},
+                {"role": "user", "content": "And a dog?"}]
+    reply = server.client().chat.completions.create(model="any", messages=messages,
+                                                    max_tokens=16, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens == expected["prompt_tokens_reused"]
+    assert expected["prompt_tokens_reused"] > server.saved["prompt_tokens"]
+    assert reply.choices[0].message.content == expected["text"]
 
 
 def test_greedy_chat_equals_generate(server):

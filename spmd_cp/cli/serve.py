@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import click
 
 from ..config import DecodeConfig, RunConfig, SamplingConfig, ServeConfig, from_options
+from .generate import refuse_other_model
 from .options import common_options, decode_options, ranged_option, sampling_options
 
 REPEAT_S = 2.0  # signals this close to the first are the same stop request
@@ -40,6 +41,9 @@ REPEAT_S = 2.0  # signals this close to the first are the same stop request
               default=ServeConfig.default("cache_entries"), show_default=True,
               help="Conversations whose KV cache stays on the ranks (least recently used "
                    "go first; --memory-limit bounds them too).")
+@click.option("--preload-cache", "preload", multiple=True, metavar="DIR",
+              help="Start with a conversation saved by `generate --save-cache` resident "
+                   "(same model and rank count; repeatable).")
 @click.option("--model-name", default=None,
               help="The model id /v1/models lists (default: the model file's name).")
 @sampling_options
@@ -68,10 +72,14 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     state = held.get("state")
     catch_signals(comm, state)
     try:
-        path, _ = steps.check_model(comm, run)
+        metas = spmd.on_root(comm, read_preloads, args)
+        path, checksum = steps.check_model(comm, run)
+        for directory, meta in zip(args.preload, metas):
+            spmd.on_root(comm, refuse_other_model, meta, directory, checksum)
         loaded = steps.load_checked_model(comm, run, path)
         engine = steps.make_engine(comm, loaded, run, decode)
         warm_up(engine)
+        caches = preload(comm, engine, loaded, args, metas)
         root = None
         if comm.rank == 0:
             from ..server.root import RootSide
@@ -82,10 +90,35 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             host, port = held["server"].server_address[:2]
             steps.log.info("serving %s on http://%s:%d/v1 (%d ranks)", state.model_id,
                            host, port, comm.size)
-        serve_loop(comm, engine, loaded, root, args.cache_entries)
+        serve_loop(comm, engine, loaded, root, caches)
     finally:
         if comm.rank == 0:
             close_server(held)
+
+
+def read_preloads(args: ServeConfig) -> list[dict]:
+    """Rank 0, before the model loads: the meta.json of every --preload-cache."""
+    from ..engine.prompt_cache import read_meta
+    from ..errors import UserError
+
+    if len(args.preload) > args.cache_entries:
+        raise UserError(f"{len(args.preload)} --preload-cache directories, more than "
+                        f"--cache-entries {args.cache_entries}")
+    return [read_meta(directory) for directory in args.preload]
+
+
+def preload(comm, engine, loaded, args: ServeConfig, metas: list[dict]):
+    """Every rank: the resident caches, with the --preload-cache conversations in."""
+    from ..engine.prompt_cache import load_cache
+    from ..server.resident import ResidentCaches
+    from .steps import log
+
+    caches = ResidentCaches(engine, args.cache_entries)
+    for directory, meta in zip(args.preload, metas):
+        caches.add(load_cache(comm, directory, meta, loaded.checksum,
+                              engine.model.num_layers, engine.model.kv_dtype))
+        log.info("resident cache from %s: %d tokens", directory, caches.entries[-1].num_tokens)
+    return caches
 
 
 def open_server(args: ServeConfig, sampling: SamplingConfig, held: dict):
@@ -161,13 +194,11 @@ def idle(comm):
         watchdog.timeout, watchdog.context = timeout, context
 
 
-def serve_loop(comm, engine, loaded, root, max_entries: int):
+def serve_loop(comm, engine, loaded, root, caches):
     """Every rank: the next request from rank 0, answered together, until it says stop."""
     from ..engine.generation import generate
     from ..runtime import spmd
-    from ..server.resident import ResidentCaches
 
-    caches = ResidentCaches(engine, max_entries)
     while True:
         with idle(comm):
             work = spmd.on_root(comm, lambda: root.next_work(caches))

@@ -36,6 +36,11 @@ class ResidentCaches:
         """This rank's bytes of K/V in every entry."""
         return sum(cache.nbytes for cache in self.entries)
 
+    def add(self, cache):
+        """Every rank: a cache loaded at start (a --save-cache directory) as an entry."""
+        self.entries.append(cache)
+        del self.entries[:-self.max_entries]
+
     def best_match(self, ids) -> tuple[int | None, int]:
         """(index of the entry sharing the longest prefix with ``ids``, its length)."""
         best, reused = None, 0
