@@ -128,6 +128,18 @@ class BatchConfig(_Settings):
     progress_mode: str = "auto"
 
 
+@dataclass(frozen=True)
+class ServeConfig(_Settings):
+    """Where `spmd-cp serve` listens and whom it answers."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None  # None: no Authorization header asked for
+    model_name: str | None = None  # the id /v1/models lists (None: the model file's name)
+    cache_entries: int = 4  # conversations' KV caches kept resident (LRU)
+    preload: tuple[str, ...] = ()  # --save-cache directories loaded as entries at start
+
+
 def from_options(options: dict, *classes) -> tuple:
     """One instance of each settings class, taken from click's keyword arguments.
 

@@ -4,11 +4,12 @@ Every rank runs this same entry point:
 
     mpiexec -n 2 spmd-cp generate --prompt-file long.txt --max-tokens 200
     mpiexec -n 4 spmd-cp score --text-file doc.txt --output tokens.jsonl --json
+    mpiexec -n 2 spmd-cp serve --port 8080
 
 Rank 0 reads and tokenizes the prompt, samples, and alone writes to stdout; every rank
 holds the whole model (or, with --shard-weights, layers i mod N and 1/N of the
 vocabulary) and 1/N of the KV cache. One module per command (generate, score,
-batch, doctor); the steps they share are in steps.py. Importing this package must not
+batch, serve, doctor); the steps they share are in steps.py. Importing this package must not
 initialise MPI: main() may still re-execute the process with a faster BLAS.
 """
 
@@ -25,6 +26,7 @@ from .doctor import doctor
 from .generate import generate
 from .options import RangeError
 from .score import score
+from .serve import serve
 
 
 def main():
@@ -70,7 +72,7 @@ def trace_summary(trace_file):
     click.echo(summarize(trace_file))
 
 
-for command in (generate, score, batch, doctor):
+for command in (generate, score, batch, serve, doctor):
     cli.add_command(command)
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ class Generation:
 
     tokens: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     prefill_s: float
     decode_s: float  # the decode steps and sampling, without decode_setup_s
     decode_setup_s: float = 0.0  # readying decode (Engine.prepare_decode) this time
@@ -162,11 +162,14 @@ def token_sampler(options: SamplingConfig):
 
 
 def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: SamplingConfig,
-             write=None, prefill_progress=None, overlap: bool | None = None) -> Generation:
+             write=None, prefill_progress=None, overlap: bool | None = None,
+             cancelled=None) -> Generation:
     """Prefill ``prompt_ids`` into ``cache`` and generate up to ``options.max_tokens`` tokens.
 
     ``overlap``: queue each decode step before the previous token reaches the host (one
     rank only; None: ``overlap_by_default``). Tokens and cache are the same either way.
+    ``cancelled()`` (rank 0): asked at every sampled token; True ends the generation there
+    (the server's client went away), finish_reason "cancelled".
     """
     comm = engine.comm
     if overlap is None:
@@ -184,10 +187,14 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     prefill_s = time.perf_counter() - start
 
     tokens: list[int] = []
+    reason = {"cancelled": False}
 
     def finished(token: int) -> bool:
         """Record a sampled token on rank 0; True when it ends the generation."""
         if token in eos:
+            return True
+        if cancelled is not None and cancelled():
+            reason["cancelled"] = True
             return True
         tokens.append(token)
         return stream.push(tokens)
@@ -217,5 +224,6 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
     decode_s = time.perf_counter() - decode_start - setup_s
     if is_root:
         stream.finish()
-    return Generation(tokens, stream.text if is_root else "", "stop" if stopped else "length",
-                      prefill_s, decode_s, setup_s)
+    finish = "cancelled" if reason["cancelled"] else "stop" if stopped else "length"
+    return Generation(tokens, stream.text if is_root else "", finish, prefill_s, decode_s,
+                      setup_s)

@@ -48,6 +48,9 @@ class Watchdog:
         self._read_fd = None
         self._thread = None
         self._probes = None  # a private communicator for "what are you doing?" probes
+        # on_interrupt(signal number) -> True when the program stops by itself (a server
+        # finishing its request, then exiting 0): the watchdog then does not abort.
+        self.on_interrupt = None
 
     def start(self, mpi_comm=None):
         """Start watching (call from the main thread: it installs the signal wakeup fd).
@@ -91,8 +94,9 @@ class Watchdog:
             ready, _, _ = select.select([self._read_fd], [], [], 0.25)
             if ready:
                 signals = os.read(self._read_fd, 64)
-                if signal.SIGINT in signals or signal.SIGTERM in signals:
-                    self._die(EXIT_INTERRUPTED, "interrupted; stopping all ranks")
+                for number in (signal.SIGINT, signal.SIGTERM):
+                    if number in signals and not self._handled(number):
+                        self._die(EXIT_INTERRUPTED, "interrupted; stopping all ranks")
             self._answer_probes()
             waiting = self._waiting
             if waiting and self.timeout > 0 and time.monotonic() - waiting[2] > self.timeout:
@@ -102,6 +106,10 @@ class Watchdog:
                           f"waited {waited:.0f} s in {what} during {self.context}; "
                           f"{self._diagnose(peer)}; aborting the job "
                           f"(--comm-timeout {self.timeout:g})")
+
+    def _handled(self, number: int) -> bool:
+        handler = self.on_interrupt
+        return handler is not None and bool(handler(number))
 
     def _answer_probes(self):
         if self._probes is None:

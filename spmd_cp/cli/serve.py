@@ -1,0 +1,216 @@
+"""`spmd-cp serve`: load the model once on every rank and answer OpenAI API requests.
+
+    mpiexec -n 2 spmd-cp serve --port 8080
+    curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hello"}]}'
+
+Rank 0 runs the HTTP server (spmd_cp/server) in threads that queue requests; its main
+thread takes one request at a time, tokenizes it and broadcasts the work; every rank then
+runs the same prefill and decode as `generate`, and rank 0 streams the text back. The
+sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
+the next request prefills only what follows the longest token prefix it shares with
+one. SIGTERM or SIGINT: the request being answered is finished, queued ones get 503,
+and every rank exits 0.
+See docs/SERVE.md.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager
+
+import click
+
+from ..config import DecodeConfig, RunConfig, SamplingConfig, ServeConfig, from_options
+from .generate import refuse_other_model
+from .options import common_options, decode_options, ranged_option, sampling_options
+
+REPEAT_S = 2.0  # signals this close to the first are the same stop request
+
+
+@click.command()
+@common_options
+@click.option("--host", default=ServeConfig.default("host"), show_default=True,
+              help="Address to listen on (anything but loopback: give --api-key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=ServeConfig.default("port"),
+              show_default=True, help="TCP port (0: any free port, logged).")
+@click.option("--api-key", default=None, envvar="SPMD_CP_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (also from SPMD_CP_API_KEY).")
+@click.option("--cache-entries", type=click.IntRange(min=1),
+              default=ServeConfig.default("cache_entries"), show_default=True,
+              help="Conversations whose KV cache stays on the ranks (least recently used "
+                   "go first; --memory-limit bounds them too).")
+@click.option("--preload-cache", "preload", multiple=True, metavar="DIR",
+              help="Start with a conversation saved by `generate --save-cache` resident "
+                   "(same model and rank count; repeatable).")
+@click.option("--model-name", default=None,
+              help="The model id /v1/models lists (default: the model file's name).")
+@sampling_options
+@ranged_option("--seed", "seed", int,
+               "Default seed of requests that give none (default: unseeded).")
+@decode_options
+def serve(**options):
+    """Serve the model over an OpenAI-compatible HTTP API (rank 0 listens)."""
+    from .steps import run_spmd
+
+    options["stop"] = ()
+    settings = from_options(options, RunConfig, SamplingConfig, DecodeConfig, ServeConfig)
+    sys.exit(run_spmd(serve_command, *settings))
+
+
+def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: DecodeConfig,
+                  args: ServeConfig):
+    from pathlib import Path
+
+    from ..engine.startup import warm_up
+    from ..runtime import spmd
+    from . import steps
+
+    held = {}  # rank 0's server: objects that do not travel in a broadcast
+    spmd.on_root(comm, open_server, args, sampling, held)
+    state = held.get("state")
+    catch_signals(comm, state)
+    try:
+        metas = spmd.on_root(comm, read_preloads, args)
+        path, checksum = steps.check_model(comm, run)
+        for directory, meta in zip(args.preload, metas):
+            spmd.on_root(comm, refuse_other_model, meta, directory, checksum)
+        loaded = steps.load_checked_model(comm, run, path)
+        engine = steps.make_engine(comm, loaded, run, decode)
+        warm_up(engine)
+        caches = preload(comm, engine, loaded, args, metas)
+        root = None
+        if comm.rank == 0:
+            from ..server.root import RootSide
+
+            state.model_id = args.model_name or Path(loaded.path).stem
+            root = RootSide(state, loaded, run, comm, decode.decode_tp != "off")
+            state.ready.set()
+            host, port = held["server"].server_address[:2]
+            steps.log.info("serving %s on http://%s:%d/v1 (%d ranks)", state.model_id,
+                           host, port, comm.size)
+        serve_loop(comm, engine, loaded, root, caches)
+    finally:
+        if comm.rank == 0:
+            close_server(held)
+
+
+def read_preloads(args: ServeConfig) -> list[dict]:
+    """Rank 0, before the model loads: the meta.json of every --preload-cache."""
+    from ..engine.prompt_cache import read_meta
+    from ..errors import UserError
+
+    if len(args.preload) > args.cache_entries:
+        raise UserError(f"{len(args.preload)} --preload-cache directories, more than "
+                        f"--cache-entries {args.cache_entries}")
+    return [read_meta(directory) for directory in args.preload]
+
+
+def preload(comm, engine, loaded, args: ServeConfig, metas: list[dict]):
+    """Every rank: the resident caches, with the --preload-cache conversations in."""
+    from ..engine.prompt_cache import load_cache
+    from ..server.resident import ResidentCaches
+    from .steps import log
+
+    caches = ResidentCaches(engine, args.cache_entries)
+    for directory, meta in zip(args.preload, metas):
+        caches.add(load_cache(comm, directory, meta, loaded.checksum,
+                              engine.model.num_layers, engine.model.kv_dtype))
+        log.info("resident cache from %s: %d tokens", directory, caches.entries[-1].num_tokens)
+    return caches
+
+
+def open_server(args: ServeConfig, sampling: SamplingConfig, held: dict):
+    """Rank 0, before the model loads: bind the address (or refuse it) and start
+    answering /health ("loading" until the model is in)."""
+    from ..errors import UserError
+    from ..server import http_api
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        spmd_log().warning("listening on %s without --api-key: anyone who reaches it may "
+                           "use the model", args.host)
+    state = http_api.ServerState(sampling, args.api_key)
+    try:
+        server = http_api.make_server(args.host, args.port, state)
+    except OSError as error:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") \
+            from None
+    held.update(state=state, server=server, thread=http_api.start(server))
+
+
+def close_server(held: dict):
+    if "server" not in held:
+        return
+    held["state"].drain()
+    held["server"].shutdown()
+    held["server"].server_close()
+
+
+def spmd_log():
+    from ..runtime.spmd import log
+
+    return log
+
+
+def catch_signals(comm, state):
+    """SIGTERM and SIGINT stop the server in order: rank 0 stops taking requests and
+    broadcasts the end; the other ranks wait for it. The watchdog, which sees the
+    signals through the wakeup fd, then lets the ranks exit by themselves. A signal sent
+    to the whole process group reaches a rank twice (directly and forwarded by mpiexec):
+    repeats within REPEAT_S count as one; a later one aborts at once."""
+    import time
+
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: None)
+    first = []
+
+    def on_interrupt(number: int) -> bool:
+        now = time.monotonic()
+        if first:
+            return now - first[0] < REPEAT_S
+        first.append(now)
+        if state is not None:
+            spmd_log().info("signal %d: finishing the current request, then stopping", number)
+            state.stopping.set()
+        return True
+
+    if comm.watchdog is not None:
+        comm.watchdog.on_interrupt = on_interrupt
+
+
+@contextmanager
+def idle(comm):
+    """Waiting for the next request may take hours: no --comm-timeout meanwhile."""
+    watchdog = comm.watchdog
+    if watchdog is None:
+        yield
+        return
+    timeout, context = watchdog.timeout, watchdog.context
+    watchdog.timeout, watchdog.context = 0, "serve: waiting for a request"
+    try:
+        yield
+    finally:
+        watchdog.timeout, watchdog.context = timeout, context
+
+
+def serve_loop(comm, engine, loaded, root, caches):
+    """Every rank: the next request from rank 0, answered together, until it says stop."""
+    from ..engine.generation import generate
+    from ..runtime import spmd
+
+    while True:
+        with idle(comm):
+            work = spmd.on_root(comm, lambda: root.next_work(caches))
+        if work is None:
+            return
+        cache = caches.take(work)
+        result = generate(engine, cache, work["ids"][work["reused"]:], loaded.tokenizer,
+                          work["sampling"], write=root.emit if root else None,
+                          cancelled=root.cancelled if root else None)
+        kv_bytes = comm.gather_object(int(caches.nbytes))
+        if root is not None:
+            spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
+                          "generated, %s; %d cache entries", len(work["ids"]), work["reused"],
+                          len(result.tokens), result.finish_reason, len(caches.entries))
+            root.finished(result, work, caches, sum(kv_bytes))

@@ -1,0 +1,104 @@
+"""Rank 0's main-thread side of the server: take the next request off the queue, turn it
+into token ids the other ranks receive, and hand the answer back to its handler thread.
+
+Requests are prepared here, one at a time, rather than in the handler threads: the
+tokenizer is then used by one thread only (rank 0's main thread also decodes the
+answer's text with it).
+"""
+
+from __future__ import annotations
+
+import queue
+
+from ..errors import UserError
+from .http_api import Pending, ServerState
+from .openai_api import ApiError
+
+
+class RootSide:
+    """Rank 0's share of serving: requests in, answers out, /health's figures."""
+
+    def __init__(self, state: ServerState, loaded, run, comm, may_split: bool):
+        self.state = state
+        self.loaded = loaded
+        self.run = run
+        self.comm = comm
+        self.may_split = may_split
+        self.current: Pending | None = None
+
+    def next_work(self, caches) -> dict | None:
+        """The next request's work for every rank (None: shut down). Requests whose
+        client has gone are dropped; bad ones are answered here with their 4xx."""
+        self.current = None
+        self.state.busy = False
+        while not self.state.stopping.is_set():
+            try:
+                pending = self.state.queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if pending.cancelled.is_set():
+                self.state.cancelled += 1
+                continue
+            try:
+                work = self.prepare(pending.request, caches)
+            except ApiError as error:
+                pending.fail(error)
+                continue
+            self.current = pending
+            self.state.busy = True
+            pending.start()
+            return work
+        return None
+
+    def prompt_text(self, request) -> str:
+        tokenizer = self.loaded.tokenizer
+        if request.kind != "chat":
+            return request.prompt
+        if not getattr(tokenizer, "has_chat_template", False):
+            return "".join(m["content"] for m in request.messages)
+        try:
+            return tokenizer.apply_chat_template(request.messages, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as error:  # noqa: BLE001 - a template's own refusal (jinja)
+            raise ApiError(400, f"the chat template refused these messages: {error}",
+                           code="invalid_messages", param="messages") from None
+
+    def prepare(self, request, caches) -> dict:
+        """Token ids, the resident caches' plan for them (the entry continued, the tokens
+        kept, the entries evicted), the sampling; checked: the context and the memory
+        forecast with the resident entries kept."""
+        from ..cli.steps import check_memory, tokenize_checked
+
+        sampling = request.sampling
+        try:
+            ids = tokenize_checked(self.loaded, self.prompt_text(request), self.run.max_context)
+        except UserError as error:
+            raise ApiError(400, str(error), code="context_length_exceeded",
+                           param="messages" if request.kind == "chat" else "prompt") from None
+
+        def fits(resident_tokens: int, reused: int):
+            try:
+                check_memory(self.comm, self.loaded, self.run,
+                             len(ids) + sampling.max_tokens + resident_tokens,
+                             len(ids) - reused,
+                             split_decode=self.may_split and sampling.max_tokens > 1)
+            except UserError as error:
+                raise ApiError(400, str(error), code="memory_limit_exceeded") from None
+
+        return {"ids": ids, "sampling": sampling, **caches.plan(ids, fits)}
+
+    def emit(self, text: str):
+        self.current.emit(text)
+
+    def cancelled(self) -> bool:
+        # Not on shutdown: the request being answered is finished first.
+        return self.current.cancelled.is_set()
+
+    def finished(self, result, work: dict, caches, cache_bytes: int):
+        counts = {"prompt_tokens": len(work["ids"]), "completion_tokens": len(result.tokens),
+                  "cached_tokens": int(work["reused"])}
+        self.current.done(result.text, result.finish_reason, counts)
+        self.state.cache = {"entries": len(caches.entries), "bytes": int(cache_bytes),
+                            "tokens": int(caches.num_tokens)}
+        self.state.served += 1
+        self.state.cancelled += result.finish_reason == "cancelled"

@@ -1,0 +1,390 @@
+"""`spmd-cp serve` end to end: one real 2-rank server for the module, driven by clients
+nobody here wrote (the official `openai` package and curl), compared with `generate`.
+
+The server fixture never hangs: every wait has a deadline and the finalizer kills the
+launcher's whole process group. The last test stops the server with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from spmd_cp.config import SamplingConfig
+from spmd_cp.server.openai_api import ApiError, parse_json, parse_request
+from spmd_cp.server.resident import ResidentCaches
+
+from conftest import MPIEXEC, RANK_ENV, SPMD_CP, run_cli
+
+openai = pytest.importorskip("openai", reason="the openai client: pip install openai")
+
+START_DEADLINE_S = 300
+REQUEST_TIMEOUT_S = 180
+MAX_CONTEXT = 256  # small, so that an over-long prompt is cheap to send
+QUESTION = "What is the capital of France?"
+SAVED_QUESTION = "Describe a cat in one sentence."  # saved with generate, preloaded
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path):
+        self.proc, self.port, self.log_path = proc, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def get(self, path: str, timeout: float = 10) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def post(self, path: str, body: bytes, timeout: float = REQUEST_TIMEOUT_S):
+        request = urllib.request.Request(self.url + path, data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=REQUEST_TIMEOUT_S)
+
+    def wait_healthy(self):
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                status, body = self.get("/health", timeout=2)
+                if status == 200 and body["status"] == "ok":
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"the server was not healthy within {START_DEADLINE_S}s:\n{self.log()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    assert MPIEXEC, "mpiexec not found (pip install mpich)"
+    port = free_port()
+    folder = tmp_path_factory.mktemp("serve")
+    log_path = folder / "server.log"
+    saved = run_cli(2, ["generate", "--prompt", SAVED_QUESTION, "--max-tokens", "8",
+                        "--max-context", str(MAX_CONTEXT), "--save-cache",
+                        str(folder / "saved"), "--json"], timeout=300).last_json()
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [MPIEXEC, "-n", "2", *SPMD_CP, "serve", "--port", str(port),
+             "--max-context", str(MAX_CONTEXT), "--preload-cache", str(folder / "saved")],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **RANK_ENV}, start_new_session=True)
+    running = Server(proc, port, log_path)
+    running.saved, running.saved_dir = saved, folder / "saved"
+    try:
+        running.wait_healthy()
+        yield running
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def chat(server, content: str, max_tokens: int = 16, **extra):
+    return server.client().chat.completions.create(
+        model="any", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+        temperature=0, **extra)
+
+
+# -- the request checks, without a server ----------------------------------------------
+def test_parse_request_checks_types_and_ranges():
+    defaults = SamplingConfig(max_tokens=8)
+    request = parse_request("chat", {"messages": [{"role": "user", "content": "hi"}],
+                                     "stop": "x", "seed": 3}, defaults)
+    assert request.sampling.max_tokens == 8 and request.sampling.stop == ["x"]
+    assert request.sampling.seed == 3
+    for bad in ({"messages": []}, {"messages": "hi"},
+                {"messages": [{"role": "robot", "content": "hi"}]},
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"},
+                {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+                {"messages": [{"role": "user", "content": "hi"}], "top_p": 2},
+                {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
+                {"messages": [{"role": "user", "content": "hi"}], "n": 2}):
+        with pytest.raises(ApiError) as error:
+            parse_request("chat", bad, defaults)
+        assert error.value.status == 400 and error.value.body()["error"]["message"]
+    with pytest.raises(ApiError):
+        parse_request("completion", {"prompt": 5}, defaults)
+    with pytest.raises(ApiError):
+        parse_json(b"[1, 2]")
+
+
+class FakeLayer:
+    def fetch(self):
+        return None, None
+
+
+class FakeCache:
+    def __init__(self, ids=()):
+        self.token_ids = np.asarray(ids, np.int64)
+        self.layers, self.cp_rank, self.decode_steps, self.decode_owner = [], 0, 0, 0
+        self.rank_positions = [np.arange(len(self.token_ids))]
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+    def add_positions(self, rank_positions, ids):
+        self.rank_positions = [np.asarray(p) for p in rank_positions]
+        self.token_ids = np.r_[self.token_ids, ids].astype(np.int64)
+
+    def truncate(self, n):
+        self.token_ids = self.token_ids[:n]
+        self.rank_positions = [p[p < n] for p in self.rank_positions]
+
+
+class FakeEngine:
+    def new_cache(self):
+        return FakeCache()
+
+
+def filled(cache, ids):
+    cache.token_ids = np.asarray(ids, np.int64)
+    cache.rank_positions = [np.arange(len(ids))]
+    return cache
+
+
+def test_resident_caches_continue_fork_and_evict_least_recently_used():
+    caches = ResidentCaches(FakeEngine(), max_entries=2)
+    fits = lambda resident, reused: None  # noqa: E731
+    a = filled(caches.take(caches.plan(np.arange(30), fits)), np.arange(30))
+    plan = caches.plan(np.r_[np.arange(30), 50, 51], fits)  # a follow-up: in place
+    assert plan == {"entry": 0, "fork": False, "reused": 30, "evict": []}
+    assert caches.take(plan) is a
+    # Shares 2 of 30 tokens: the prefix is copied, the first conversation kept whole.
+    b = filled(caches.take(caches.plan(np.r_[0, 1, 99, 98, 97, 96], fits)),
+               [0, 1, 99, 98, 97, 96])
+    assert caches.entries == [a, b] and a.num_tokens == 30
+    plan = caches.plan(np.array([7, 7, 7]), fits)  # a third conversation: the LRU goes
+    assert plan == {"entry": None, "fork": False, "reused": 0, "evict": [0]}
+    c = filled(caches.take(plan), [7, 7, 7])
+    assert caches.entries == [b, c]
+
+    def tight(resident, reused):  # room for the request alone
+        if resident:
+            raise ApiError(400, "over the memory limit")
+
+    plan = caches.plan(np.array([0, 1, 99, 98, 97, 5]), tight)
+    assert plan["entry"] == 0 and not plan["fork"] and plan["evict"] == [1]
+    with pytest.raises(ApiError):
+        caches.plan(np.array([1, 2]), lambda resident, reused: tight(1, reused))
+
+
+def test_http_side_alone_api_key_and_loading():
+    """The HTTP layer without ranks: /health says loading, the key is asked for."""
+    from spmd_cp.server import http_api
+
+    state = http_api.ServerState(SamplingConfig(), api_key="sesame")
+    httpd = http_api.make_server("127.0.0.1", 0, state)
+    http_api.start(httpd)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert error.value.code == 503 and json.loads(error.value.read())["status"] == "loading"
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + "/v1/models", timeout=10)
+        assert error.value.code == 401
+        assert json.loads(error.value.read())["error"]["code"] == "invalid_api_key"
+        keyed = urllib.request.Request(url + "/v1/models",
+                                       headers={"Authorization": "Bearer sesame"})
+        with urllib.request.urlopen(keyed, timeout=10) as reply:
+            assert json.loads(reply.read())["data"][0]["object"] == "model"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+# -- a real server -------------------------------------------------------------------
+def test_health_and_models(server):
+    status, health = server.get("/health")
+    assert status == 200
+    assert {"queue_length", "busy", "cache"} <= set(health)
+    assert {"entries", "bytes", "tokens"} <= set(health["cache"])
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [health["model"]]
+
+
+def test_preloaded_conversation_continues_as_generate_load_cache(server):
+    """Before other conversations evict it: the --preload-cache entry is the oldest."""
+    expected = run_cli(2, ["generate", "--load-cache", str(server.saved_dir), "--prompt",
+                           "And a dog?", "--max-tokens", "16", "--json",
+                           "--max-context", str(MAX_CONTEXT)], timeout=300).last_json()
+    messages = [{"role": "user", "content": SAVED_QUESTION},
+                {"role": "assistant", "content": server.saved["text"]},
+                {"role": "user", "content": "And a dog?"}]
+    reply = server.client().chat.completions.create(model="any", messages=messages,
+                                                    max_tokens=16, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens == expected["prompt_tokens_reused"]
+    assert expected["prompt_tokens_reused"] > server.saved["prompt_tokens"]
+    assert reply.choices[0].message.content == expected["text"]
+
+
+def test_greedy_chat_equals_generate(server):
+    expected = run_cli(2, ["generate", "--prompt", QUESTION, "--max-tokens", "16", "--json",
+                           "--max-context", str(MAX_CONTEXT)], timeout=300).last_json()
+    reply = chat(server, QUESTION)
+    assert reply.choices[0].message.content == expected["text"]
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == expected["prompt_tokens"]
+    assert reply.usage.completion_tokens == expected["tokens"]
+    assert reply.usage.total_tokens == expected["prompt_tokens"] + expected["tokens"]
+    assert reply.choices[0].finish_reason == expected["finish_reason"]
+    again = chat(server, QUESTION)  # now from the resident cache's prefix
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == expected["text"]
+
+
+def test_chat_streaming_matches_whole_answer(server):
+    whole = chat(server, QUESTION).choices[0].message.content
+    chunks = list(chat(server, QUESTION, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_streaming_and_not(server):
+    client = server.client()
+    whole = client.completions.create(model="any", prompt="Once upon a time", max_tokens=12,
+                                      temperature=0)
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    stream = client.completions.create(model="any", prompt="Once upon a time", max_tokens=12,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+
+
+def test_follow_up_reuses_the_resident_cache(server):
+    """A follow-up continues its conversation's cache, even after another conversation."""
+    client = server.client()
+    first = [{"role": "user", "content": "Name a red fruit."}]
+    answer = client.chat.completions.create(model="any", messages=first, max_tokens=12,
+                                            temperature=0)
+    # Begins as the first one does (the template's system prompt), then differs: a
+    # second entry, with that prefix copied, not a cut of the first.
+    other = chat(server, "Count to three.", max_tokens=8)
+    follow = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "And a yellow one?"}]
+    reply = client.chat.completions.create(model="any", messages=follow, max_tokens=12,
+                                           temperature=0)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached >= answer.usage.prompt_tokens, (cached, answer.usage)
+    assert other.usage.prompt_tokens_details.cached_tokens < other.usage.prompt_tokens
+    status, health = server.get("/health")
+    assert health["cache"]["entries"] >= 2 and health["cache"]["bytes"] > 0
+
+
+def test_curl_streaming_and_not(server):
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"prompt": "The sky is", "max_tokens": 8, "temperature": 0})
+    base = ["curl", "-sS", "--max-time", str(REQUEST_TIMEOUT_S), "-H",
+            "Content-Type: application/json", server.url + "/v1/completions"]
+    whole = json.loads(subprocess.run(base + ["-d", body], capture_output=True, text=True,
+                                      timeout=REQUEST_TIMEOUT_S + 10, check=True).stdout)
+    assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] == 8
+    streamed = subprocess.run(base + ["-N", "-d", body[:-1] + ', "stream": true}'],
+                              capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S + 10,
+                              check=True).stdout
+    events = [line[6:] for line in streamed.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == whole["choices"][0]["text"]
+
+
+def test_two_concurrent_clients_get_their_own_answers(server):
+    prompts = ["What is 2 + 2?", "Name a large ocean."]
+    expected = [chat(server, p).choices[0].message.content for p in prompts]
+    got = [None, None]
+
+    def ask(index):
+        got[index] = chat(server, prompts[index]).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REQUEST_TIMEOUT_S)
+    assert got == expected
+
+
+def test_bad_requests_get_4xx_and_the_server_goes_on(server):
+    status, body = server.post("/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = server.post("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}).encode())
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = server.post("/v1/nowhere", b"{}")
+    assert status == 404 and "error" in body
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(server, "word " * (2 * MAX_CONTEXT))
+    assert error.value.status_code == 400 and "max-context" in str(error.value)
+    assert chat(server, QUESTION, max_tokens=4).usage.completion_tokens > 0
+
+
+def test_client_disconnect_cancels_its_generation(server):
+    _, before = server.get("/health")
+    body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0,
+                       "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = sock.recv(4096)
+        while b"data: " not in head:  # generating
+            more = sock.recv(4096)
+            assert more, head
+            head += more
+        assert head.startswith(b"HTTP/1.0 200"), head
+    deadline = time.monotonic() + 30  # 2000 tokens would take minutes
+    while time.monotonic() < deadline:
+        _, health = server.get("/health")
+        if health["requests_cancelled"] > before["requests_cancelled"] and not health["busy"]:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the generation was not cancelled: {health}")
+    assert chat(server, QUESTION, max_tokens=4).usage.completion_tokens > 0
+
+
+def test_sigterm_stops_every_rank_with_status_0(server):
+    """Last: it ends the module's server."""
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    try:
+        code = server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not stop within 60 s of SIGTERM:\n{server.log()}")
+    assert code == 0, server.log()
+    with pytest.raises(ProcessLookupError):  # no rank is left behind
+        os.killpg(server.proc.pid, 0)
