@@ -123,7 +123,11 @@ def validate(run: RunConfig, args: BatchConfig):
 
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
-    jobs = read_jobs(args.jobs_path)
+    from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
+
+    jobs = read_jobs(args.jobs_path,
+                     JOB_LINE_FACTOR * input_bound(run.max_context, run.model_path),
+                     read_timeout(run.comm_timeout))
     job_files = [path for job in jobs for path in (job.prompt_file, job.prefix_file) if path]
     check_outputs([Output("--output", args.output, appended=True), trace_output(run)],
                   {"the jobs file": [args.jobs_path], "a job's file": job_files,

@@ -86,8 +86,13 @@ def validate(run: RunConfig, args: GenerateConfig):
     from .outputs import Output, check_outputs
     from .steps import model_inputs, read_prompt, trace_output
 
-    prompt = read_prompt(args.prompt, args.prompt_file)
-    meta = read_meta(args.load_cache) if args.load_cache else None
+    prompt = read_prompt(args.prompt, args.prompt_file, run)
+    meta = None
+    if args.load_cache:
+        from .inputs import META_FACTOR, input_bound
+
+        meta = read_meta(args.load_cache,
+                         META_FACTOR * input_bound(run.max_context, run.model_path))
     # --save-cache may be the --load-cache directory: replacing a conversation by its
     # continuation is what --overwrite is for.
     cache_dir = Output("--save-cache", args.save_cache, directory=True,

@@ -101,18 +101,19 @@ def _line_problems(record) -> list[str]:
     return problems
 
 
-def read_jobs(path: str | os.PathLike) -> list[Job]:
+def read_jobs(path: str | os.PathLike, line_bound: int | None = None,
+              timeout: float = 0) -> list[Job]:
     """Every job of a JSONL jobs file, or one UserError naming every bad line.
 
-    Blank lines are skipped; line numbers count them.
+    Blank lines are skipped; line numbers count them. Each line holds at most
+    ``line_bound`` bytes, the file at most ``inputs.JOBS_FILE_BYTES`` (cli/inputs.py).
     """
+    from .inputs import JOBS_FILE_BYTES, decode_text, read_bounded
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"jobs file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read jobs file {path}: {error}") from None
+    data = read_bounded(str(path), "jobs file", JOBS_FILE_BYTES, timeout, line_bound,
+                        hint="split the file, or give a long prompt as a prompt_file")
+    text = decode_text(data, "jobs file", str(path))
     base = path.resolve().parent
     jobs, bad, first_line_of = [], [], {}
     for number, raw in enumerate(text.splitlines(), 1):

@@ -27,13 +27,17 @@ class JobError(Exception):
         self.message = message
 
 
-def read_job_file(path: Path, what: str) -> str:
+def read_job_file(path: Path, what: str, bound: int, timeout: float) -> str:
+    from .inputs import InputTooLarge, decode_text, read_bounded
+
+    if not path.exists():
+        raise JobError("file_not_found", f"{what} not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise JobError("file_not_found", f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise JobError("unreadable_file", f"cannot read {what} {path}: {error}") from None
+        text = decode_text(read_bounded(str(path), what, bound, timeout), what, str(path))
+    except InputTooLarge as error:
+        raise JobError("prompt_too_long", str(error)) from None
+    except UserError as error:
+        raise JobError("unreadable_file", str(error)) from None
     if not text.strip():
         raise JobError("empty_prompt", f"{what} is empty: {path}")
     return text
@@ -57,12 +61,19 @@ class Preparer:
         self.args = args
         self.ranks = ranks
         self.limit = run.max_context or loaded.max_context
+        from .inputs import (FALLBACK_CONTEXT_TOKENS, INPUT_BYTES_PER_TOKEN, MIN_INPUT_BYTES,
+                             read_timeout)
+
+        self.input_bound = max(MIN_INPUT_BYTES, (self.limit or FALLBACK_CONTEXT_TOKENS)
+                               * INPUT_BYTES_PER_TOKEN)
+        self.read_timeout = read_timeout(run.comm_timeout)
         self.memory_limit = memory_limit(run)
         self.weights_bytes = weight_plan(loaded, model_nbytes(loaded.model), run.keep_quantized)
 
     def prompt_of(self, job: Job, documents: dict) -> str:
         if job.prompt_file is not None:
-            prompt = read_job_file(job.prompt_file, "prompt file")
+            prompt = read_job_file(job.prompt_file, "prompt file", self.input_bound,
+                                   self.read_timeout)
         else:
             prompt = job.prompt
             if not prompt.strip():
@@ -71,7 +82,8 @@ class Preparer:
             return prompt
         if job.prefix_file not in documents:
             try:
-                documents[job.prefix_file] = read_job_file(job.prefix_file, "prefix file")
+                documents[job.prefix_file] = read_job_file(job.prefix_file, "prefix file",
+                                                           self.input_bound, self.read_timeout)
             except JobError as error:
                 documents[job.prefix_file] = error
         document = documents[job.prefix_file]

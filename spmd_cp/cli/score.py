@@ -59,7 +59,7 @@ def validate(run: RunConfig, args: ScoreConfig) -> str:
 
     check_outputs([Output("--output", args.output), trace_output(run)],
                   {"the text file": [args.text_file], **model_inputs(run)}, run.overwrite)
-    return read_text_file(args.text_file, "text file")
+    return read_text_file(args.text_file, "text file", run)
 
 
 def tokenize_document(comm, loaded, run: RunConfig, text: str):

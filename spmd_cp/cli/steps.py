@@ -51,28 +51,26 @@ def run_spmd(body, run: RunConfig, *settings) -> int:
 
 
 # -- inputs (rank 0) -------------------------------------------------------------------
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt text from --prompt TEXT, --prompt - (stdin) or --prompt-file F (rank 0)."""
+def read_prompt(prompt: str | None, prompt_file: str | None, run: RunConfig) -> str:
+    """The prompt text from --prompt TEXT, --prompt - (stdin) or --prompt-file F (rank 0;
+    ``--prompt-file -`` reads stdin too), read with the bound of cli/inputs.py."""
     if (prompt is None) == (prompt_file is None):
         raise UserError("give exactly one of --prompt TEXT, --prompt - or --prompt-file FILE")
     if prompt_file is not None:
-        return read_text_file(prompt_file, "prompt file")
-    text = sys.stdin.read() if prompt == "-" else prompt
-    if not text.strip():
+        return read_text_file(prompt_file, "prompt file", run)
+    if prompt == "-":
+        return read_text_file("-", "prompt", run)
+    if not prompt.strip():
         raise UserError("the prompt is empty")
-    return text
+    return prompt
 
 
-def read_text_file(path: str, what: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read {what} {path}: {error}") from None
-    if not text.strip():
-        raise UserError(f"{what} is empty: {path}")
-    return text
+def read_text_file(path: str, what: str, run: RunConfig) -> str:
+    """A UTF-8 text input (``-``: standard input), bounded by the model's context."""
+    from .inputs import input_bound, read_text, read_timeout
+
+    return read_text(path, what, input_bound(run.max_context, run.model_path),
+                     read_timeout(run.comm_timeout))
 
 
 def model_inputs(run: RunConfig) -> dict[str, list]:
