@@ -69,6 +69,8 @@ class RunConfig(_Settings):
     quiet: bool = False
     as_json: bool = False
     overwrite: bool = False
+    # Control-token strings in the user's text become control tokens (else plain text).
+    parse_special: bool = False
 
 
 @dataclass

@@ -131,10 +131,11 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     """Rank 0: the conversation's token ids, how many of them the cache holds, and the
     memory forecast that let them run."""
     from ..engine.prompt_cache import common_prefix_length
-    from .steps import check_memory, prompt_text_for, tokenize_checked
+    from .steps import check_memory, prompt_parts_for, tokenize_checked
 
-    text = prompt_text_for(loaded, conversation, prompt, not args.no_chat_template)
-    ids = tokenize_checked(loaded, text, run.max_context)
+    text, spans = prompt_parts_for(loaded, conversation, prompt, not args.no_chat_template)
+    ids = tokenize_checked(loaded, text, run.max_context, user_spans=spans,
+                           parse_special=run.parse_special)
     forecast = check_memory(comm, loaded, run, len(ids) + sampling.max_tokens,
                             len(ids) - min(cache.num_tokens, len(ids) - 1),
                             split_decode=may_split and sampling.max_tokens > 1)

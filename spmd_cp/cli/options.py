@@ -64,6 +64,10 @@ def common_options(fn):
         click.option("--trace", default=d("trace"), metavar="FILE",
                      help="Write a Chrome trace (Perfetto) of every rank's layers, waits and "
                           "transfers; see spmd-cp trace-summary."),
+        click.option("--parse-special", is_flag=True,
+                     help="Read control-token strings (<|im_start|>, ...) in prompts and "
+                          "documents as control tokens (default: as plain text; only the "
+                          "chat template makes control tokens)."),
         click.option("--overwrite", is_flag=True,
                      help="Replace existing output files (--output, --trace, --save-cache)."),
         click.option("-v", "--verbose", is_flag=True, help="Log from every rank, not only rank 0."),

@@ -97,12 +97,15 @@ class Preparer:
         from ..engine.forecast import check_fits
         from ..engine.model import kv_model_shape
         from ..runtime.resident import outside_mlx_bytes
-        from .steps import forecast_algo, new_conversation, prompt_text_for
+        from .steps import forecast_algo, new_conversation, prompt_parts_for
+        from .tokens import encode
 
-        # The same text generate builds (chat template, stripped user turn).
-        text = prompt_text_for(self.loaded, new_conversation(pick(job.system, self.args.system)),
-                               self.prompt_of(job, documents), not self.args.no_chat_template)
-        ids = np.asarray(self.loaded.tokenizer.encode(text), np.int64)
+        # The same text generate builds (chat template, stripped user turn), the user's
+        # text tokenized as plain text as generate does.
+        text, spans = prompt_parts_for(
+            self.loaded, new_conversation(pick(job.system, self.args.system)),
+            self.prompt_of(job, documents), not self.args.no_chat_template)
+        ids = np.asarray(encode(self.loaded, text, spans, self.run.parse_special), np.int64)
         if ids.size == 0:
             raise JobError("empty_prompt", "the prompt is empty after tokenization")
         if self.limit is not None and ids.size > self.limit:

@@ -69,7 +69,7 @@ def tokenize_document(comm, loaded, run: RunConfig, text: str):
 
     from .steps import check_memory, tokenize_checked
 
-    ids = tokenize_checked(loaded, text, run.max_context)
+    ids = tokenize_checked(loaded, text, run.max_context, parse_special=run.parse_special)
     bos = getattr(loaded.tokenizer, "bos_token_id", None)
     if getattr(loaded.tokenizer, "add_bos_token", False) and bos is not None and ids[0] != bos:
         ids = np.concatenate([[bos], ids])

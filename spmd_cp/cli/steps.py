@@ -142,9 +142,15 @@ def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = Decod
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------
-def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0) -> np.ndarray:
-    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt."""
-    ids = np.asarray(loaded.tokenizer.encode(text), np.int64)
+def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0,
+                     user_spans: list | None = None, parse_special: bool = False) -> np.ndarray:
+    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt.
+    ``user_spans``: where the user's text lies (None: all of it), tokenized as plain text
+    unless ``parse_special`` (cli/tokens.py)."""
+    from .tokens import encode
+
+    spans = [(0, len(text))] if user_spans is None else user_spans
+    ids = np.asarray(encode(loaded, text, spans, parse_special), np.int64)
     if ids.size == 0:
         raise UserError("the prompt is empty after tokenization")
     limit = max_context or loaded.max_context
@@ -236,13 +242,14 @@ def new_conversation(system: str | None) -> dict:
 
 def prompt_text_for(loaded, conversation: dict, prompt: str, chat: bool) -> str:
     """The full text to tokenize: the conversation so far plus the new user prompt."""
-    if chat and getattr(loaded.tokenizer, "has_chat_template", False):
-        # A prompt file's trailing newline is not part of the question; small models
-        # answer noticeably worse with it inside the user turn.
-        messages = conversation["messages"] + [{"role": "user", "content": prompt.strip()}]
-        return loaded.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=True)
-    return conversation["text"] + prompt
+    return prompt_parts_for(loaded, conversation, prompt, chat)[0]
+
+
+def prompt_parts_for(loaded, conversation: dict, prompt: str, chat: bool) -> tuple[str, list]:
+    """(the full text to tokenize, where each message's content lies in it)."""
+    from .tokens import render
+
+    return render(loaded, conversation, prompt, chat)
 
 
 def extend_conversation(conversation: dict, prompt: str, answer: str) -> dict:
