@@ -118,18 +118,21 @@ def validate(run: RunConfig, args: BatchConfig):
     output already answers: the pending jobs and how many were done before."""
     from ..errors import UserError
     from .jobs import load_finished, read_jobs
-    from .outputs import Output, check_outputs
+    from .outputs import Output, check_outputs, claim_outputs
     from .steps import log, model_inputs, trace_output
 
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
     from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
 
+    outputs = [Output("--output", args.output, appended=True), trace_output(run)]
+    claim_outputs(outputs)  # another run writing the same places is refused at once
+
     jobs = read_jobs(args.jobs_path,
                      JOB_LINE_FACTOR * input_bound(run.max_context, run.model_path),
                      read_timeout(run.comm_timeout))
     job_files = [path for job in jobs for path in (job.prompt_file, job.prefix_file) if path]
-    check_outputs([Output("--output", args.output, appended=True), trace_output(run)],
+    check_outputs(outputs,
                   {"the jobs file": [args.jobs_path], "a job's file": job_files,
                    **model_inputs(run)}, run.overwrite)
     finished = load_finished(args.output, args.resume, discard=run.overwrite)

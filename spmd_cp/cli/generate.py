@@ -83,9 +83,15 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
 def validate(run: RunConfig, args: GenerateConfig):
     """Rank 0, before anything heavy: the prompt, the cache to continue, the outputs."""
     from ..engine.prompt_cache import META, read_meta
-    from .outputs import Output, check_outputs
+    from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_prompt, trace_output
 
+    # --save-cache may be the --load-cache directory: replacing a conversation by its
+    # continuation is what --overwrite is for.
+    cache_dir = Output("--save-cache", args.save_cache, directory=True,
+                       writes=(META, "rank-*-of-*.safetensors"))
+    # Before anything else: another run writing the same places is refused at once.
+    claim_outputs([cache_dir, trace_output(run)])
     prompt = read_prompt(args.prompt, args.prompt_file, run)
     meta = None
     if args.load_cache:
@@ -93,10 +99,6 @@ def validate(run: RunConfig, args: GenerateConfig):
 
         meta = read_meta(args.load_cache,
                          META_FACTOR * input_bound(run.max_context, run.model_path))
-    # --save-cache may be the --load-cache directory: replacing a conversation by its
-    # continuation is what --overwrite is for.
-    cache_dir = Output("--save-cache", args.save_cache, directory=True,
-                       writes=(META, "rank-*-of-*.safetensors"))
     check_outputs([cache_dir, trace_output(run)],
                   {"the prompt file": [args.prompt_file], **model_inputs(run)}, run.overwrite)
     return prompt, meta

@@ -54,10 +54,12 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
 def validate(run: RunConfig, args: ScoreConfig) -> str:
     """Rank 0, before anything heavy: the output may be written and destroys no input."""
-    from .outputs import Output, check_outputs
+    from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_text_file, trace_output
 
-    check_outputs([Output("--output", args.output), trace_output(run)],
+    outputs = [Output("--output", args.output), trace_output(run)]
+    claim_outputs(outputs)  # another run writing the same places is refused at once
+    check_outputs(outputs,
                   {"the text file": [args.text_file], **model_inputs(run)}, run.overwrite)
     return read_text_file(args.text_file, "text file", run)
 

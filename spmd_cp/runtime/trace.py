@@ -65,8 +65,12 @@ class Tracer:
             events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
                            "args": {"name": "communication thread"}})
             events.extend(rank_events)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        # Like every other output: a temporary file renamed over the path (the path
+        # was checked and claimed before the run).
+        from ..cli.outputs import write_text_atomically
+
+        write_text_atomically(path, [json.dumps({"traceEvents": events,
+                                                 "displayTimeUnit": "ms"})])
 
 
 def span(tracer: Tracer | None, name: str, category: str, **args):
