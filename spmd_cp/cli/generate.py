@@ -133,8 +133,13 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     """Rank 0: the conversation's token ids, how many of them the cache holds, and the
     memory forecast that let them run."""
     from ..engine.prompt_cache import common_prefix_length
+    from ..config import sampling_problem
+    from ..errors import UserError
     from .steps import check_memory, prompt_parts_for, tokenize_checked
 
+    problem = sampling_problem(sampling, loaded.config.get("vocab_size"))
+    if problem:
+        raise UserError(problem.replace("top_k", "--top-k", 1))
     text, spans = prompt_parts_for(loaded, conversation, prompt, not args.no_chat_template)
     ids = tokenize_checked(loaded, text, run.max_context, user_spans=spans,
                            parse_special=run.parse_special)

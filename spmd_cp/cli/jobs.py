@@ -83,6 +83,20 @@ class Job:
         return None if self.prefix_file is None else (str(self.prefix_file), self.system)
 
 
+def _valid_unicode(value) -> bool:
+    """Whether every string in ``value`` can be written as UTF-8 (JSON's \\ud800 escapes
+    decode to lone surrogates, which cannot)."""
+    if isinstance(value, list):
+        return all(_valid_unicode(v) for v in value)
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _line_problems(record) -> list[str]:
     if not isinstance(record, dict):
         return [f"not a JSON object but {type(record).__name__}"]
@@ -94,6 +108,10 @@ def _line_problems(record) -> list[str]:
                 problems.append("missing 'id'")
         elif not check(value):
             problems.append(f"{key!r} must be {must_be}, got {json.dumps(value)[:40]}")
+    for key, value in record.items():
+        if key in FIELDS and not _valid_unicode(value):
+            problems.append(f"{key!r} is not valid Unicode text (a lone surrogate such as "
+                            f"\\ud800)")
     has_prompt = record.get("prompt") is not None
     has_file = record.get("prompt_file") is not None
     if has_prompt == has_file:

@@ -98,6 +98,8 @@ class Preparer:
         from ..engine.model import kv_model_shape
         from ..runtime.resident import outside_mlx_bytes
         from .steps import forecast_algo, new_conversation, prompt_parts_for
+        from ..config import sampling_problem
+        from ..engine.generation import token_sampler
         from .tokens import encode
 
         # The same text generate builds (chat template, stripped user turn), the user's
@@ -105,6 +107,14 @@ class Preparer:
         text, spans = prompt_parts_for(
             self.loaded, new_conversation(pick(job.system, self.args.system)),
             self.prompt_of(job, documents), not self.args.no_chat_template)
+        problem = sampling_problem(self.sampling(job), self.loaded.config.get("vocab_size"))
+        if problem:
+            raise JobError("invalid_job", problem)
+        try:
+            # The sampler's own checks, now rather than in the middle of the ranks' work.
+            token_sampler(self.sampling(job))
+        except (ValueError, TypeError, OverflowError) as error:
+            raise JobError("invalid_job", f"sampling settings refused: {error}") from None
         ids = np.asarray(encode(self.loaded, text, spans, self.run.parse_special), np.int64)
         if ids.size == 0:
             raise JobError("empty_prompt", "the prompt is empty after tokenization")
