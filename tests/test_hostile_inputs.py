@@ -113,7 +113,7 @@ def test_control_tokens_in_user_text_are_plain_text():
     assert control == [i for i in plain if i in (1, 2)] == [1, 2, 1, 2, 1]
     assert loaded.tokenizer.decode(ids) == text
     assert [i for i in encode(loaded, text, spans, parse_special=True) if i in (1, 2)] \
-        == [1, 2, 1, 2, 1, 2, 1]
+        == [1, 2, 1, 2, 1, 2, 2, 1]  # the document's three strings read as control tokens
     # Without a template everything is the user's.
     raw, raw_spans = render(loaded, new_conversation(None), INJECTION, False)
     assert not {1, 2} & set(encode(loaded, raw, raw_spans))
