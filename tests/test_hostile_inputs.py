@@ -185,3 +185,42 @@ def test_a_job_the_model_refuses_is_its_error_line_and_the_batch_goes_on(tmp_pat
     assert [r["id"] for r in records] == ["big-k", "ok"]
     assert "vocabulary of 49152" in records[0]["error"]["message"]
     assert records[1]["tokens"] == 2
+
+
+# -- the launcher's own inputs -------------------------------------------------------------
+@pytest.mark.parametrize("case", ["missing", "directory", "binary", "garbage-host",
+                                  "negative-n"])
+def test_launcher_refuses_bad_hostfiles_and_counts_in_one_line(tmp_path, case):
+    from test_launch import RUN, base_env, run
+
+    binary = tmp_path / "binary"
+    binary.write_bytes(bytes(range(256)) * 4)
+    garbage = tmp_path / "garbage"
+    garbage.write_text("node1:2\n$(reboot) slots=2\n")
+    args, expected = {
+        "missing": (["--hostfile", str(tmp_path / "nope")], "hostfile not found"),
+        "directory": (["--hostfile", str(tmp_path)], "hostfile is a directory"),
+        "binary": (["--hostfile", str(binary)], "is not text"),
+        "garbage-host": (["--hostfile", str(garbage)], "'$(reboot)' is not a host name"),
+        "negative-n": (["-n", "-3"], "-n must be at least 1, got -3"),
+    }[case]
+    proc = run([sys.executable, RUN, "--dry-run", *args, "--", "generate", "--prompt", "hi"],
+               env=base_env(), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("spmd-cp-run: ")
+              and not line.startswith("spmd-cp-run: MPI")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr
+
+
+def test_trace_summary_of_a_file_that_is_no_trace_is_one_line(tmp_path):
+    from conftest import run_process
+
+    cases = {"binary": bytes(range(256)), "truncated": b'{"traceEvents": [{"ph": "X", ',
+             "empty-trace": b'{"traceEvents": []}'}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        launch = run_process([*SPMD_CP, "trace-summary", str(tmp_path / name)], timeout=60,
+                             check=False)
+        assert launch.returncode != 0 and "Traceback" not in launch.stderr, launch.stderr
+        assert launch.stderr.strip().splitlines() == [
+            launch.stderr.strip()] and "is not a readable spmd-cp trace" in launch.stderr

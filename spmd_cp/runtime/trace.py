@@ -83,6 +83,8 @@ def summarize(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         events = json.load(f)["traceEvents"]
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
+    if not ranks:
+        raise ValueError("no spans in the trace")
     rows, compute = [], {}
     for rank in ranks:
         mine = [e for e in events if e.get("ph") == "X" and e["pid"] == rank and e["tid"] == 0]
