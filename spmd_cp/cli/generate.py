@@ -56,9 +56,10 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     loaded = steps.load_checked_model(comm, run, path)
     engine = steps.make_engine(comm, loaded, run, decode)
     cache, conversation = open_cache(comm, engine, loaded, args, meta)
-    prompt_ids, reused, forecast = spmd.on_root(comm, tokenize_prompt, comm, loaded, run,
-                                                sampling, args, cache, conversation,
-                                                prompt_text, decode.decode_tp != "off")
+    prompt_ids, reused, forecast, max_tokens = spmd.on_root(
+        comm, tokenize_prompt, comm, loaded, run, sampling, args, cache, conversation,
+        prompt_text, decode.decode_tp != "off")
+    sampling.max_tokens = max_tokens  # within the context, the same on every rank
     cache.truncate(reused)
     steps.log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
                    len(prompt_ids), reused, comm.size)
@@ -130,12 +131,13 @@ def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
 def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
                     args: GenerateConfig, cache, conversation: dict, prompt: str,
                     may_split: bool):
-    """Rank 0: the conversation's token ids, how many of them the cache holds, and the
-    memory forecast that let them run."""
+    """Rank 0: the conversation's token ids, how many of them the cache holds, the
+    memory forecast that let them run, and how many tokens may follow them in the
+    model's context."""
     from ..engine.prompt_cache import common_prefix_length
     from ..config import sampling_problem
     from ..errors import UserError
-    from .steps import check_memory, prompt_parts_for, tokenize_checked
+    from .steps import cap_to_context, check_memory, log, prompt_parts_for, tokenize_checked
 
     problem = sampling_problem(sampling, loaded.config.get("vocab_size"))
     if problem:
@@ -143,10 +145,16 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     text, spans = prompt_parts_for(loaded, conversation, prompt, not args.no_chat_template)
     ids = tokenize_checked(loaded, text, run.max_context, user_spans=spans,
                            parse_special=run.parse_special)
-    forecast = check_memory(comm, loaded, run, len(ids) + sampling.max_tokens,
+    max_tokens = cap_to_context(sampling.max_tokens, len(ids),
+                                run.max_context or loaded.max_context)
+    if max_tokens < sampling.max_tokens:
+        log.warning("--max-tokens %d capped at %d: the prompt's %d tokens and the answer "
+                    "must fit the context of %d tokens", sampling.max_tokens, max_tokens,
+                    len(ids), run.max_context or loaded.max_context)
+    forecast = check_memory(comm, loaded, run, len(ids) + max_tokens,
                             len(ids) - min(cache.num_tokens, len(ids) - 1),
-                            split_decode=may_split and sampling.max_tokens > 1)
-    return ids, common_prefix_length(cache.token_ids, ids), forecast
+                            split_decode=may_split and max_tokens > 1)
+    return ids, common_prefix_length(cache.token_ids, ids), forecast, max_tokens
 
 
 def report(comm, run: RunConfig, engine, result, prompt_tokens: int, reused: int,

@@ -125,18 +125,24 @@ class Preparer:
         # whole batch down with it.
         try:
             check_fits(kv_model_shape(self.loaded), self.weights_bytes,
-                       int(ids.size) + self.sampling(job).max_tokens,
-                       self.run.prefill_chunk or int(ids.size), self.ranks,
+                       int(ids.size) + self.sampling(job, int(ids.size)).max_tokens,
+                       min(self.run.prefill_chunk or int(ids.size), int(ids.size)), self.ranks,
                        self.memory_limit, forecast_algo(self.run),
                        process_bytes=outside_mlx_bytes())
         except UserError as error:
             raise JobError("out_of_memory", str(error)) from None
         return ids
 
-    def sampling(self, job: Job) -> SamplingConfig:
-        """The job's own settings, the flags' for those it leaves out."""
+    def sampling(self, job: Job, prompt_tokens: int = 0) -> SamplingConfig:
+        """The job's own settings, the flags' for those it leaves out; at most as many
+        tokens to generate as fit the context after ``prompt_tokens``."""
+        from .steps import cap_to_context
+
         d = self.defaults
-        return SamplingConfig(max_tokens=pick(job.max_tokens, d.max_tokens),
+        max_tokens = pick(job.max_tokens, d.max_tokens)
+        if prompt_tokens:
+            max_tokens = cap_to_context(max_tokens, prompt_tokens, self.limit)
+        return SamplingConfig(max_tokens=max_tokens,
                               temp=pick(job.temperature, d.temp), top_p=pick(job.top_p, d.top_p),
                               top_k=pick(job.top_k, d.top_k), min_p=pick(job.min_p, d.min_p),
                               seed=job.seed, stop=list(job.stop))
@@ -161,5 +167,6 @@ class Preparer:
                                              for _, ids in ready[1:]])
         work = {"shared": ready[0][1][:shared] if ready else None,
                 "jobs": [{"id": job.id, "ids": ids[shared:], "prompt_tokens": int(len(ids)),
-                          "sampling": self.sampling(job)} for job, ids in ready]}
+                          "sampling": self.sampling(job, int(len(ids)))}
+                         for job, ids in ready]}
         return work, errors

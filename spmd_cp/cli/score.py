@@ -75,6 +75,11 @@ def tokenize_document(comm, loaded, run: RunConfig, text: str):
     bos = getattr(loaded.tokenizer, "bos_token_id", None)
     if getattr(loaded.tokenizer, "add_bos_token", False) and bos is not None and ids[0] != bos:
         ids = np.concatenate([[bos], ids])
+    if len(ids) < 2:
+        from ..errors import UserError
+
+        raise UserError(f"the text file has {len(ids)} token: scoring needs at least 2 "
+                        f"(each token is scored given the ones before it)")
     return ids, check_memory(comm, loaded, run, len(ids), len(ids), score=True)
 
 

@@ -160,6 +160,11 @@ def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 
     return ids
 
 
+def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None) -> int:
+    """Tokens to generate after ``prompt_tokens``, within the model's ``context``."""
+    return max_tokens if not context else max(0, min(max_tokens, context - prompt_tokens))
+
+
 def memory_limit(run: RunConfig) -> int:
     return parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
 
@@ -183,7 +188,8 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)
     need = check_fits(kv_model_shape(loaded), weights, total_tokens,
-                      run.prefill_chunk or new_tokens, comm.size, limit, forecast_algo(run),
+                      min(run.prefill_chunk or new_tokens, new_tokens), comm.size, limit,
+                      forecast_algo(run),
                       score, process_bytes=outside_mlx_bytes())
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
              "allowed", need.total / 2**30, need.kv / 2**30, need.process / 2**30,
