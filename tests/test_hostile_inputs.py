@@ -25,6 +25,7 @@ def files(tmp_path_factory):
     (root / "q.txt").write_text("What is the capital of France?\n")
     (root / "doc.txt").write_text(DOCUMENT * 4)
     (root / "injection.txt").write_text(INJECTION)
+    (root / "one-token.txt").write_text("Hi")
     with open(root / "huge.txt", "wb") as f:  # sparse: larger than any bound, no disk used
         f.truncate(1 << 34)
     os.mkfifo(root / "fifo")  # nobody ever writes to it
@@ -46,7 +47,7 @@ def files(tmp_path_factory):
 # -- bounded reads, no hang, one line each ------------------------------------------------
 @pytest.mark.parametrize("case", ["dev-zero", "sparse-file", "fifo", "stdin-not-utf8",
                                   "meta-json", "jobs-line", "jobs-values", "seed", "temp-inf",
-                                  "comm-timeout-nan"])
+                                  "comm-timeout-nan", "score-one-token"])
 def test_hostile_input_is_refused_in_one_line(files, tmp_path, case):
     stdin = None
     out = ["--output", str(tmp_path / "out.jsonl")]
@@ -72,10 +73,17 @@ def test_hostile_input_is_refused_in_one_line(files, tmp_path, case):
         "temp-inf": (["generate", "--prompt", "hi", "--temp", "inf"], ["--temp must be >= 0"]),
         "comm-timeout-nan": (["generate", "--prompt", "hi", "--comm-timeout", "nan"],
                              ["--comm-timeout must be"]),
+        "score-one-token": (["score", "--text-file", str(files / "one-token.txt"), *out],
+                            ["the text file has 1 token: scoring needs at least 2"]),
     }[case]
     if case == "stdin-not-utf8":
         stdin = b"\xff\xfe not UTF-8"
     launch = _run(args, stdin)
+    if case == "score-one-token":  # known once tokenized: the model is loaded by then
+        assert launch.returncode == 2 and "Traceback" not in launch.stderr, launch.stderr
+        errors = [line for line in launch.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and expected[0] in errors[0], launch.stderr
+        return
     refused_before_loading(launch, *expected)
     assert launch.elapsed < 60
 
@@ -224,3 +232,24 @@ def test_trace_summary_of_a_file_that_is_no_trace_is_one_line(tmp_path):
         assert launch.returncode != 0 and "Traceback" not in launch.stderr, launch.stderr
         assert launch.stderr.strip().splitlines() == [
             launch.stderr.strip()] and "is not a readable spmd-cp trace" in launch.stderr
+
+
+# -- answers that were wrong or unclear -------------------------------------------------------
+def test_huge_max_tokens_and_prefill_chunk_fit_the_context():
+    """--max-tokens far past the context is capped at what the context leaves (saying so),
+    a chunk larger than the prompt is forecast as the prompt."""
+    launch = run_cli(2, ["generate", "--prompt", "Count from one to one hundred.",
+                         "--max-context", "48", "--max-tokens", "10000000",
+                         "--prefill-chunk", "1000000", "--json"], timeout=240)
+    summary = launch.last_json()
+    assert summary["prompt_tokens"] + summary["tokens"] <= 48
+    assert "capped at" in launch.stderr and "context of 48 tokens" in launch.stderr
+
+
+def test_a_trace_that_cannot_be_written_is_one_line_after_the_answer(files):
+    launch = run_cli(2, ["generate", "--prompt", "hi", "--max-tokens", "1", "--trace",
+                         "/dev/full", "-q"], check=False, timeout=240)
+    assert launch.returncode != 0 and "Traceback" not in launch.stderr, launch.stderr
+    errors = [line for line in launch.stderr.splitlines() if "error:" in line]
+    assert errors == ["spmd-cp: error: cannot write /dev/full: No space left on device"], \
+        launch.stderr
