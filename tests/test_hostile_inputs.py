@@ -253,3 +253,12 @@ def test_a_trace_that_cannot_be_written_is_one_line_after_the_answer(files):
     errors = [line for line in launch.stderr.splitlines() if "error:" in line]
     assert errors == ["spmd-cp: error: cannot write /dev/full: No space left on device"], \
         launch.stderr
+
+
+def test_ranks_started_with_different_arguments_are_named_at_once():
+    command = ["generate", "--max-tokens", "1", "--prompt"]
+    launch = run_process([MPIEXEC, "-n", "1", *SPMD_CP, *command, "hi", ":", "-n", "1",
+                          *SPMD_CP, *command, "ho"], timeout=120, check=False)
+    refused_before_loading(launch, "the ranks' arguments differ: argument 5 is 'hi' on "
+                                   "rank 0 and 'ho' on rank 1")
+    assert launch.elapsed < 45
