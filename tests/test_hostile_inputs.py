@@ -26,6 +26,12 @@ def files(tmp_path_factory):
     (root / "doc.txt").write_text(DOCUMENT * 4)
     (root / "injection.txt").write_text(INJECTION)
     (root / "one-token.txt").write_text("Hi")
+    bare = root / "bare-model"  # weights, and a config naming nothing but the family
+    bare.mkdir()
+    (bare / "config.json").write_text('{"model_type": "llama"}')
+    import mlx.core as mx
+
+    mx.save_safetensors(str(bare / "model.safetensors"), {"a": mx.zeros((2, 2))})
     with open(root / "huge.txt", "wb") as f:  # sparse: larger than any bound, no disk used
         f.truncate(1 << 34)
     os.mkfifo(root / "fifo")  # nobody ever writes to it
@@ -47,7 +53,7 @@ def files(tmp_path_factory):
 # -- bounded reads, no hang, one line each ------------------------------------------------
 @pytest.mark.parametrize("case", ["dev-zero", "sparse-file", "fifo", "stdin-not-utf8",
                                   "meta-json", "jobs-line", "jobs-values", "seed", "temp-inf",
-                                  "comm-timeout-nan", "score-one-token"])
+                                  "comm-timeout-nan", "score-one-token", "bare-config"])
 def test_hostile_input_is_refused_in_one_line(files, tmp_path, case):
     stdin = None
     out = ["--output", str(tmp_path / "out.jsonl")]
@@ -73,6 +79,8 @@ def test_hostile_input_is_refused_in_one_line(files, tmp_path, case):
         "temp-inf": (["generate", "--prompt", "hi", "--temp", "inf"], ["--temp must be >= 0"]),
         "comm-timeout-nan": (["generate", "--prompt", "hi", "--comm-timeout", "nan"],
                              ["--comm-timeout must be"]),
+        "bare-config": (["generate", "--model", str(files / "bare-model"), "--prompt", "hi"],
+                        ["has an incomplete config.json: missing 6 required", "'hidden_size'"]),
         "score-one-token": (["score", "--text-file", str(files / "one-token.txt"), *out],
                             ["the text file has 1 token: scoring needs at least 2"]),
     }[case]
