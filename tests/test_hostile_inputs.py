@@ -205,7 +205,7 @@ def test_a_job_the_model_refuses_is_its_error_line_and_the_batch_goes_on(tmp_pat
 
 # -- the launcher's own inputs -------------------------------------------------------------
 @pytest.mark.parametrize("case", ["missing", "directory", "binary", "garbage-host",
-                                  "negative-n"])
+                                  "negative-n", "unknown-host"])
 def test_launcher_refuses_bad_hostfiles_and_counts_in_one_line(tmp_path, case):
     from test_launch import RUN, base_env, run
 
@@ -213,14 +213,19 @@ def test_launcher_refuses_bad_hostfiles_and_counts_in_one_line(tmp_path, case):
     binary.write_bytes(bytes(range(256)) * 4)
     garbage = tmp_path / "garbage"
     garbage.write_text("node1:2\n$(reboot) slots=2\n")
+    unknown = tmp_path / "unknown"
+    unknown.write_text("localhost:1\nno-such-host.invalid:1\n")  # RFC 2606: never resolves
     args, expected = {
         "missing": (["--hostfile", str(tmp_path / "nope")], "hostfile not found"),
         "directory": (["--hostfile", str(tmp_path)], "hostfile is a directory"),
         "binary": (["--hostfile", str(binary)], "is not text"),
         "garbage-host": (["--hostfile", str(garbage)], "'$(reboot)' is not a host name"),
         "negative-n": (["-n", "-3"], "-n must be at least 1, got -3"),
+        # Hosts are looked up when the job is started for real, not in a dry run.
+        "unknown-host": (["--hostfile", str(unknown)], "unknown host 'no-such-host.invalid'"),
     }[case]
-    proc = run([sys.executable, RUN, "--dry-run", *args, "--", "generate", "--prompt", "hi"],
+    dry = [] if case == "unknown-host" else ["--dry-run"]
+    proc = run([sys.executable, RUN, *dry, *args, "--", "generate", "--prompt", "hi"],
                env=base_env(), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("spmd-cp-run: ")
