@@ -10,7 +10,8 @@ context is a generous bound (the embedded model's 8,192 tokens: 256 KiB).
 A file with a size (a regular file) is checked from that size before it is read; a pipe,
 a FIFO, standard input or a device is read in chunks and stopped once past the bound.
 A read that sees no data for ``--comm-timeout`` seconds (default 45; 0: wait forever)
-stops too, naming the file: a FIFO nobody writes to cannot hang the job.
+stops too, naming the file: a FIFO nobody writes to cannot hang the job (a terminal on
+standard input is waited for: someone is typing).
 
 Standard library only (and the model's header readers for its context length).
 """
@@ -110,6 +111,8 @@ def read_bounded(path: str, what: str, bound: int, timeout: float,
 
     if path == "-":
         fd, close = sys.stdin.fileno(), False
+        if os.isatty(fd):
+            timeout = 0  # someone is typing: wait for them
     else:
         try:
             info = os.stat(path)
