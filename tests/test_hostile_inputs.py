@@ -275,3 +275,31 @@ def test_ranks_started_with_different_arguments_are_named_at_once():
     refused_before_loading(launch, "the ranks' arguments differ: argument 5 is 'hi' on "
                                    "rank 0 and 'ho' on rank 1")
     assert launch.elapsed < 45
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_settings_the_sampler_refuses_fail_the_generation_not_the_process(tiny_models, overlap):
+    """In this process on one real rank: what rank 0's sampler refuses at run time is a
+    GenerationFailed on every rank at the same step (batch makes it the job's error
+    line), and the same engine and cache answer the next job."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from spmd_cp.config import SamplingConfig
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.engine.generation import GenerationFailed, generate
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.models.loader import load_model
+    from spmd_cp.runtime.comm import Comm
+
+    loaded = load_model(tiny_models["llama"])
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), decode_tp="off")
+    cache = engine.new_cache()
+    prompt = np.array(loaded.tokenizer.encode(DOCUMENT))
+    bad = SamplingConfig(max_tokens=3, temp=0.7, top_k=10**6)
+    with pytest.raises(GenerationFailed, match="sampling failed: ValueError"):
+        generate(engine, cache, prompt, loaded.tokenizer, bad, overlap=overlap)
+    cache.truncate(0)
+    good = generate(engine, cache, prompt, loaded.tokenizer, SamplingConfig(max_tokens=3),
+                    overlap=overlap)
+    assert len(good.tokens) == 3

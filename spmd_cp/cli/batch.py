@@ -153,7 +153,7 @@ def validate(run: RunConfig, args: BatchConfig):
 
 def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
     """Prefill the group's shared tokens once, then answer each job after them (all ranks)."""
-    from ..engine.generation import generate
+    from ..engine.generation import GenerationFailed, generate
 
     cache.truncate(0)
     shared = work["shared"]
@@ -165,9 +165,16 @@ def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
                        if root else None)
         shared_s = time.perf_counter() - start
     for index, job in enumerate(work["jobs"]):
-        result = generate(engine, cache, job["ids"], tokenizer, job["sampling"],
-                          prefill_progress=root.progress.prefill_callback(job["id"])
-                          if root else None)
+        try:
+            result = generate(engine, cache, job["ids"], tokenizer, job["sampling"],
+                              prefill_progress=root.progress.prefill_callback(job["id"])
+                              if root else None)
+        except GenerationFailed as error:
+            # Every rank raised it at the same step: the job's error line, the batch goes on.
+            cache.truncate(len(shared))
+            if root is not None:
+                root.job_failed(job, str(error))
+            continue
         if cache.nbytes > kv_peak["bytes"]:
             kv_peak.update(bytes=int(cache.nbytes), tokens=int(cache.positions.size))
         cache.truncate(len(shared))
@@ -217,6 +224,13 @@ class RootSide:
             if work["jobs"]:
                 return work
         return None
+
+    def job_failed(self, job: dict, message: str):
+        from .jobs import error_record
+
+        self.writer.add(error_record(job["id"], "generation_failed", message))
+        self.errors += 1
+        self.progress.job_done(failed=True)
 
     def job_finished(self, job: dict, result, reused: int, shared_s: float):
         from .steps import throughput
