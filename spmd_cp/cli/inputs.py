@@ -53,12 +53,15 @@ def model_context_tokens(model_path: str | None) -> int | None:
         from ..models.loader import default_model_path
 
         path = Path(model_path or default_model_path())
+        # Regular files only: opening a FIFO given as --model would wait for its writer.
         if path.is_dir():
             config_file = path / "config.json"
-            if config_file.stat().st_size > MIN_INPUT_BYTES:
+            if not config_file.is_file() or config_file.stat().st_size > MIN_INPUT_BYTES:
                 return None
             value = json.loads(config_file.read_text(encoding="utf-8")).get(
                 "max_position_embeddings")
+        elif not path.is_file() or path.suffix.lower() != ".gguf":
+            return None
         else:
             from ..models.gguf_header import read_gguf_metadata
 
