@@ -67,7 +67,7 @@ def _content_spans(loaded, messages: list, text: str) -> list:
 
 def encode(loaded, text: str, user_spans: list, parse_special: bool = False) -> list[int]:
     """Token ids of ``text`` with control tokens only outside ``user_spans``."""
-    hf = loaded.tokenizer._tokenizer if hasattr(loaded.tokenizer, "_tokenizer") else loaded.tokenizer
+    hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)  # mlx-lm's wrapper
     backend = getattr(hf, "backend_tokenizer", None)
     if parse_special or backend is None:
         return list(loaded.tokenizer.encode(text))
