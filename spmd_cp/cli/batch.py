@@ -129,7 +129,8 @@ def validate(run: RunConfig, args: BatchConfig):
     claim_outputs(outputs)  # another run writing the same places is refused at once
 
     jobs = read_jobs(args.jobs_path,
-                     JOB_LINE_FACTOR * input_bound(run.max_context, run.model_path),
+                     JOB_LINE_FACTOR * input_bound(run.max_context, run.model_path,
+                                                   run.memory_limit),
                      read_timeout(run.comm_timeout))
     job_files = [path for job in jobs for path in (job.prompt_file, job.prefix_file) if path]
     check_outputs(outputs,

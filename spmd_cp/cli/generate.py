@@ -99,7 +99,8 @@ def validate(run: RunConfig, args: GenerateConfig):
         from .inputs import META_FACTOR, input_bound
 
         meta = read_meta(args.load_cache,
-                         META_FACTOR * input_bound(run.max_context, run.model_path))
+                         META_FACTOR * input_bound(run.max_context, run.model_path,
+                                                   run.memory_limit))
     check_outputs([cache_dir, trace_output(run)],
                   {"the prompt file": [args.prompt_file], **model_inputs(run)}, run.overwrite)
     return prompt, meta

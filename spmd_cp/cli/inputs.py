@@ -5,7 +5,8 @@ its size, so ``--prompt-file /dev/zero`` is refused in one line instead of filli
 host's memory. The limit follows from the model's context: a prompt longer than the
 context is refused after tokenization anyway, and no tokenizer packs more than a few
 dozen bytes of text into one token, so ``INPUT_BYTES_PER_TOKEN`` bytes a token of
-context is a generous bound (the embedded model's 8,192 tokens: 256 KiB).
+context is a generous bound (the embedded model's 8,192 tokens: 256 KiB, raised to the
+floor ``MIN_INPUT_BYTES``), capped by a share of ``--memory-limit``.
 
 A file with a size (a regular file) is checked from that size before it is read; a pipe,
 a FIFO, standard input or a device is read in chunks and stopped once past the bound.
@@ -40,6 +41,8 @@ META_FACTOR = 12
 JOB_LINE_FACTOR = 6
 # The whole jobs file: many jobs, each bounded by its line.
 JOBS_FILE_BYTES = 1 << 30
+# The text, its ids and the tokenizer's copies stay far below this share of a rank's memory.
+MEMORY_SHARE = 8
 CHUNK = 1 << 16
 DEFAULT_READ_TIMEOUT_S = 45.0
 
@@ -74,11 +77,21 @@ def model_context_tokens(model_path: str | None) -> int | None:
         return None
 
 
-def input_bound(max_context: int | None, model_path: str | None) -> int:
+def input_bound(max_context: int | None, model_path: str | None,
+                memory_limit: str | None = None) -> int:
     """Bytes a prompt or document may have: ``INPUT_BYTES_PER_TOKEN`` per token of
-    ``--max-context``, else of the model's context."""
+    ``--max-context``, else of the model's context, and no more than
+    1/``MEMORY_SHARE`` of the memory a rank may use (``--memory-limit``)."""
     tokens = max_context or model_context_tokens(model_path) or FALLBACK_CONTEXT_TOKENS
-    return max(MIN_INPUT_BYTES, tokens * INPUT_BYTES_PER_TOKEN)
+    return context_bound(tokens, memory_limit)
+
+
+def context_bound(tokens: int | None, memory_limit: str | None = None) -> int:
+    from ..engine.forecast import default_memory_limit, parse_bytes
+
+    memory = parse_bytes(memory_limit) if memory_limit else default_memory_limit()
+    bound = (tokens or FALLBACK_CONTEXT_TOKENS) * INPUT_BYTES_PER_TOKEN
+    return max(MIN_INPUT_BYTES, min(bound, memory // MEMORY_SHARE))
 
 
 def read_timeout(comm_timeout: float | None) -> float:
@@ -102,7 +115,8 @@ def read_bounded(path: str, what: str, bound: int, timeout: float,
     """The bytes of ``path`` ("-": standard input), at most ``bound`` of them, each line
     at most ``line_bound``; a UserError naming the file otherwise."""
     name = "standard input" if path == "-" else str(path)
-    limit_hint = hint or "raise --max-context, or use a shorter input"
+    limit_hint = hint or ("the bound follows from the context (--max-context) and "
+                          "--memory-limit; use a shorter input")
 
     def too_large(size: int | None = None, line: int | None = None):
         if line is not None:

@@ -61,11 +61,9 @@ class Preparer:
         self.args = args
         self.ranks = ranks
         self.limit = run.max_context or loaded.max_context
-        from .inputs import (FALLBACK_CONTEXT_TOKENS, INPUT_BYTES_PER_TOKEN, MIN_INPUT_BYTES,
-                             read_timeout)
+        from .inputs import context_bound, read_timeout
 
-        self.input_bound = max(MIN_INPUT_BYTES, (self.limit or FALLBACK_CONTEXT_TOKENS)
-                               * INPUT_BYTES_PER_TOKEN)
+        self.input_bound = context_bound(self.limit, run.memory_limit)
         self.read_timeout = read_timeout(run.comm_timeout)
         self.memory_limit = memory_limit(run)
         self.weights_bytes = weight_plan(loaded, model_nbytes(loaded.model), run.keep_quantized)

@@ -69,7 +69,7 @@ def read_text_file(path: str, what: str, run: RunConfig) -> str:
     """A UTF-8 text input (``-``: standard input), bounded by the model's context."""
     from .inputs import input_bound, read_text, read_timeout
 
-    return read_text(path, what, input_bound(run.max_context, run.model_path),
+    return read_text(path, what, input_bound(run.max_context, run.model_path, run.memory_limit),
                      read_timeout(run.comm_timeout))
 
 
