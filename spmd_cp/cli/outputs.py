@@ -144,7 +144,8 @@ _CLAIMS: list = []  # (fd, lock file) held for the process's life
 
 
 def claim_path(output: Output) -> Path:
-    """The lock file beside an output: ``.NAME.spmd-cp-claim`` in its directory."""
+    """The lock file beside an output: ``.NAME.spmd-cp-claim`` in its directory (made
+    first where missing)."""
     target = Path(os.path.realpath(output.path))
     return target.parent / f".{target.name}.spmd-cp-claim"
 
@@ -168,6 +169,12 @@ def claim_outputs(outputs: list[Output]):
         if path.exists() and not path.is_file() and not path.is_dir():
             continue
         lock = claim_path(output)
+        try:
+            # One place for the claim, before and after the run creates the directories
+            # (--save-cache new/dir): its parents are made now, as saving would.
+            lock.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # check_outputs names the problem
         while True:
             try:
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
