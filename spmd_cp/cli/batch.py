@@ -117,17 +117,15 @@ def validate(run: RunConfig, args: BatchConfig):
     """Rank 0, before the model loads: the whole jobs file, the outputs, and what the
     output already answers: the pending jobs and how many were done before."""
     from ..errors import UserError
+    from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
     from .jobs import load_finished, read_jobs
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import log, model_inputs, trace_output
 
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
-    from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
-
     outputs = [Output("--output", args.output, appended=True), trace_output(run)]
     claim_outputs(outputs)  # another run writing the same places is refused at once
-
     jobs = read_jobs(args.jobs_path,
                      JOB_LINE_FACTOR * input_bound(run.max_context, run.model_path,
                                                    run.memory_limit),

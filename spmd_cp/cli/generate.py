@@ -135,8 +135,8 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     """Rank 0: the conversation's token ids, how many of them the cache holds, the
     memory forecast that let them run, and how many tokens may follow them in the
     model's context."""
-    from ..engine.prompt_cache import common_prefix_length
     from ..config import sampling_problem
+    from ..engine.prompt_cache import common_prefix_length
     from ..errors import UserError
     from .steps import cap_to_context, check_memory, log, prompt_parts_for, tokenize_checked
 

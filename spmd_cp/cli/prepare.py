@@ -52,6 +52,7 @@ class Preparer:
 
     def __init__(self, loaded, run: RunConfig, sampling: SamplingConfig, args: BatchConfig,
                  ranks: int):
+        from .inputs import context_bound, read_timeout
         from .sharding import weight_plan
         from .steps import memory_limit, model_nbytes
 
@@ -61,8 +62,6 @@ class Preparer:
         self.args = args
         self.ranks = ranks
         self.limit = run.max_context or loaded.max_context
-        from .inputs import context_bound, read_timeout
-
         self.input_bound = context_bound(self.limit, run.memory_limit)
         self.read_timeout = read_timeout(run.comm_timeout)
         self.memory_limit = memory_limit(run)
@@ -94,10 +93,10 @@ class Preparer:
 
         from ..engine.forecast import check_fits
         from ..engine.model import kv_model_shape
-        from ..runtime.resident import outside_mlx_bytes
-        from .steps import forecast_algo, new_conversation, prompt_parts_for
         from ..config import sampling_problem
         from ..engine.generation import token_sampler
+        from ..runtime.resident import outside_mlx_bytes
+        from .steps import forecast_algo, new_conversation, prompt_parts_for
         from .tokens import encode
 
         # The same text generate builds (chat template, stripped user turn), the user's

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -69,8 +68,8 @@ def read_text_file(path: str, what: str, run: RunConfig) -> str:
     """A UTF-8 text input (``-``: standard input), bounded by the model's context."""
     from .inputs import input_bound, read_text, read_timeout
 
-    return read_text(path, what, input_bound(run.max_context, run.model_path, run.memory_limit),
-                     read_timeout(run.comm_timeout))
+    bound = input_bound(run.max_context, run.model_path, run.memory_limit)
+    return read_text(path, what, bound, read_timeout(run.comm_timeout))
 
 
 def model_inputs(run: RunConfig) -> dict[str, list]:
