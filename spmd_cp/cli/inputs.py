@@ -23,7 +23,6 @@ import os
 import select
 import stat
 import sys
-import time
 from pathlib import Path
 
 from ..errors import UserError

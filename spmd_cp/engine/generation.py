@@ -151,6 +151,13 @@ def _guarded(sample):
     return guarded
 
 
+def _failing(failure: GenerationFailed):
+    def sample(logits):
+        raise failure
+
+    return sample
+
+
 def _failure(error: BaseException) -> str:
     if isinstance(error, GenerationFailed):
         return str(error)
@@ -203,17 +210,13 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         overlap = overlap_by_default(comm)
     check_overlap(comm, overlap)  # before the prefill's work
     is_root = comm.rank == 0
-    failure = None  # rank 0's: raised at the first token, where every rank learns of it
     try:
-        sample = token_sampler(options)
+        sample = _guarded(token_sampler(options))
         if is_root and options.seed is not None:
             mx.random.seed(options.seed)
     except (ValueError, TypeError, OverflowError) as error:
-        failure = GenerationFailed(_failure(error))
-    if failure is not None:
-        def sample(logits):
-            raise failure
-    sample = _guarded(sample)
+        # Raised by rank 0 at the first token, where every rank learns of it.
+        sample = _failing(GenerationFailed(_failure(error)))
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     stream = TextStream(tokenizer, options.stop, write) if is_root else None
 
