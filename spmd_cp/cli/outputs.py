@@ -144,8 +144,7 @@ _CLAIMS: list = []  # (fd, lock file) held for the process's life
 
 
 def claim_path(output: Output) -> Path:
-    """The lock file beside an output: ``.NAME.spmd-cp-claim`` in its directory (made
-    first where missing)."""
+    """The lock file beside an output: ``.NAME.spmd-cp-claim`` in its directory."""
     target = Path(os.path.realpath(output.path))
     return target.parent / f".{target.name}.spmd-cp-claim"
 
@@ -169,12 +168,14 @@ def claim_outputs(outputs: list[Output]):
         if path.exists() and not path.is_file() and not path.is_dir():
             continue
         lock = claim_path(output)
-        try:
-            # One place for the claim, before and after the run creates the directories
-            # (--save-cache new/dir): its parents are made now, as saving would.
-            lock.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue  # check_outputs names the problem
+        if output.directory:
+            try:
+                # One place for the claim, before and after the run creates the
+                # directories (--save-cache new/dir): its parents are made now, as
+                # saving would. A file's missing directory is refused by check_outputs.
+                lock.parent.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                continue  # check_outputs names the problem
         while True:
             try:
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
