@@ -22,14 +22,28 @@ SAMPLING_RANGES = {
     "top_p": (0, 1),
     "top_k": (0, None),
     "min_p": (0, 1),
-    "seed": (0, None),  # mx.random.seed takes an unsigned integer
+    "seed": (0, 2**64 - 1),  # mx.random.seed takes an unsigned 64-bit integer
 }
 
 
 def in_range(name: str, value) -> bool:
-    """Whether ``value`` (None: unset) is allowed for sampling setting ``name``."""
+    """Whether ``value`` (None: unset) is allowed for sampling setting ``name`` (a
+    float must be finite: NaN and infinity are no setting)."""
+    import math
+
     low, high = SAMPLING_RANGES[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
     return value is None or (value >= low and (high is None or value <= high))
+
+
+def sampling_problem(sampling, vocab: int | None) -> str | None:
+    """What the model makes of settings the ranges cannot judge alone (None: fine):
+    top_k must be below the vocabulary (mlx-lm's sampler refuses the rest)."""
+    if vocab and sampling.top_k and sampling.top_k >= vocab:
+        return (f"top_k {sampling.top_k} is not below the model's vocabulary of {vocab} "
+                f"tokens (0 turns top-k off)")
+    return None
 
 
 def describe_range(name: str) -> str:
@@ -69,6 +83,8 @@ class RunConfig(_Settings):
     quiet: bool = False
     as_json: bool = False
     overwrite: bool = False
+    # Control-token strings in the user's text become control tokens (else plain text).
+    parse_special: bool = False
 
 
 @dataclass

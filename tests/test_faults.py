@@ -161,14 +161,17 @@ def test_memory_forecast_counts_the_process_outside_mlx(embedded_model):
 
 
 def test_ranks_with_different_model_files_are_refused(tmp_path, prompt_file):
-    """An MPMD launch where rank 1 has another copy of the 'same' model (other weights)."""
+    """Rank 1 has another copy of the 'same' model (other weights): one command on both
+    ranks (--model model), each rank in its own working directory, as two hosts would
+    hold two files at one path."""
     from conftest import write_tiny_model
 
-    a = write_tiny_model(tmp_path / "a", "llama", seed=1)
-    b = write_tiny_model(tmp_path / "b", "llama", seed=2)
-    common = ["generate", "--prompt-file", prompt_file, "--max-tokens", "2"]
-    cmd = [MPIEXEC, "-n", "1", *SPMD_CP, *common, "--model", str(a), ":",
-           "-n", "1", *SPMD_CP, *common, "--model", str(b)]
+    write_tiny_model(tmp_path / "a" / "model", "llama", seed=1)
+    write_tiny_model(tmp_path / "b" / "model", "llama", seed=2)
+    common = ["generate", "--prompt-file", str(prompt_file), "--max-tokens", "2",
+              "--model", "model"]
+    cmd = [MPIEXEC, "-n", "1", "-wdir", str(tmp_path / "a"), *SPMD_CP, *common, ":",
+           "-n", "1", "-wdir", str(tmp_path / "b"), *SPMD_CP, *common]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **RANK_ENV},
                           timeout=120)

@@ -42,7 +42,7 @@ def main():
         # Argument errors are found identically on every rank before MPI starts
         # talking, so each rank exits on its own; print once.
         if _launcher_rank() == 0:
-            if isinstance(error, RangeError):
+            if isinstance(error, RangeError) or type(error) is click.ClickException:
                 print(f"spmd-cp: error: {error.message}", file=sys.stderr, flush=True)
             else:
                 error.show()
@@ -69,7 +69,15 @@ def trace_summary(trace_file):
     """Each rank's compute and wait shares in a --trace file, and the slowest rank."""
     from ..runtime.trace import summarize
 
-    click.echo(summarize(trace_file))
+    try:
+        summary = summarize(trace_file)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        # ValueError covers bad JSON and bad UTF-8 (a binary or truncated file).
+        what = error.strerror if isinstance(error, OSError) else type(error).__name__
+        raise click.ClickException(
+            f"{trace_file} is not a readable spmd-cp trace ({what}); write one with "
+            f"--trace FILE") from None
+    click.echo(summary)
 
 
 for command in (generate, score, batch, serve, doctor):

@@ -117,15 +117,21 @@ def validate(run: RunConfig, args: BatchConfig):
     """Rank 0, before the model loads: the whole jobs file, the outputs, and what the
     output already answers: the pending jobs and how many were done before."""
     from ..errors import UserError
+    from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
     from .jobs import load_finished, read_jobs
-    from .outputs import Output, check_outputs
+    from .outputs import Output, check_outputs, claim_outputs
     from .steps import log, model_inputs, trace_output
 
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
-    jobs = read_jobs(args.jobs_path)
+    outputs = [Output("--output", args.output, appended=True), trace_output(run)]
+    claim_outputs(outputs)  # another run writing the same places is refused at once
+    jobs = read_jobs(args.jobs_path,
+                     JOB_LINE_FACTOR * input_bound(run.max_context, run.model_path,
+                                                   run.memory_limit),
+                     read_timeout(run.comm_timeout))
     job_files = [path for job in jobs for path in (job.prompt_file, job.prefix_file) if path]
-    check_outputs([Output("--output", args.output, appended=True), trace_output(run)],
+    check_outputs(outputs,
                   {"the jobs file": [args.jobs_path], "a job's file": job_files,
                    **model_inputs(run)}, run.overwrite)
     finished = load_finished(args.output, args.resume, discard=run.overwrite)
@@ -146,7 +152,7 @@ def validate(run: RunConfig, args: BatchConfig):
 
 def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
     """Prefill the group's shared tokens once, then answer each job after them (all ranks)."""
-    from ..engine.generation import generate
+    from ..engine.generation import GenerationFailed, generate
 
     cache.truncate(0)
     shared = work["shared"]
@@ -158,9 +164,16 @@ def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
                        if root else None)
         shared_s = time.perf_counter() - start
     for index, job in enumerate(work["jobs"]):
-        result = generate(engine, cache, job["ids"], tokenizer, job["sampling"],
-                          prefill_progress=root.progress.prefill_callback(job["id"])
-                          if root else None)
+        try:
+            result = generate(engine, cache, job["ids"], tokenizer, job["sampling"],
+                              prefill_progress=root.progress.prefill_callback(job["id"])
+                              if root else None)
+        except GenerationFailed as error:
+            # Every rank raised it at the same step: the job's error line, the batch goes on.
+            cache.truncate(len(shared))
+            if root is not None:
+                root.job_failed(job, str(error))
+            continue
         if cache.nbytes > kv_peak["bytes"]:
             kv_peak.update(bytes=int(cache.nbytes), tokens=int(cache.positions.size))
         cache.truncate(len(shared))
@@ -210,6 +223,13 @@ class RootSide:
             if work["jobs"]:
                 return work
         return None
+
+    def job_failed(self, job: dict, message: str):
+        from .jobs import error_record
+
+        self.writer.add(error_record(job["id"], "generation_failed", message))
+        self.errors += 1
+        self.progress.job_done(failed=True)
 
     def job_finished(self, job: dict, result, reused: int, shared_s: float):
         from .steps import throughput

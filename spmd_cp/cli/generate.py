@@ -56,9 +56,10 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     loaded = steps.load_checked_model(comm, run, path)
     engine = steps.make_engine(comm, loaded, run, decode)
     cache, conversation = open_cache(comm, engine, loaded, args, meta)
-    prompt_ids, reused, forecast = spmd.on_root(comm, tokenize_prompt, comm, loaded, run,
-                                                sampling, args, cache, conversation,
-                                                prompt_text, decode.decode_tp != "off")
+    prompt_ids, reused, forecast, max_tokens = spmd.on_root(
+        comm, tokenize_prompt, comm, loaded, run, sampling, args, cache, conversation,
+        prompt_text, decode.decode_tp != "off")
+    sampling.max_tokens = max_tokens  # within the context, the same on every rank
     cache.truncate(reused)
     steps.log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
                    len(prompt_ids), reused, comm.size)
@@ -83,15 +84,23 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
 def validate(run: RunConfig, args: GenerateConfig):
     """Rank 0, before anything heavy: the prompt, the cache to continue, the outputs."""
     from ..engine.prompt_cache import META, read_meta
-    from .outputs import Output, check_outputs
+    from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_prompt, trace_output
 
-    prompt = read_prompt(args.prompt, args.prompt_file)
-    meta = read_meta(args.load_cache) if args.load_cache else None
     # --save-cache may be the --load-cache directory: replacing a conversation by its
     # continuation is what --overwrite is for.
     cache_dir = Output("--save-cache", args.save_cache, directory=True,
                        writes=(META, "rank-*-of-*.safetensors"))
+    # Before anything else: another run writing the same places is refused at once.
+    claim_outputs([cache_dir, trace_output(run)])
+    prompt = read_prompt(args.prompt, args.prompt_file, run)
+    meta = None
+    if args.load_cache:
+        from .inputs import META_FACTOR, input_bound
+
+        meta = read_meta(args.load_cache,
+                         META_FACTOR * input_bound(run.max_context, run.model_path,
+                                                   run.memory_limit))
     check_outputs([cache_dir, trace_output(run)],
                   {"the prompt file": [args.prompt_file], **model_inputs(run)}, run.overwrite)
     return prompt, meta
@@ -123,17 +132,30 @@ def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
 def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
                     args: GenerateConfig, cache, conversation: dict, prompt: str,
                     may_split: bool):
-    """Rank 0: the conversation's token ids, how many of them the cache holds, and the
-    memory forecast that let them run."""
+    """Rank 0: the conversation's token ids, how many of them the cache holds, the
+    memory forecast that let them run, and how many tokens may follow them in the
+    model's context."""
+    from ..config import sampling_problem
     from ..engine.prompt_cache import common_prefix_length
-    from .steps import check_memory, prompt_text_for, tokenize_checked
+    from ..errors import UserError
+    from .steps import cap_to_context, check_memory, log, prompt_parts_for, tokenize_checked
 
-    text = prompt_text_for(loaded, conversation, prompt, not args.no_chat_template)
-    ids = tokenize_checked(loaded, text, run.max_context)
-    forecast = check_memory(comm, loaded, run, len(ids) + sampling.max_tokens,
+    problem = sampling_problem(sampling, loaded.config.get("vocab_size"))
+    if problem:
+        raise UserError(problem.replace("top_k", "--top-k", 1))
+    text, spans = prompt_parts_for(loaded, conversation, prompt, not args.no_chat_template)
+    ids = tokenize_checked(loaded, text, run.max_context, user_spans=spans,
+                           parse_special=run.parse_special)
+    max_tokens = cap_to_context(sampling.max_tokens, len(ids),
+                                run.max_context or loaded.max_context)
+    if max_tokens < sampling.max_tokens:
+        log.warning("--max-tokens %d capped at %d: the prompt's %d tokens and the answer "
+                    "must fit the context of %d tokens", sampling.max_tokens, max_tokens,
+                    len(ids), run.max_context or loaded.max_context)
+    forecast = check_memory(comm, loaded, run, len(ids) + max_tokens,
                             len(ids) - min(cache.num_tokens, len(ids) - 1),
-                            split_decode=may_split and sampling.max_tokens > 1)
-    return ids, common_prefix_length(cache.token_ids, ids), forecast
+                            split_decode=may_split and max_tokens > 1)
+    return ids, common_prefix_length(cache.token_ids, ids), forecast, max_tokens
 
 
 def report(comm, run: RunConfig, engine, result, prompt_tokens: int, reused: int,

@@ -83,6 +83,20 @@ class Job:
         return None if self.prefix_file is None else (str(self.prefix_file), self.system)
 
 
+def _valid_unicode(value) -> bool:
+    """Whether every string in ``value`` can be written as UTF-8 (JSON's \\ud800 escapes
+    decode to lone surrogates, which cannot)."""
+    if isinstance(value, list):
+        return all(_valid_unicode(v) for v in value)
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _line_problems(record) -> list[str]:
     if not isinstance(record, dict):
         return [f"not a JSON object but {type(record).__name__}"]
@@ -94,6 +108,10 @@ def _line_problems(record) -> list[str]:
                 problems.append("missing 'id'")
         elif not check(value):
             problems.append(f"{key!r} must be {must_be}, got {json.dumps(value)[:40]}")
+    for key, value in record.items():
+        if key in FIELDS and not _valid_unicode(value):
+            problems.append(f"{key!r} is not valid Unicode text (a lone surrogate such as "
+                            f"\\ud800)")
     has_prompt = record.get("prompt") is not None
     has_file = record.get("prompt_file") is not None
     if has_prompt == has_file:
@@ -101,18 +119,19 @@ def _line_problems(record) -> list[str]:
     return problems
 
 
-def read_jobs(path: str | os.PathLike) -> list[Job]:
+def read_jobs(path: str | os.PathLike, line_bound: int | None = None,
+              timeout: float = 0) -> list[Job]:
     """Every job of a JSONL jobs file, or one UserError naming every bad line.
 
-    Blank lines are skipped; line numbers count them.
+    Blank lines are skipped; line numbers count them. Each line holds at most
+    ``line_bound`` bytes, the file at most ``inputs.JOBS_FILE_BYTES`` (cli/inputs.py).
     """
+    from .inputs import JOBS_FILE_BYTES, decode_text, read_bounded
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"jobs file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read jobs file {path}: {error}") from None
+    data = read_bounded(str(path), "jobs file", JOBS_FILE_BYTES, timeout, line_bound,
+                        hint="split the file, or give a long prompt as a prompt_file")
+    text = decode_text(data, "jobs file", str(path))
     base = path.resolve().parent
     jobs, bad, first_line_of = [], [], {}
     for number, raw in enumerate(text.splitlines(), 1):

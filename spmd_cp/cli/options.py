@@ -26,6 +26,12 @@ def range_check(name: str):
     return check
 
 
+def _not_nan(ctx, param, value):
+    if value is not None and value != value:
+        raise RangeError(f"{param.opts[0]} must be a number of seconds >= 0, got nan")
+    return value
+
+
 def _apply(fn, options):
     for option in reversed(options):
         fn = option(fn)
@@ -61,11 +67,16 @@ def common_options(fn):
                           "layer's owner broadcasts it just before it runs (auto: when the "
                           "weights and the process's own memory exceed --memory-limit)."),
         click.option("--comm-timeout", type=click.FloatRange(min=0), default=d("comm_timeout"),
+                     callback=_not_nan,
                      help="Abort the job when a rank waits this many seconds for a peer during "
                           "prefill/decode (default 45; 0 disables)."),
         click.option("--trace", default=d("trace"), metavar="FILE",
                      help="Write a Chrome trace (Perfetto) of every rank's layers, waits and "
                           "transfers; see spmd-cp trace-summary."),
+        click.option("--parse-special", is_flag=True,
+                     help="Read control-token strings (<|im_start|>, ...) in prompts and "
+                          "documents as control tokens (default: as plain text; only the "
+                          "chat template makes control tokens)."),
         click.option("--overwrite", is_flag=True,
                      help="Replace existing output files (--output, --trace, --save-cache)."),
         click.option("-v", "--verbose", is_flag=True, help="Log from every rank, not only rank 0."),

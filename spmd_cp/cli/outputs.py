@@ -137,3 +137,81 @@ def write_text_atomically(path: str, lines):
             raise
     except OSError as error:
         raise UserError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+# -- claims: one run per output -----------------------------------------------------------
+_CLAIMS: list = []  # (fd, lock file) held for the process's life
+
+
+def claim_path(output: Output) -> Path:
+    """The lock file beside an output: ``.NAME.spmd-cp-claim`` in its directory."""
+    target = Path(os.path.realpath(output.path))
+    return target.parent / f".{target.name}.spmd-cp-claim"
+
+
+def claim_outputs(outputs: list[Output]):
+    """Claim every output for this process's life, or refuse in one line when another
+    running process holds one (whatever --overwrite says).
+
+    The claim is a POSIX lock (``lockf``) on a file beside the output, holding the
+    holder's pid: the kernel drops it when its process ends, however it ends, so a
+    crashed run's claim is taken over by the next run. Devices and pipes are not
+    claimed; a place no claim can be made in is left to ``check_outputs`` to refuse.
+    """
+    import atexit
+    import fcntl
+
+    for output in outputs:
+        if not output.path:
+            continue
+        path = Path(output.path)
+        if path.exists() and not path.is_file() and not path.is_dir():
+            continue
+        lock = claim_path(output)
+        if output.directory:
+            try:
+                # One place for the claim, before and after the run creates the
+                # directories (--save-cache new/dir): its parents are made now, as
+                # saving would. A file's missing directory is refused by check_outputs.
+                lock.parent.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                continue  # check_outputs names the problem
+        while True:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            except OSError:
+                break  # no place for a claim: check_outputs names the problem
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                raise UserError(f"{output.flag} {output.path} is in use by another spmd-cp "
+                                f"run (pid {holder}); wait for it to end or choose another "
+                                f"path") from None
+            # The file may have been removed (its holder ended) between open and lock:
+            # then this lock guards nothing; take the new file.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(lock))
+            except OSError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            _CLAIMS.append((fd, lock))
+            if len(_CLAIMS) == 1:
+                atexit.register(release_claims)
+            break
+
+
+def release_claims():
+    """Remove this process's claim files (while still holding them) and drop the locks."""
+    while _CLAIMS:
+        fd, lock = _CLAIMS.pop()
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        os.close(fd)

@@ -27,13 +27,17 @@ class JobError(Exception):
         self.message = message
 
 
-def read_job_file(path: Path, what: str) -> str:
+def read_job_file(path: Path, what: str, bound: int, timeout: float) -> str:
+    from .inputs import InputTooLarge, decode_text, read_bounded
+
+    if not path.exists():
+        raise JobError("file_not_found", f"{what} not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise JobError("file_not_found", f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise JobError("unreadable_file", f"cannot read {what} {path}: {error}") from None
+        text = decode_text(read_bounded(str(path), what, bound, timeout), what, str(path))
+    except InputTooLarge as error:
+        raise JobError("prompt_too_long", str(error)) from None
+    except UserError as error:
+        raise JobError("unreadable_file", str(error)) from None
     if not text.strip():
         raise JobError("empty_prompt", f"{what} is empty: {path}")
     return text
@@ -48,6 +52,7 @@ class Preparer:
 
     def __init__(self, loaded, run: RunConfig, sampling: SamplingConfig, args: BatchConfig,
                  ranks: int):
+        from .inputs import context_bound, read_timeout
         from .sharding import weight_plan
         from .steps import memory_limit, model_nbytes
 
@@ -57,12 +62,15 @@ class Preparer:
         self.args = args
         self.ranks = ranks
         self.limit = run.max_context or loaded.max_context
+        self.input_bound = context_bound(self.limit, run.memory_limit)
+        self.read_timeout = read_timeout(run.comm_timeout)
         self.memory_limit = memory_limit(run)
         self.weights_bytes = weight_plan(loaded, model_nbytes(loaded.model), run.keep_quantized)
 
     def prompt_of(self, job: Job, documents: dict) -> str:
         if job.prompt_file is not None:
-            prompt = read_job_file(job.prompt_file, "prompt file")
+            prompt = read_job_file(job.prompt_file, "prompt file", self.input_bound,
+                                   self.read_timeout)
         else:
             prompt = job.prompt
             if not prompt.strip():
@@ -71,7 +79,8 @@ class Preparer:
             return prompt
         if job.prefix_file not in documents:
             try:
-                documents[job.prefix_file] = read_job_file(job.prefix_file, "prefix file")
+                documents[job.prefix_file] = read_job_file(job.prefix_file, "prefix file",
+                                                           self.input_bound, self.read_timeout)
             except JobError as error:
                 documents[job.prefix_file] = error
         document = documents[job.prefix_file]
@@ -84,13 +93,26 @@ class Preparer:
 
         from ..engine.forecast import check_fits
         from ..engine.model import kv_model_shape
+        from ..config import sampling_problem
+        from ..engine.generation import token_sampler
         from ..runtime.resident import outside_mlx_bytes
-        from .steps import forecast_algo, new_conversation, prompt_text_for
+        from .steps import forecast_algo, new_conversation, prompt_parts_for
+        from .tokens import encode
 
-        # The same text generate builds (chat template, stripped user turn).
-        text = prompt_text_for(self.loaded, new_conversation(pick(job.system, self.args.system)),
-                               self.prompt_of(job, documents), not self.args.no_chat_template)
-        ids = np.asarray(self.loaded.tokenizer.encode(text), np.int64)
+        # The same text generate builds (chat template, stripped user turn), the user's
+        # text tokenized as plain text as generate does.
+        text, spans = prompt_parts_for(
+            self.loaded, new_conversation(pick(job.system, self.args.system)),
+            self.prompt_of(job, documents), not self.args.no_chat_template)
+        problem = sampling_problem(self.sampling(job), self.loaded.config.get("vocab_size"))
+        if problem:
+            raise JobError("invalid_job", problem)
+        try:
+            # The sampler's own checks, now rather than in the middle of the ranks' work.
+            token_sampler(self.sampling(job))
+        except (ValueError, TypeError, OverflowError) as error:
+            raise JobError("invalid_job", f"sampling settings refused: {error}") from None
+        ids = np.asarray(encode(self.loaded, text, spans, self.run.parse_special), np.int64)
         if ids.size == 0:
             raise JobError("empty_prompt", "the prompt is empty after tokenization")
         if self.limit is not None and ids.size > self.limit:
@@ -100,18 +122,24 @@ class Preparer:
         # whole batch down with it.
         try:
             check_fits(kv_model_shape(self.loaded), self.weights_bytes,
-                       int(ids.size) + self.sampling(job).max_tokens,
-                       self.run.prefill_chunk or int(ids.size), self.ranks,
+                       int(ids.size) + self.sampling(job, int(ids.size)).max_tokens,
+                       min(self.run.prefill_chunk or int(ids.size), int(ids.size)), self.ranks,
                        self.memory_limit, forecast_algo(self.run),
                        process_bytes=outside_mlx_bytes())
         except UserError as error:
             raise JobError("out_of_memory", str(error)) from None
         return ids
 
-    def sampling(self, job: Job) -> SamplingConfig:
-        """The job's own settings, the flags' for those it leaves out."""
+    def sampling(self, job: Job, prompt_tokens: int = 0) -> SamplingConfig:
+        """The job's own settings, the flags' for those it leaves out; at most as many
+        tokens to generate as fit the context after ``prompt_tokens``."""
+        from .steps import cap_to_context
+
         d = self.defaults
-        return SamplingConfig(max_tokens=pick(job.max_tokens, d.max_tokens),
+        max_tokens = pick(job.max_tokens, d.max_tokens)
+        if prompt_tokens:
+            max_tokens = cap_to_context(max_tokens, prompt_tokens, self.limit)
+        return SamplingConfig(max_tokens=max_tokens,
                               temp=pick(job.temperature, d.temp), top_p=pick(job.top_p, d.top_p),
                               top_k=pick(job.top_k, d.top_k), min_p=pick(job.min_p, d.min_p),
                               seed=job.seed, stop=list(job.stop))
@@ -136,5 +164,6 @@ class Preparer:
                                              for _, ids in ready[1:]])
         work = {"shared": ready[0][1][:shared] if ready else None,
                 "jobs": [{"id": job.id, "ids": ids[shared:], "prompt_tokens": int(len(ids)),
-                          "sampling": self.sampling(job)} for job, ids in ready]}
+                          "sampling": self.sampling(job, int(len(ids)))}
+                         for job, ids in ready]}
         return work, errors

@@ -54,12 +54,14 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
 def validate(run: RunConfig, args: ScoreConfig) -> str:
     """Rank 0, before anything heavy: the output may be written and destroys no input."""
-    from .outputs import Output, check_outputs
+    from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_text_file, trace_output
 
-    check_outputs([Output("--output", args.output), trace_output(run)],
+    outputs = [Output("--output", args.output), trace_output(run)]
+    claim_outputs(outputs)  # another run writing the same places is refused at once
+    check_outputs(outputs,
                   {"the text file": [args.text_file], **model_inputs(run)}, run.overwrite)
-    return read_text_file(args.text_file, "text file")
+    return read_text_file(args.text_file, "text file", run)
 
 
 def tokenize_document(comm, loaded, run: RunConfig, text: str):
@@ -69,10 +71,15 @@ def tokenize_document(comm, loaded, run: RunConfig, text: str):
 
     from .steps import check_memory, tokenize_checked
 
-    ids = tokenize_checked(loaded, text, run.max_context)
+    ids = tokenize_checked(loaded, text, run.max_context, parse_special=run.parse_special)
     bos = getattr(loaded.tokenizer, "bos_token_id", None)
     if getattr(loaded.tokenizer, "add_bos_token", False) and bos is not None and ids[0] != bos:
         ids = np.concatenate([[bos], ids])
+    if len(ids) < 2:
+        from ..errors import UserError
+
+        raise UserError(f"the text file has {len(ids)} token: scoring needs at least 2 "
+                        f"(each token is scored given the ones before it)")
     return ids, check_memory(comm, loaded, run, len(ids), len(ids), score=True)
 
 

@@ -11,7 +11,6 @@ import logging
 import socket
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -53,28 +52,26 @@ def run_spmd(body, run: RunConfig, *settings) -> int:
 
 
 # -- inputs (rank 0) -------------------------------------------------------------------
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt text from --prompt TEXT, --prompt - (stdin) or --prompt-file F (rank 0)."""
+def read_prompt(prompt: str | None, prompt_file: str | None, run: RunConfig) -> str:
+    """The prompt text from --prompt TEXT, --prompt - (stdin) or --prompt-file F (rank 0;
+    ``--prompt-file -`` reads stdin too), read with the bound of cli/inputs.py."""
     if (prompt is None) == (prompt_file is None):
         raise UserError("give exactly one of --prompt TEXT, --prompt - or --prompt-file FILE")
     if prompt_file is not None:
-        return read_text_file(prompt_file, "prompt file")
-    text = sys.stdin.read() if prompt == "-" else prompt
-    if not text.strip():
+        return read_text_file(prompt_file, "prompt file", run)
+    if prompt == "-":
+        return read_text_file("-", "prompt", run)
+    if not prompt.strip():
         raise UserError("the prompt is empty")
-    return text
+    return prompt
 
 
-def read_text_file(path: str, what: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"cannot read {what} {path}: {error}") from None
-    if not text.strip():
-        raise UserError(f"{what} is empty: {path}")
-    return text
+def read_text_file(path: str, what: str, run: RunConfig) -> str:
+    """A UTF-8 text input (``-``: standard input), bounded by the model's context."""
+    from .inputs import input_bound, read_text, read_timeout
+
+    bound = input_bound(run.max_context, run.model_path, run.memory_limit)
+    return read_text(path, what, bound, read_timeout(run.comm_timeout))
 
 
 def model_inputs(run: RunConfig) -> dict[str, list]:
@@ -164,9 +161,15 @@ def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = Decod
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------
-def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0) -> np.ndarray:
-    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt."""
-    ids = np.asarray(loaded.tokenizer.encode(text), np.int64)
+def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0,
+                     user_spans: list | None = None, parse_special: bool = False) -> np.ndarray:
+    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt.
+    ``user_spans``: where the user's text lies (None: all of it), tokenized as plain text
+    unless ``parse_special`` (cli/tokens.py)."""
+    from .tokens import encode
+
+    spans = [(0, len(text))] if user_spans is None else user_spans
+    ids = np.asarray(encode(loaded, text, spans, parse_special), np.int64)
     if ids.size == 0:
         raise UserError("the prompt is empty after tokenization")
     limit = max_context or loaded.max_context
@@ -174,6 +177,11 @@ def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 
         extra = f" + {reserve} tokens to generate" if reserve else ""
         raise UserError(f"prompt has {ids.size} tokens{extra}, more than --max-context {limit}")
     return ids
+
+
+def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None) -> int:
+    """Tokens to generate after ``prompt_tokens``, within the model's ``context``."""
+    return max_tokens if not context else max(0, min(max_tokens, context - prompt_tokens))
 
 
 def memory_limit(run: RunConfig) -> int:
@@ -199,7 +207,8 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)
     need = check_fits(kv_model_shape(loaded), weights, total_tokens,
-                      run.prefill_chunk or new_tokens, comm.size, limit, forecast_algo(run),
+                      min(run.prefill_chunk or new_tokens, new_tokens), comm.size, limit,
+                      forecast_algo(run),
                       score, process_bytes=outside_mlx_bytes())
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
              "allowed", need.total / 2**30, need.kv / 2**30, need.process / 2**30,
@@ -258,13 +267,14 @@ def new_conversation(system: str | None) -> dict:
 
 def prompt_text_for(loaded, conversation: dict, prompt: str, chat: bool) -> str:
     """The full text to tokenize: the conversation so far plus the new user prompt."""
-    if chat and getattr(loaded.tokenizer, "has_chat_template", False):
-        # A prompt file's trailing newline is not part of the question; small models
-        # answer noticeably worse with it inside the user turn.
-        messages = conversation["messages"] + [{"role": "user", "content": prompt.strip()}]
-        return loaded.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=True)
-    return conversation["text"] + prompt
+    return prompt_parts_for(loaded, conversation, prompt, chat)[0]
+
+
+def prompt_parts_for(loaded, conversation: dict, prompt: str, chat: bool) -> tuple[str, list]:
+    """(the full text to tokenize, where each message's content lies in it)."""
+    from .tokens import render
+
+    return render(loaded, conversation, prompt, chat)
 
 
 def extend_conversation(conversation: dict, prompt: str, answer: str) -> dict:

@@ -15,8 +15,14 @@ import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
 from ..config import SamplingConfig
+from ..errors import UserError
 from ..runtime import allocator
 from .engine import Engine
+
+
+class GenerationFailed(UserError):
+    """Rank 0 could not sample or stream a token (settings its sampler refuses): every
+    rank raises it at the same step, so a batch can record the job's error and go on."""
 
 
 @dataclass
@@ -116,15 +122,46 @@ def _lockstep(engine: Engine, cache, logits, sample, max_tokens: int, stop, read
     for step in range(max_tokens):
         message = None
         if comm.rank == 0:
-            token = int(sample(logits))
-            message = (token, stop(token))
+            try:
+                token = int(sample(logits))
+                message = (token, stop(token))
+            except Exception as error:  # noqa: BLE001 - rank 0's alone: tell every rank
+                message = (None, _failure(error))
         token, stopped = comm.bcast_object(message)
+        if token is None:
+            raise GenerationFailed(stopped)
         yield token, stopped
         if stopped or step + 1 == max_tokens:
             return
         if step == 0:
             ready()
         logits = engine.decode_step(cache, token)
+
+
+def _guarded(sample):
+    """``sample`` raising GenerationFailed, not whatever its sampler raised."""
+    def guarded(logits):
+        try:
+            return sample(logits)
+        except GenerationFailed:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported as the job's error
+            raise GenerationFailed(_failure(error)) from None
+
+    return guarded
+
+
+def _failing(failure: GenerationFailed):
+    def sample(logits):
+        raise failure
+
+    return sample
+
+
+def _failure(error: BaseException) -> str:
+    if isinstance(error, GenerationFailed):
+        return str(error)
+    return "sampling failed: " + " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
 
 def _overlapped(engine: Engine, cache, logits, sample, max_tokens: int, stop):
@@ -176,9 +213,13 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         overlap = overlap_by_default(comm)
     check_overlap(comm, overlap)  # before the prefill's work
     is_root = comm.rank == 0
-    sample = token_sampler(options)
-    if is_root and options.seed is not None:
-        mx.random.seed(options.seed)
+    try:
+        sample = _guarded(token_sampler(options))
+        if is_root and options.seed is not None:
+            mx.random.seed(options.seed)
+    except (ValueError, TypeError, OverflowError) as error:
+        # Raised by rank 0 at the first token, where every rank learns of it.
+        sample = _failing(GenerationFailed(_failure(error)))
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     stream = TextStream(tokenizer, options.stop, write) if is_root else None
 

@@ -108,17 +108,25 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
     spmd.on_root(comm, write_meta)
 
 
-def read_meta(directory: str) -> dict:
-    """meta.json of a cache directory (rank 0; cheap: run before loading the model)."""
+def read_meta(directory: str, bound: int | None = None) -> dict:
+    """meta.json of a cache directory (rank 0; cheap: run before loading the model),
+    refused when larger than ``bound`` bytes."""
     path = Path(directory) / META
     if not Path(directory).is_dir():
         raise UserError(f"prompt cache not found: {directory}")
     try:
-        meta = json.loads(path.read_text())
+        if path.exists() and not path.is_file():
+            raise UserError(f"prompt cache {directory} is corrupt ({META} is not a file)")
+        if bound is not None and path.stat().st_size > bound:
+            raise UserError(f"prompt cache {directory}: {META} is larger than {bound} bytes "
+                            f"({path.stat().st_size}); not a cache this model could continue")
+        meta = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"prompt cache {directory} is incomplete (no {META})") from None
     except (OSError, ValueError) as error:
         raise UserError(f"prompt cache {directory} is corrupt ({META}: {error})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"prompt cache {directory} is corrupt ({META} is not a JSON object)")
     if meta.get("format") != FORMAT:
         raise UserError(f"prompt cache {directory} has format {meta.get('format')!r}, "
                         f"this spmd-cp reads format {FORMAT}")

@@ -83,9 +83,25 @@ def check_model_path(path: str) -> Path:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"unsupported model architecture {model_type!r} in {path} "
                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    _check_config(config, model_type, path)
     for weights in sorted(p.glob("*.safetensors")):
         _check_file(weights, check_safetensors)
     return p
+
+
+def _check_config(config: dict, model_type: str, path: str):
+    """Refuse a config.json mlx-lm cannot build its model from (a missing size, say)."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    try:
+        module.ModelArgs.from_dict(config)
+    except (TypeError, ValueError, KeyError) as error:
+        what = " ".join(str(error).split()).replace("ModelArgs.__init__() ", "")
+        raise UserError(f"model directory {path} has an incomplete config.json: "
+                        f"{what[:MAX_ERROR_CHARS]}") from None
 
 
 def _check_file(file: Path, check):

@@ -134,6 +134,11 @@ def run_main(main, options: dict) -> int:
             print(f"spmd-cp: error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     setup_logging(comm, options.get("verbose", False))
+    differ = arguments_differ(comm.allgather_object(sys.argv[1:]))
+    if differ:  # ranks started with different commands (mpiexec A : B): nothing agrees
+        if comm.rank == 0:
+            print(f"spmd-cp: error: {differ}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     if options.get("trace"):
         comm.tracer = Tracer(comm.rank)
         comm.tracer.align(comm)
@@ -146,6 +151,21 @@ def run_main(main, options: dict) -> int:
             log.info("trace of %d ranks written to %s", comm.size, options["trace"])
 
     return run(comm, main_then_trace, options)
+
+
+def arguments_differ(arguments: list[list[str]]) -> str | None:
+    """Why the ranks' command lines (rank order) are not one SPMD job, or None."""
+    for rank, theirs in enumerate(arguments):
+        if theirs == arguments[0]:
+            continue
+        ours = arguments[0]
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                  min(len(ours), len(theirs)))
+        show = lambda args: repr(args[at]) if at < len(args) else "nothing"  # noqa: E731
+        return (f"the ranks' arguments differ: argument {at + 1} is {show(ours)} on rank 0 "
+                f"and {show(theirs)} on rank {rank}; start every rank with the same "
+                f"command (one spmd-cp program, not mpiexec A : B)")
+    return None
 
 
 def hot_phase(comm: Comm, timeout: float | None):

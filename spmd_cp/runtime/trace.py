@@ -65,8 +65,12 @@ class Tracer:
             events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 1,
                            "args": {"name": "communication thread"}})
             events.extend(rank_events)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        # Like every other output: a temporary file renamed over the path (the path
+        # was checked and claimed before the run).
+        from ..cli.outputs import write_text_atomically
+
+        write_text_atomically(path, [json.dumps({"traceEvents": events,
+                                                 "displayTimeUnit": "ms"})])
 
 
 def span(tracer: Tracer | None, name: str, category: str, **args):
@@ -79,6 +83,8 @@ def summarize(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         events = json.load(f)["traceEvents"]
     ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
+    if not ranks:
+        raise ValueError("no spans in the trace")
     rows, compute = [], {}
     for rank in ranks:
         mine = [e for e in events if e.get("ph") == "X" and e["pid"] == rank and e["tid"] == 0]

@@ -50,18 +50,24 @@ class RootSide:
             return work
         return None
 
-    def prompt_text(self, request) -> str:
+    def prompt_text(self, request) -> tuple[str, list | None]:
+        """(the text to tokenize, where the user's contents lie in it: None for all of
+        it). Control-token strings inside a message stay text (cli/tokens.py), as in
+        generate, unless --parse-special."""
+        from ..cli.tokens import content_spans
+
         tokenizer = self.loaded.tokenizer
         if request.kind != "chat":
-            return request.prompt
+            return request.prompt, None
         if not getattr(tokenizer, "has_chat_template", False):
-            return "".join(m["content"] for m in request.messages)
+            return "".join(m["content"] for m in request.messages), None
         try:
-            return tokenizer.apply_chat_template(request.messages, tokenize=False,
+            text = tokenizer.apply_chat_template(request.messages, tokenize=False,
                                                  add_generation_prompt=True)
         except Exception as error:  # noqa: BLE001 - a template's own refusal (jinja)
             raise ApiError(400, f"the chat template refused these messages: {error}",
                            code="invalid_messages", param="messages") from None
+        return text, content_spans(self.loaded, request.messages, text)
 
     def prepare(self, request, caches) -> dict:
         """Token ids, the resident caches' plan for them (the entry continued, the tokens
@@ -71,7 +77,9 @@ class RootSide:
 
         sampling = request.sampling
         try:
-            ids = tokenize_checked(self.loaded, self.prompt_text(request), self.run.max_context)
+            text, spans = self.prompt_text(request)
+            ids = tokenize_checked(self.loaded, text, self.run.max_context, user_spans=spans,
+                                   parse_special=self.run.parse_special)
         except UserError as error:
             raise ApiError(400, str(error), code="context_length_exceeded",
                            param="messages" if request.kind == "chat" else "prompt") from None
