@@ -9,7 +9,8 @@ import stat
 import pytest
 
 from spmd_cp.cli.jobs import read_jobs
-from spmd_cp.cli.outputs import Output, check_outputs, write_text_atomically
+from spmd_cp.cli.outputs import Output, check_outputs
+from spmd_cp.runtime.files import write_text_atomically
 from spmd_cp.config import (SAMPLING_RANGES, DecodeConfig, RunConfig, SamplingConfig,
                             from_options)
 from spmd_cp.errors import UserError

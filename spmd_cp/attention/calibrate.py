@@ -296,9 +296,9 @@ def recheck_decode_figures(comm: Comm, measured: LinkAndCompute) -> LinkAndCompu
                                        ("collective", measured.collective_s, collective))
            if min(old, new) > 0 and max(old, new) / min(old, new) > STALE_FACTOR]
     if off and comm.rank == 0:
-        log.info("calibration: the cached %s was over %gx off what the ranks measure now "
-                 "(collective %.0f us, was %.0f us; weight reads %.1f GB/s, were %.1f GB/s): "
-                 "the file is replaced", " and ".join(off), STALE_FACTOR, 1e6 * collective,
+        log.info("calibration: the cached %s differed from what the ranks measure now by "
+                 "over %gx (collective %.0f us, was %.0f us; weight reads %.1f GB/s, were "
+                 "%.1f GB/s): the file is replaced", " and ".join(off), STALE_FACTOR, 1e6 * collective,
                  1e6 * measured.collective_s, stream / 1e9, measured.stream_bytes_per_s / 1e9)
         write_calibration(path, fresh)
     return fresh

@@ -87,7 +87,7 @@ def write_records(path: str, records):
     """Rank 0: one JSON line per predicted position, replacing ``path`` atomically."""
     import json
 
-    from .outputs import write_text_atomically
+    from ..runtime.files import write_text_atomically
 
     write_text_atomically(path, (
         json.dumps({"pos": pos, "token": token, "logprob": logprob, "argmax": argmax}) + "\n"

@@ -67,7 +67,7 @@ class Tracer:
             events.extend(rank_events)
         # Like every other output: a temporary file renamed over the path (the path
         # was checked and claimed before the run).
-        from ..cli.outputs import write_text_atomically
+        from .files import write_text_atomically
 
         write_text_atomically(path, [json.dumps({"traceEvents": events,
                                                  "displayTimeUnit": "ms"})])
