@@ -40,6 +40,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_server(ranks: int, port: int):
+    """(the `spmd-cp serve` process group, an OpenAI client of it) once it answers."""
+    import openai
+
+    server = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "spmd-cp"),
+                               "serve", "--port", str(port), "-q"], env=ENV,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=600)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            client.models.list()
+            return server, client
+        except openai.APIError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                os.killpg(server.pid, signal.SIGKILL)
+                raise
+            time.sleep(0.5)
+
+
 def first_byte_s(cmd: list[str]) -> tuple[float, str]:
     """Seconds from launch to the first stdout byte, and the whole stdout."""
     start = time.perf_counter()
@@ -72,27 +93,12 @@ def main():
     parser.add_argument("--followups", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
-    import openai
-
     document = "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
     document = document[:args.doc_chars]
     spmd = [str(BIN / "mpiexec"), "-n", str(args.ranks), str(BIN / "spmd-cp")]
-    port = free_port()
-    server = subprocess.Popen(spmd + ["serve", "--port", str(port), "-q"], env=ENV,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server, client = start_server(args.ranks, free_port())
     result = {"ranks": args.ranks, "doc_chars": len(document), "followups": []}
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0, timeout=600)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
         first = document + "\n\n" + QUESTIONS[0]
         messages = [{"role": "user", "content": first}]
         ttft, text, _ = stream_ttft(client, messages, args.max_tokens)

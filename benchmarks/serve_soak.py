@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_followups import BIN, ENV, free_port  # noqa: E402
+from serve_followups import free_port, start_server  # noqa: E402
 
 TOPICS = ["cats", "rivers", "bridges", "volcanoes", "violins", "glaciers", "comets"]
 
@@ -53,8 +53,6 @@ def rss_mb(pid: int) -> float:
 def main():
     import argparse
 
-    import openai
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--requests", type=int, default=100)
@@ -62,22 +60,9 @@ def main():
     parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
     port = free_port()
-    server = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(args.ranks),
-                               str(BIN / "spmd-cp"), "serve", "--port", str(port), "-q"],
-                              env=ENV, stderr=subprocess.DEVNULL, start_new_session=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                           max_retries=0, timeout=600)
+    server, client = start_server(args.ranks, port)
     samples = []
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
         conversations = [[] for _ in range(args.conversations)]
         start = time.perf_counter()
         for index in range(args.requests + 1):
