@@ -31,8 +31,9 @@ def local_snapshot(repo_id: str, download: bool) -> str:
     the cache lacks (unless ``HF_HUB_OFFLINE`` is set); otherwise the cache alone.
     Raises UserError naming the repo and what to do."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
@@ -52,6 +53,6 @@ def local_snapshot(repo_id: str, download: bool) -> str:
         raise UserError(f"no model {repo_id} on the Hugging Face Hub (a private one needs "
                         "a login: hf auth login or HF_TOKEN); a local folder needs a path "
                         "that exists") from None
-    except (OSError, ValueError) as error:  # network and file-system failures
+    except (HfHubHTTPError, OSError, ValueError) as error:  # the hub's, the network's, the disk's
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UserError(f"cannot fetch model {repo_id}: {first}") from None
