@@ -76,7 +76,7 @@ def test_what_keeps_mlx_step_is_named(tiny_models, monkeypatch):
     import mlx.nn as nn
 
     from spmd_cp.engine.model import CPModel
-    from spmd_cp.engine.native_decode import native_obstacle
+    from spmd_cp.engine.native_eligibility import native_obstacle
     from spmd_cp.models.loader import load_model
 
     def obstacle(transform=None):

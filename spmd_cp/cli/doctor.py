@@ -85,7 +85,7 @@ def local_report() -> dict:
     from mpi4py import MPI
 
     from ..blas import describe_blas, usable_cpus
-    from ..engine import native_decode
+    from ..engine import native_eligibility
     from ..models import quantized_shadows
     from ..runtime.allocator import describe as allocator
     from ..runtime.device import BackendInfo
@@ -117,7 +117,7 @@ def local_report() -> dict:
         "allocator": allocator(),
         "huge_pages": huge_pages(),
         "quantized_decode": quantized_shadows.availability(),
-        "native_decode": native_decode.availability(),
+        "native_decode": native_eligibility.availability(),
     }
 
 

@@ -9,7 +9,6 @@ prompt are ever gathered.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +21,9 @@ from ..runtime.comm import Comm
 from ..runtime.graph_comm import chained_latency, open_graph_collectives
 from ..runtime.spmd import first_reason
 from .model import CPModel
-from .native_decode import NativeDecoder, native_obstacle
+from .native_decode import NativeDecoder
+from .native_eligibility import native_obstacle
+from .score_records import ScoreRecords
 from ..models.quantized_shadows import SHADOWS
 from ..attention.partition import head_tail_positions, owner_of
 from .decode_choice import PackedReads, estimate_split, split_matrix_bytes, split_modules
@@ -33,26 +34,6 @@ log = logging.getLogger("spmd_cp")
 
 # Rows of vocabulary logits materialised at once when scoring (x vocab x 4 bytes).
 SCORE_ROWS = 256
-
-
-@dataclass
-class ScoreRecords:
-    """Per predicted position: the token, its log-probability and the argmax (rank 0)."""
-
-    pos: list = field(default_factory=list)
-    token: list = field(default_factory=list)
-    logprob: list = field(default_factory=list)
-    argmax: list = field(default_factory=list)
-
-    def extend(self, parts):
-        for part in parts:
-            for name in ("pos", "token", "logprob", "argmax"):
-                getattr(self, name).extend(part[name].tolist())
-
-    def sort(self):
-        order = np.argsort(self.pos, kind="stable")
-        for name in ("pos", "token", "logprob", "argmax"):
-            setattr(self, name, [getattr(self, name)[i] for i in order])
 
 
 class Engine:
@@ -392,12 +373,9 @@ class Engine:
                 self.decode_tp = "off"
                 return False
             if self.decode_tp == "auto":
-                # The figures this decision hinges on, measured again now: a cached file
-                # taken under another load must not decide every later run.
-                measured = self.measured = recheck_decode_figures(self.comm,
-                                                                  self._calibrated())
-                # A collective as this step will issue it: graph collectives are timed
-                # now (a few ms); mpi4py's as _faster_of timed it, else the calibration's.
+                # Measured again now (a file taken under another load must not decide
+                # every later run); graph collectives are timed as the step issues them.
+                measured = self.measured = recheck_decode_figures(self.comm, self._calibrated())
                 collectives = self._decode_collectives()
                 collective_s = (collectives.latency() if collectives is not self.comm
                                 else self._mpi_collective_s or measured.collective_s)

@@ -213,58 +213,79 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         overlap = overlap_by_default(comm)
     check_overlap(comm, overlap)  # before the prefill's work
     is_root = comm.rank == 0
-    try:
-        sample = _guarded(token_sampler(options))
-        if is_root and options.seed is not None:
-            mx.random.seed(options.seed)
-    except (ValueError, TypeError, OverflowError) as error:
-        # Raised by rank 0 at the first token, where every rank learns of it.
-        sample = _failing(GenerationFailed(_failure(error)))
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    stream = TextStream(tokenizer, options.stop, write) if is_root else None
+    sample = _sampler(options, is_root)
+    answer = _Answer(tokenizer, options, write, cancelled) if is_root else None
 
     start = time.perf_counter()
     logits, _ = engine.prefill(cache, prompt_ids, progress=prefill_progress)
     prefill_s = time.perf_counter() - start
 
-    tokens: list[int] = []
-    reason = {"cancelled": False}
-
-    def finished(token: int) -> bool:
-        """Record a sampled token on rank 0; True when it ends the generation."""
-        if token in eos:
-            return True
-        if cancelled is not None and cancelled():
-            reason["cancelled"] = True
-            return True
-        tokens.append(token)
-        return stream.push(tokens)
-
-    setup_s = 0.0
-
-    def ready():
-        """Decode's one-time work (the collectives, --decode-tp auto, the split step's
-        slices, the native step and its library's first build), timed apart, after the
-        prefill's freed pages are handed back where jemalloc allocates
-        (runtime/allocator.py: 2-7 ms after a 3K prompt, left in the decode time; nothing
-        to do under glibc). It runs after the prefill rather than before: readied before
-        the prefill, steady decode steps were 4% slower (median step of 5 runs each,
-        N = 2, 3K tokens: 76.5 vs 73.5 ms; not pinned down), and after the first token is
-        out it delays no text."""
-        nonlocal setup_s
-        allocator.release_free_memory()  # the prefill's score tiles and activations
-        start = time.perf_counter()
-        engine.prepare_decode()
-        setup_s = time.perf_counter() - start
-
+    setup = _DecodeSetup(engine)
     decode_start = time.perf_counter()
     stopped = False
     for _, stopped in decode_tokens(engine, cache, logits, sample, options.max_tokens, overlap,
-                                    finished, ready):
+                                    answer.finished if is_root else None, setup):
         pass
-    decode_s = time.perf_counter() - decode_start - setup_s
-    if is_root:
-        stream.finish()
-    finish = "cancelled" if reason["cancelled"] else "stop" if stopped else "length"
-    return Generation(tokens, stream.text if is_root else "", finish, prefill_s, decode_s,
-                      setup_s)
+    decode_s = time.perf_counter() - decode_start - setup.seconds
+    if not is_root:
+        return Generation([], "", "stop" if stopped else "length", prefill_s, decode_s,
+                          setup.seconds)
+    answer.stream.finish()
+    finish = "cancelled" if answer.was_cancelled else "stop" if stopped else "length"
+    return Generation(answer.tokens, answer.stream.text, finish, prefill_s, decode_s,
+                      setup.seconds)
+
+
+def _sampler(options: SamplingConfig, is_root: bool):
+    """Rank 0's sampler, seeded where asked; options it cannot take (a seed out of the
+    generator's range, say) give one that fails at the first token, where every rank
+    learns of it (GenerationFailed)."""
+    try:
+        sample = _guarded(token_sampler(options))
+        if is_root and options.seed is not None:
+            mx.random.seed(options.seed)
+        return sample
+    except (ValueError, TypeError, OverflowError) as error:
+        return _failing(GenerationFailed(_failure(error)))
+
+
+class _Answer:
+    """Rank 0's answer so far: the sampled tokens, their text, and why they ended."""
+
+    def __init__(self, tokenizer, options: SamplingConfig, write, cancelled):
+        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.stream = TextStream(tokenizer, options.stop, write)
+        self.cancelled = cancelled
+        self.tokens: list[int] = []
+        self.was_cancelled = False
+
+    def finished(self, token: int) -> bool:
+        """Record a sampled token; True when it ends the generation."""
+        if token in self.eos:
+            return True
+        if self.cancelled is not None and self.cancelled():
+            self.was_cancelled = True
+            return True
+        self.tokens.append(token)
+        return self.stream.push(self.tokens)
+
+
+class _DecodeSetup:
+    """Decode's one-time work (the collectives, --decode-tp auto, the split step's
+    slices, the native step and its library's first build), called once before the first
+    decode step and timed apart (``seconds``), after the prefill's freed pages are handed
+    back where jemalloc allocates (runtime/allocator.py: 2-7 ms after a 3K prompt, left
+    in the decode time; nothing to do under glibc). It runs after the prefill rather than
+    before: readied before the prefill, steady decode steps were 4% slower (median step
+    of 5 runs each, N = 2, 3K tokens: 76.5 vs 73.5 ms; not pinned down), and after the
+    first token is out it delays no text."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.seconds = 0.0
+
+    def __call__(self):
+        allocator.release_free_memory()  # the prefill's score tiles and activations
+        start = time.perf_counter()
+        self.engine.prepare_decode()
+        self.seconds = time.perf_counter() - start

@@ -34,43 +34,21 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..blas import decode_step
-from ..blas.decode_step import MAX_GROUP, MAX_PIECES, Layer, Matrix
+from ..blas.decode_step import MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
-from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
-from .model import SWIGLU_MLPS, CPModel
-from .one_token import EXACT_AS_MATRIX
+from .model import CPModel
 from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
-from ..runtime.switches import switched_off
 
-ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
 # Decode positions whose RoPE matrices are built at once (64 x 16 KB for d = 64).
 ROPE_BLOCK = 64
-
-
-def wanted() -> bool:
-    return not switched_off(ENV)
-
-
-def availability() -> str:
-    """One line for doctor: whether decode steps can run natively on this rank (each
-    model is checked when it runs: float32 Llama/Qwen layers)."""
-    if not wanted():
-        return f"off ({ENV}={os.environ[ENV]})"
-    if on_gpu_path():
-        return "not used (the GPU path runs MLX's step)"
-    library, why = decode_step.library()
-    if library is None:
-        return f"not available ({why})"
-    return "on (decode steps as C calls between MPI collectives)"
 
 
 def _address(array: np.ndarray | None) -> int | None:
@@ -158,48 +136,6 @@ class _Held:
     def vector(self, view: np.ndarray) -> int:
         self.arrays.append(view)
         return view.ctypes.data
-
-
-def _described(module) -> str:
-    """'a QuantizedLinear of uint32': a module's class and its weight's dtype."""
-    dtype = str(module["weight"].dtype).removeprefix("mlx.core.")
-    return f"a {type(module).__name__} of {dtype}"
-
-
-def native_obstacle(model: CPModel) -> str | None:
-    """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
-    modules and their dtypes, the C library (the split step's slices are checked as
-    ``NativeDecoder`` is built)."""
-    if not wanted():
-        return f"{ENV}={os.environ[ENV]}"
-    if on_gpu_path():
-        return "the GPU path"
-    if model.kv_dtype != mx.float32:
-        return "the KV cache is not float32"
-    if getattr(model.layers, "sharded", False):
-        return "layer-sharded weights"
-    embedding = model.embed_tokens
-    if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
-        return f"the embedding is {_described(embedding)}"
-    if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
-        return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
-    for index, layer in enumerate(model.layers):
-        if not isinstance(layer.mlp, SWIGLU_MLPS):
-            return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
-        if type(layer.self_attn.rope) not in EXACT_AS_MATRIX:
-            return f"layer {index}: its RoPE is a {type(layer.self_attn.rope).__name__}"
-        attn, mlp = layer.self_attn, layer.mlp
-        for name, module in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj),
-                             ("v_proj", attn.v_proj), ("o_proj", attn.o_proj),
-                             ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
-                             ("down_proj", mlp.down_proj)):
-            if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
-                return f"layer {index}: {name} is {_described(module)}"
-    head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding
-    if type(head) not in (nn.Linear, nn.Embedding) or head["weight"].dtype != mx.float32:
-        return f"the LM head is {_described(head)}"
-    library, why = decode_step.library()
-    return None if library is not None else why
 
 
 class NativeDecoder:
