@@ -139,8 +139,8 @@ def mlx_lm_child(args):
 
 
 def mlx_lm_scores(model, tokenizer, path: str) -> dict:
-    """Log-probability and argmax of every next token under mlx-lm's forward, with the
-    BOS token spmd-cp's score puts in front where the tokenizer wants one."""
+    """Log-probability and argmax of every next token under mlx-lm's forward, of the ids
+    mlx-lm's tokenizer gives (``compare`` refuses runs whose tokens differ)."""
     import mlx.core as mx
 
     ids = tokenizer.encode(Path(path).read_text(encoding="utf-8"))
@@ -280,7 +280,6 @@ def exactness(check: Check, models: dict, document: Path):
             reference = {k: r[k] for k in ("token", "logprob", "argmax")}
         base = scores.get((1, "auto"))
         if base is not None and reference is not None:
-            # spmd-cp puts BOS in front where the tokenizer asks; mlx-lm's encode does too.
             entry = {"model": name, "run": "N=1 vs mlx-lm", **compare(base, reference)}
             check.data["exactness"].append(entry)
         for algo in ALGOS:
