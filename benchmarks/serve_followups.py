@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 QUESTIONS = ["What is this document about?", "Which command serves a model?",
@@ -121,6 +122,12 @@ def main():
     result["generate_load_cache_first_token_s"] = round(loaded, 3)
     follow = sorted(f["ttft_s"] for f in result["followups"])
     result["median_followup_ttft_s"] = follow[len(follow) // 2]
+    import benchlib as bl
+
+    result.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  machine=bl.machine(), command="python benchmarks/serve_followups.py "
+                  + " ".join(sys.argv[1:]))
+    (bl.RESULTS / "serve_followups.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 
