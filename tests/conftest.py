@@ -75,7 +75,7 @@ def _c_helpers_build() -> bool:
     and the tests of the helpers are skipped, saying so."""
     import tempfile
 
-    from spmd_cp.blas import gemv_forward
+    from spmd_cp.kernels import gemv_forward
     from spmd_cp.runtime import native
 
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,4 +1,4 @@
-"""blas/decode_step.c's calls against float64 numpy, on one random layer.
+"""kernels/decode_step.c's calls against float64 numpy, on one random layer.
 
 Run as a script (the re-exec puts the BLAS, and the forward, in the global scope the
 library takes cblas_sgemm from). The layer has what the models on the native path may
@@ -16,7 +16,7 @@ blas.ensure_fast_blas()
 
 import numpy as np  # noqa: E402
 
-from spmd_cp.blas.decode_step import MAX_PIECES, Layer, Matrix, library  # noqa: E402
+from spmd_cp.kernels.decode_step import MAX_PIECES, Layer, Matrix, library  # noqa: E402
 
 rng = np.random.default_rng(1)
 DIM, HEADS, KV, D, HIDDEN, CAPACITY, CACHED = 48, 12, 1, 16, 40, 32, 20

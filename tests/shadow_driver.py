@@ -1,4 +1,4 @@
-"""Quantized shadows (models/quantized_shadows.py, blas/gemv_forward.c) against numpy.
+"""Quantized shadows (models/quantized_shadows.py, kernels/gemv_forward.c) against numpy.
 
 Run as a script (the re-exec preloads the forward): random matrices quantized by MLX,
 dequantized to float32 as a GGUF load does (float32 scales and biases), registered, then

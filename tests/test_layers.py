@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "spmd_cp"
 # Lowest first; packages in one layer may import each other (the front ends: the command
 # line and the HTTP server). errors.py and config.py sit under all of them.
 LAYER_OF = {name: level for level, names in enumerate(
-    [("runtime",), ("blas",), ("attention",), ("models",), ("engine",), ("cli", "server")])
+    [("runtime",), ("kernels",), ("blas",), ("attention",), ("models",), ("engine",), ("cli", "server")])
     for name in names}
 LAYERS = list(LAYER_OF)
 BASE = {"errors", "config"}

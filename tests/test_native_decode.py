@@ -1,4 +1,4 @@
-"""Decode steps outside MLX's graph (engine/native_decode.py, blas/decode_step.c).
+"""Decode steps outside MLX's graph (engine/native_decode.py, kernels/decode_step.c).
 
 The C calls against float64 numpy on one random layer; whole steps on real ranks against
 mlx-lm's unmodified forward pass over the whole sequence; and MLX's own step, which the

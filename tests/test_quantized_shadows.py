@@ -1,5 +1,5 @@
 """Quantized shadows: decode's matrix-vector products read a quantized model's packed
-weights (models/quantized_shadows.py, blas/gemv_forward.c), against numpy and against the
+weights (models/quantized_shadows.py, kernels/gemv_forward.c), against numpy and against the
 float32 path (SPMD_CP_QUANTIZED_DECODE=0, OpenBLAS's sgemv)."""
 
 from __future__ import annotations

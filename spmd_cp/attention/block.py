@@ -118,7 +118,7 @@ def decode_sums(q, k, v, scale):
     The query group's rows times the keys given as columns, (NKV, G, d) @ (NKV, d, Tk):
     the scores lie along each query's row, so the softmax reduces contiguous rows, and
     the scale rides in the exp's kernel; no transposes. On the CPU path the product is
-    blas/gemv_forward.c's one pass over the keys (the same dot products, bit for bit, as
+    kernels/gemv_forward.c's one pass over the keys (the same dot products, bit for bit, as
     the keys times the query's columns); fewer graph nodes count there (one_token.py).
     """
     num_heads, _, d = q.shape

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 
-from .gemv_forward import ENV_SKIPPED, is_forward_library
+from ..kernels.gemv_forward import ENV_SKIPPED, is_forward_library
 from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
                         candidate_paths, preloaded_libraries)
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 from ..runtime import allocator, huge_pages
-from .gemv_forward import ENV_SKIPPED, forward_library, wanted
+from ..kernels.gemv_forward import ENV_SKIPPED, forward_library, wanted
 from .libraries import (ENV_CHOICE, ENV_GUARD, FAST_KINDS, OPT_OUT, blas_kind, default_threads,
                         exports_cblas, find_fast_blas, mlx_bundles_fast_blas,
                         preloaded_libraries, thread_env)

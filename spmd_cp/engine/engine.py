@@ -261,7 +261,7 @@ class Engine:
                 decoder.free()
                 decoder = None
             if self.comm.rank == 0:
-                log.info("decode step: %s", "native (blas/decode_step.c)" if decoder is not None
+                log.info("decode step: %s", "native (kernels/decode_step.c)" if decoder is not None
                          else f"MLX's graph ({reason})")
             self._native[split] = decoder
         return self._native[split]

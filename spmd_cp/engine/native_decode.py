@@ -1,4 +1,4 @@
-"""Decode steps outside MLX's graph on the CPU path: a layer in four C calls (blas/decode_step.c).
+"""Decode steps outside MLX's graph on the CPU path: a layer in four C calls (kernels/decode_step.c).
 
 Through MLX a decode step is a graph of about 1,500 nodes (SmolLM2-135M), each built on
 the Python thread and run on MLX's compute thread, with its buffers malloc'ed and freed
@@ -39,8 +39,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..blas import decode_step
-from ..blas.decode_step import MAX_PIECES, Layer, Matrix
+from ..kernels import decode_step
+from ..kernels.decode_step import MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
 from ..runtime.trace import span
 from .model import CPModel

@@ -9,8 +9,8 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blas import decode_step
-from ..blas.decode_step import MAX_GROUP
+from ..kernels import decode_step
+from ..kernels.decode_step import MAX_GROUP
 from ..runtime.device import on_gpu_path
 from ..runtime.switches import switched_off
 from .model import SWIGLU_MLPS, CPModel

@@ -3,7 +3,7 @@
 A quantized model's matrices (GGUF Q4_0/Q4_1/Q8_0, MLX's affine 4- and 8-bit) are
 dequantized to float32 at load on the CPU (MLX's quantized matmul is slow there), and
 every decode step then reads 4 bytes a weight where the file held 5/8 of a byte.
-blas/gemv_forward.c, which already takes MLX's matrix-vector products ahead of the BLAS,
+kernels/gemv_forward.c, which already takes MLX's matrix-vector products ahead of the BLAS,
 can instead read the packed form and dequantize in registers. Each float32 matrix is
 registered with its packed form ("shadow"); the C side checks at registration that the
 packed form dequantizes to the matrix's float32 values bit for bit and refuses it
@@ -107,7 +107,7 @@ def wanted() -> bool:
 @functools.lru_cache(maxsize=1)
 def _library():
     """The preloaded forward's registration entry points where registrations can succeed
-    (blas/gemv_forward.c on an x86 CPU with AVX2, FMA and F16C), or None."""
+    (kernels/gemv_forward.c on an x86 CPU with AVX2, FMA and F16C), or None."""
     try:
         scope = ctypes.CDLL(None)
         register = scope.spmd_cp_shadow_register

@@ -1,9 +1,9 @@
 """Small C libraries compiled on first use into the cache directory.
 
-Three pieces of spmd-cp are C: the BLAS's matrix-vector forward (blas/gemv_forward.c)
+Three pieces of spmd-cp are C: the BLAS's matrix-vector forward (kernels/gemv_forward.c)
 and the MPI ABI adapter MLX's MPI backend loads (runtime/mpi_abi_adapter.c), which stand in
 for a C entry point another library calls, and the native decode step
-(blas/decode_step.c). They ship as sources inside the package (wheel and sdist), so the
+(kernels/decode_step.c). They ship as sources inside the package (wheel and sdist), so the
 wheel stays pure Python: each is built with the system's C compiler (``cc``, or ``$CC``) the first
 time it is needed, into ``$SPMD_CP_CACHE/<kind>/<name>-<hash of the source>.so``, and
 reused after; the forward is preloaded into every rank from there, so that directory

@@ -25,7 +25,7 @@ ENV_FORWARD = "SPMD_CP_GEMV_FORWARD"  # "0", "off", "no" or "false": do not prel
 # process cannot see the build's outcome otherwise): describe.py reports it.
 ENV_SKIPPED = "SPMD_CP_GEMV_FORWARD_SKIPPED"
 SOURCE = Path(__file__).with_name("gemv_forward.c")
-NAME = "spmd-cp-gemv-forward"  # the built file: <cache>/blas/<NAME>-<source hash>.so
+NAME = "spmd-cp-gemv-forward"  # the built file: <cache>/kernels/<NAME>-<source hash>.so
 
 
 def wanted() -> bool:
@@ -46,6 +46,6 @@ def forward_library() -> tuple[str | None, str]:
     if not sys.platform.startswith("linux"):
         return None, "not Linux"  # macOS: MLX calls Accelerate
     try:
-        return str(native.build(SOURCE, native.built_path(SOURCE, "blas", NAME))), ""
+        return str(native.build(SOURCE, native.built_path(SOURCE, "kernels", NAME))), ""
     except RuntimeError as error:
         return None, str(error)

@@ -5,7 +5,7 @@
  * the Python thread and handed to MLX's compute thread with its buffers malloc'ed: at
  * two ranks on two cores that costs as much as the step's products. Here one rank's
  * part of a layer is four calls, each a few loops over one token's vectors around the
- * same cblas_sgemm calls MLX makes (so blas/gemv_forward.c's matrix-vector forward,
+ * same cblas_sgemm calls MLX makes (so kernels/gemv_forward.c's matrix-vector forward,
  * quantized shadows and attention kernels serve both paths): the products are MLX's,
  * the elementwise work (RMSNorm, softmax, SwiGLU, the merge of the ranks' partials) is
  * the same arithmetic in float32 in another order, in AVX2 where the CPU has it. No

@@ -15,7 +15,7 @@ import functools
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_step.c")
-NAME = "spmd-cp-decode-step"  # the built file: <cache>/blas/<NAME>-<source hash>.so
+NAME = "spmd-cp-decode-step"  # the built file: <cache>/kernels/<NAME>-<source hash>.so
 MAX_PIECES = 3  # decode_step.c's: q/k/v rows of at most three matrices a rank
 MAX_GROUP = 64  # query heads a KV head, at most (the C side's stack arrays)
 
@@ -49,7 +49,7 @@ def library():
     from ..runtime import native
 
     try:
-        path = native.build(SOURCE, native.built_path(SOURCE, "blas", NAME))
+        path = native.build(SOURCE, native.built_path(SOURCE, "kernels", NAME))
         loaded = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as error:
         return None, str(error)
