@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from .checksum import model_checksum
-from .loader import LoadedModel, _refuse_sliding_window, check_model_path
+from .loader import LoadedModel, _refuse_sliding_window, check_model_path, text_part
 from .tensor_files import GGUFFile, open_tensor_files
 
 
@@ -118,6 +118,9 @@ def read_config(files, path: Path, tokenizer: bool = True) -> tuple[dict, object
 
     config = load_config(path)
     _refuse_sliding_window(config, str(path))
+    if "text_config" in config:
+        raise UserError(f"{path}: --shard-weights takes a text model; this checkpoint nests "
+                        "its language model (text_config): run it with --shard-weights off")
     return config, load_tokenizer(path) if tokenizer else None
 
 
@@ -143,6 +146,8 @@ def build_skeleton(config: dict, specs: dict, form: ComputeForm) -> nn.Module:
 
     model_class, args_class = _get_classes(config=config)
     model = model_class(args_class.from_dict(config))
+    if "lm_head" in model and not any(n.startswith("lm_head.") for n in specs):
+        model.sanitize({})  # a head the files lack is the tied embedding (gemma3_text's rule)
     if not form.dequantize:
         bits = {name[: -len(".scales")]: form.bits(specs[name[:-7] + ".weight"][0], shape)
                 for name, (shape, _) in specs.items() if name.endswith(".scales")}
@@ -168,7 +173,7 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     config, tokenizer = read_config(files, p)
     specs = files.specs()
     form = compute_form(files, config, keep_quantized)
-    model = build_skeleton(config, specs, form)
+    model, config = text_part(build_skeleton(config, specs, form), config)
     share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
     wanted = _wanted(files, model)
     for index in range(config["num_hidden_layers"]):
