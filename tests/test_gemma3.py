@@ -167,3 +167,22 @@ def test_saved_cache_continues_as_mlx_lm_and_weights_shard(tiny_gemma3_models, t
                           *model]).last_json()
     assert sharded["prompt_tokens"] == len(ids)
     assert sharded["token_ids"] == resumed["token_ids"]
+
+
+def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
+    """A multimodal checkpoint's shape is its text model's, window included; the window
+    raises a pass-KV forecast's received keys only, never the KV shard (all kept)."""
+    import dataclasses
+
+    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.models.loader import load_model
+
+    text, nested = (load_model(tiny_gemma3_models[k]).shape for k in ("gemma3_text", "gemma3"))
+    assert text == nested
+    assert (text.layers, text.head_dim, text.num_kv_heads, text.window) == (4, 16, 2, WINDOW)
+    wide = dataclasses.replace(text, window=4096)
+    plain = dataclasses.replace(text, window=None)
+    for algo in ("pass-kv", "allgather-kv"):
+        a, b = (forecast_rank_bytes(s, 0, 8192, 8192, 4, algo) for s in (wide, plain))
+        assert a.kv == b.kv == (8192 // 4 + 1) * text.kv_bytes_per_token
+        assert (a.activations > b.activations) == (algo == "pass-kv")

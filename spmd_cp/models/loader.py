@@ -52,7 +52,9 @@ class LoadedModel:
                           intermediate=c["intermediate_size"], num_heads=heads,
                           num_kv_heads=c.get("num_key_value_heads") or heads,
                           head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                          vocab=c["vocab_size"])
+                          vocab=c["vocab_size"],
+                          window=(c.get("sliding_window")
+                                  if c.get("model_type") in SLIDING_WINDOW_MODEL_TYPES else None))
 
 
 def default_model_path() -> str:

@@ -22,6 +22,9 @@ class ModelShape:
     head_dim: int
     vocab: int
     elem_bytes: int = 4
+    # The sliding window of a model's local layers (attention/window.py), None without.
+    # It bounds what a rank receives per layer, not its KV cache: every key is kept.
+    window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
