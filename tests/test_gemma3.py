@@ -73,6 +73,32 @@ def check(results: list[dict], path: str, n: int):
         assert result["greedy"] == greedy, where
 
 
+def test_windowed_block_attention_equals_dense_numpy():
+    """block_attention with a window, on a head-tail shard's two runs of queries against
+    keys cached in two runs out of order, long enough that whole tiles fall behind the window
+    (skipped), lie inside it (unmasked) and straddle its edge, equals a dense float64
+    softmax under the mask k <= q < k + W."""
+    import mlx.core as mx
+
+    from spmd_cp.attention.block import block_attention
+
+    rng = np.random.RandomState(0)
+    heads, kv_heads, d, total, window = 4, 2, 8, 1400, 500
+    q_pos = np.concatenate([np.arange(100, 450), np.arange(900, 1250)])
+    k_pos = np.concatenate([np.arange(700, total), np.arange(0, 700)])
+    q = rng.randn(heads, q_pos.size, d).astype(np.float32)
+    k, v = (rng.randn(kv_heads, total, d).astype(np.float32) for _ in range(2))
+    out, _ = block_attention(mx.array(q), mx.array(k), mx.array(v), q_pos, k_pos, 0.3, window)
+    visible = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
+    group = heads // kv_heads
+    scores = np.einsum("hqd,hkd->hqk", q.astype(np.float64),
+                       np.repeat(k, group, axis=0).astype(np.float64)) * 0.3
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = (probs / probs.sum(-1, keepdims=True)) @ np.repeat(v, group, axis=0)
+    np.testing.assert_allclose(np.array(out), expected, **TOLERANCE)
+
+
 def brute_force_window_bytes(n: int, length: int, dims: dict) -> tuple[list, list]:
     """Per rank: bytes of the keys other ranks' queries see through the window (pass-KV
     of the windowed layers), and a full ring's bytes for those layers, by enumeration."""
