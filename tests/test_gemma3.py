@@ -120,7 +120,8 @@ def configs_for(n: int) -> list[dict]:
     """One rank runs every algorithm the same way: whole and chunked. Two: every
     algorithm whole with decode, and decode's other merge with its collectives in MLX's
     graph. Three: every algorithm chunked (later chunks attend to the sharded cache),
-    and pass-KV whole for its byte count."""
+    pass-KV whole for its byte count, and a prompt shorter than the ranks (empty shards
+    in the window exchange)."""
     def config(algo, chunk, decode, **extra):
         return {"algo": algo, "chunk": chunk, "length": LENGTH, "decode": decode,
                 "seed": LENGTH + chunk, **extra}
@@ -130,7 +131,8 @@ def configs_for(n: int) -> list[dict]:
     if n == 2:
         return [config(algo, 0, DECODE) for algo in ALGOS] + [
             config("pass-kv", 0, DECODE, merge="allreduce", comm="mlx")]
-    return [config(algo, 23, 2) for algo in ALGOS] + [config("pass-kv", 0, 0)]
+    return [config(algo, 23, 2) for algo in ALGOS] + [
+        config("pass-kv", 0, 0), {**config("pass-kv", 0, 2), "length": 2}]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -146,7 +148,7 @@ def test_gemma3_text_matches_mlx_lm_under_every_algorithm(n, tiny_gemma3_models,
         window = result["window_kv_bytes"]  # per rank: [sent, a full ring's]
         if "pass-kv" not in result["algos"]:
             assert all(w == [0, 0] for w in window), result["config"]
-        elif result["config"]["chunk"] == 0:
+        elif result["config"]["chunk"] == 0 and result["config"]["length"] == LENGTH:
             assert [w[0] for w in window] == sent, result["config"]
             assert [w[1] for w in window] == ring, result["config"]
             assert sum(sent) < 0.6 * sum(ring)
@@ -212,3 +214,36 @@ def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
         a, b = (forecast_rank_bytes(s, 0, 8192, 8192, 4, algo) for s in (wide, plain))
         assert a.kv == b.kv == (8192 // 4 + 1) * text.kv_bytes_per_token
         assert (a.activations > b.activations) == (algo == "pass-kv")
+
+
+def test_quantized_gemma3_packed_and_dequantized_match_mlx_lm(tiny_gemma3_models, tmp_path):
+    """A 4-bit MLX gemma3_text (its tied embedding quantized too) on 2 ranks, kept packed
+    (--keep-quantized: mlx-lm's quantized modules) and dequantized to float32 (the CPU
+    default): greedy tokens equal mlx-lm's own quantized model's."""
+    import shutil
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from spmd_cp.models.loader import load_model
+
+    source, target = Path(tiny_gemma3_models["gemma3_text"]), tmp_path / "gemma3-4bit"
+    model, config = mlx_lm_load_model(source)
+    nn.quantize(model, group_size=32, bits=4)
+    target.mkdir()
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (target / "config.json").write_text(json.dumps(config))
+    for name in source.iterdir():  # the tokenizer
+        if name.name not in ("config.json", "model.safetensors"):
+            shutil.copy(name, target)
+    ids = list(load_model(str(target)).tokenizer.encode(DOCUMENT))
+    expected = greedy_reference(str(target), ids, 5)
+    args = ["generate", "--model", str(target), "--prompt", DOCUMENT, "--no-chat-template",
+            "--max-tokens", "5", "--cp-algo", "pass-kv", "--json"]
+    for extra in (["--keep-quantized"], []):
+        result = run_cli(2, args + extra).last_json()
+        assert result["prompt_tokens"] == len(ids) > 4 * WINDOW
+        assert result["token_ids"] == expected[:len(result["token_ids"])], extra

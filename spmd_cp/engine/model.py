@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
+from mlx_lm.models.gemma3_text import clip_residual
 
 from ..attention.exp import swiglu
 from ..models.shape import ModelShape
@@ -197,14 +198,10 @@ class SandwichLayer(ReplicatedLayer):
         self.layer = layer
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
-        from mlx_lm.models.gemma3_text import clip_residual
-
         attended = self.layer.post_attention_layernorm(linear(self.attn.o_proj, out))
         return clip_residual(h, attended)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
-        from mlx_lm.models.gemma3_text import clip_residual
-
         return clip_residual(h, self.layer.post_feedforward_layernorm(self.feed_forward(x)))
 
 
