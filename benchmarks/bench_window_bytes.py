@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import (RESULTS, SPMD_CP, bench_env, header, log, mpi_cmd, run_json, save,
-                      table)
+from benchlib import (RESULTS, SPMD_CP, bench_env, header, log, machine, mpi_cmd, run_json,
+                      save, table)
 
 PROMPTS = RESULTS / "prompts"
 SHAPE = {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512,
@@ -98,8 +98,8 @@ def main():
                "full ring MiB", "sent / ring", "all comm MiB", "TTFT s (context only)",
                "others' cores"], rows)])
     print(markdown)
-    save(args.name, {"command": command, "started": started, "config": config,
-                     "runs": runs}, markdown)
+    save(args.name, {"command": command, "started": started, "machine": machine(),
+                     "config": config, "runs": runs}, markdown)
 
 
 if __name__ == "__main__":
