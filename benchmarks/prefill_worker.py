@@ -55,14 +55,14 @@ def timed_prefill_attention(comm, prof: dict):
     def make(*args):
         attend, algo, reason = prefill_attention(*args)
 
-        def timed(q, keys, values, q_pos, k_pos, scale):
+        def timed(q, keys, values, q_pos, k_pos, scale, window=None):
             if not prof["on"]:
-                return attend(q, keys, values, q_pos, k_pos, scale)
+                return attend(q, keys, values, q_pos, k_pos, scale, window)
             t0 = time.perf_counter()
             mx.eval(q, keys, values)
             t1 = time.perf_counter()
             wait0 = comm.wait_seconds
-            out = attend(q, keys, values, q_pos, k_pos, scale)
+            out = attend(q, keys, values, q_pos, k_pos, scale, window)
             mx.eval(out)
             t2 = time.perf_counter()
             prof["rest_s"] += t1 - t0

@@ -121,6 +121,9 @@ def write_tiny_model(path: Path, model_type: str, seed: int = 0,
     if model_type == "qwen2":
         config["attention_bias"] = True  # mlx-lm's qwen2 always has q/k/v biases
     config.update(extra_config or {})
+    if model_type == "gemma3":  # multimodal: the language model's config nested
+        config = {"model_type": "gemma3", "vocab_size": config["vocab_size"],
+                  "text_config": {**config, "model_type": "gemma3_text"}}
     # mlx-lm runs some model types with another's code (mistral -> llama), as its loader does.
     module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     mx.random.seed(seed)
@@ -128,6 +131,8 @@ def write_tiny_model(path: Path, model_type: str, seed: int = 0,
     # Larger-than-default weights so attention is far from uniform and errors show.
     params = {k: v * 3 if v.ndim == 2 and "embed" not in k else v
               for k, v in tree_flatten(model.parameters())}
+    if config.get("tie_word_embeddings", True):  # a tied head is not in the files
+        params = {k: v for k, v in params.items() if not k.endswith("lm_head.weight")}
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config))
@@ -150,6 +155,22 @@ def tiny_models(tmp_path_factory) -> dict:
 # 1024 / high factor) some are kept, one is smoothed and the longest are divided by factor.
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+# A Gemma 3 text model: two sliding-window layers of 16 tokens for each global one (the
+# real models' pattern is 6 and window 512-1,024), query_pre_attn_scalar apart from
+# head_dim, local and global RoPE bases apart, and a tied head.
+GEMMA3_CONFIG = {"num_hidden_layers": 4, "sliding_window": 16, "sliding_window_pattern": 3,
+                 "query_pre_attn_scalar": 24, "rope_theta": 1_000_000.0,
+                 "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_models(tmp_path_factory) -> dict:
+    """gemma3_text and a multimodal gemma3 checkpoint's text part (``text_config``)."""
+    root = tmp_path_factory.mktemp("tiny_gemma3")
+    return {kind: str(write_tiny_model(root / kind, kind, seed, GEMMA3_CONFIG))
+            for seed, kind in enumerate(("gemma3_text", "gemma3"), start=20)}
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,11 @@ def run_config(comm, model, config, model_bytes):
     cache = engine.new_cache()
     ids = prompt_ids(config["length"], config["seed"], 49152)
     bytes_before = comm.bytes_sent
+    window_before = (comm.window_kv_bytes, comm.window_kv_ring_bytes)
     logits, records = engine.prefill(cache, ids, score=config.get("score", True))
     prefill_bytes = comm.bytes_sent - bytes_before
+    window_bytes = (comm.window_kv_bytes - window_before[0],
+                    comm.window_kv_ring_bytes - window_before[1])
     peak_beyond_weights = comm.allgather_object(mx.get_peak_memory() - model_bytes)
     kv_after_prefill = comm.allgather_object(cache.nbytes)
     tokens = [token for token, _ in decode_tokens(engine, cache, logits, mx.argmax,
@@ -59,6 +62,8 @@ def run_config(comm, model, config, model_bytes):
         "kv_bytes_final": comm.allgather_object(cache.nbytes),
         "shard_sizes": cache.shard_sizes,
         "prefill_comm_bytes": comm_bytes,
+        # pass-KV's bytes for sliding-window layers, and a full ring's for them, per rank
+        "window_kv_bytes": comm.allgather_object(window_bytes),
         "peak_beyond_weights": peak_beyond_weights,
     }
 

@@ -1,7 +1,8 @@
 """Context-parallel attention: pure block math (block.py) and the algorithms over MPI.
 
-Each algorithm is a factory returning ``attend(q, keys, values, q_pos, k_pos, scale)``:
-this rank's queries and this rank's cached shard in, this rank's attention output out.
+Each algorithm is a factory returning ``attend(q, keys, values, q_pos, k_pos, scale,
+window=None)``: this rank's queries and this rank's cached shard in, this rank's
+attention output out; ``window`` is a sliding-window layer's (block.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
                                            model.num_heads, model.num_kv_heads,
                                            model.elem_bytes, measured, head_dim)
     if algo == "pass-kv":
-        return pass_kv_attention(comm, cache.rank_positions), algo, reason
+        return (pass_kv_attention(comm, cache.rank_positions, query_positions=new_positions),
+                algo, reason)
     if algo == "pass-q":
         return pass_q_attention(comm, new_positions), algo, reason
     if algo == "allgather-kv":

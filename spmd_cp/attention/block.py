@@ -10,6 +10,10 @@ KV head (grouped-query attention):
 
 A query row that sees no key has ``lse = -inf`` and ``out = 0``: it contributes nothing
 to a merge and never produces a NaN.
+
+``window``: a sliding-window layer's (Gemma 3's local layers, mlx-lm's
+``create_causal_mask(window_size=W)``): a query at position p sees the keys at p - W + 1
+to p only. None: every earlier key.
 """
 
 from __future__ import annotations
@@ -67,7 +71,16 @@ def merge_stacked_columns(outs: mx.array, lses: mx.array):
     return out, lse
 
 
-def _tile_attention(q, k, v, q_pos, k_pos, scale):
+def visible_keys(q_pos, k_pos, window: int | None) -> mx.array:
+    """(Tq, Tk) bool: which keys each query sees (causal, within ``window`` if given)."""
+    q_col, k_row = mx.array(q_pos)[:, None], mx.array(k_pos)[None, :]
+    visible = k_row <= q_col
+    if window is not None:
+        visible = visible & (k_row > q_col - window)
+    return visible
+
+
+def _tile_attention(q, k, v, q_pos, k_pos, scale, window: int | None = None):
     """One tile: dense scores for (Tq, Tk), as (out, lse).
 
     ``q_pos``/``k_pos`` are None for a tile whose keys every query sees: no mask needed.
@@ -85,7 +98,7 @@ def _tile_attention(q, k, v, q_pos, k_pos, scale):
     scores = (q.reshape(num_kv, rows, d) * scale) @ k.swapaxes(-1, -2)  # (NKV, G*Tq, Tk)
     row_max = scores.max(axis=-1, keepdims=True)
     if q_pos is not None:
-        visible = mx.array(k_pos)[None, :] <= mx.array(q_pos)[:, None]  # (Tq, Tk)
+        visible = visible_keys(q_pos, k_pos, window)  # (Tq, Tk)
         tk = scores.shape[-1]
         scores = mx.where(visible, scores.reshape(num_kv, groups, tq, tk), NEG_INF)
         scores = scores.reshape(num_kv, rows, tk)
@@ -169,30 +182,35 @@ def tile_ranges(positions: np.ndarray, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def _tile_pairs(tq: int, num_heads: int, q_pos: np.ndarray, k_pos: np.ndarray):
+def _tile_pairs(tq: int, num_heads: int, q_pos: np.ndarray, k_pos: np.ndarray,
+                window: int | None = None):
     """Per query tile (q0, q1): the key tiles (k0, k1, masked) it must see.
 
     Each (query tile, key tile) pair is classified from its position ranges (numpy: no
-    device sync): entirely in the future -> skipped; entirely visible -> no mask
-    (``masked`` False); otherwise masked. Only tiles on the diagonal pay for scores the
-    causal mask throws away.
+    device sync): entirely in the future, or with a ``window`` entirely behind it ->
+    skipped; entirely visible -> no mask (``masked`` False); otherwise masked. Only tiles
+    on the diagonal (and a window's far edge) pay for scores the mask throws away.
     """
     # Prefill: small square tiles, so diagonal tiles waste little. A short query block
     # (decode: one row) gets long key tiles instead.
     q_tile = min(tq, PREFILL_TILE)
     k_tile = PREFILL_TILE if tq > PREFILL_TILE // 4 else SCORE_TILE_ELEMENTS // (num_heads * tq)
     k_ranges = [(a, b, k_pos[a:b].min(), k_pos[a:b].max()) for a, b in tile_ranges(k_pos, k_tile)]
+    reach = np.inf if window is None else window  # keys seen: q - reach < k <= q
     for q0, q1 in tile_ranges(q_pos, q_tile):
         q_min, q_max = q_pos[q0:q1].min(), q_pos[q0:q1].max()
-        yield q0, q1, [(k0, k1, k_max > q_min) for k0, k1, k_min, k_max in k_ranges
-                       if k_min <= q_max]
+        yield q0, q1, [(k0, k1, bool(k_max > q_min or k_min <= q_max - reach))
+                       for k0, k1, k_min, k_max in k_ranges
+                       if k_min <= q_max and k_max > q_min - reach]
 
 
-def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float):
+def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+                    window: int | None = None):
     """Causal attention of queries at ``q_pos`` over keys at ``k_pos``, as (out, lse).
 
     Tiled (at most ``SCORE_TILE_ELEMENTS`` scores at once), in float32 whatever the
-    inputs' dtype; tiles entirely in the future are skipped (``_tile_pairs``).
+    inputs' dtype; tiles no query sees (in the future, or behind a ``window``) are
+    skipped (``_tile_pairs``).
     """
     num_heads, tq, d = q.shape
     q = q.astype(mx.float32)
@@ -202,23 +220,33 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float)
     lse = mx.full((num_heads, tq), NEG_INF, mx.float32)
     if tq == 0 or k.shape[1] == 0:
         return out, lse
-    if tq == 1 and q_pos[0] >= k_pos.max() and num_heads * k.shape[1] <= SCORE_TILE_ELEMENTS:
+    if (tq == 1 and q_pos[0] >= k_pos.max() and num_heads * k.shape[1] <= SCORE_TILE_ELEMENTS
+            and (window is None or q_pos[0] - k_pos.min() < window)):
         return _decode_tile(q, k, v, scale)  # a decode query over a shard it sees whole
     q_parts = []
-    for q0, q1, key_tiles in _tile_pairs(tq, num_heads, q_pos, k_pos):
+    for q0, q1, key_tiles in _tile_pairs(tq, num_heads, q_pos, k_pos, window):
         qp = q_pos[q0:q1]
         q_out, q_lse = out[:, q0:q1], lse[:, q0:q1]  # empty partial until a tile lands
         merged_any = False
         for k0, k1, masked in key_tiles:
             t_out, t_lse = _tile_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1],
                                            qp if masked else None,
-                                           k_pos[k0:k1] if masked else None, scale)
+                                           k_pos[k0:k1] if masked else None, scale, window)
             if merged_any:
                 q_out, q_lse = merge_partials(q_out, q_lse, t_out, t_lse)
             else:
                 q_out, q_lse, merged_any = t_out, t_lse, True
         q_parts.append((q_out, q_lse))
     return _concatenate_rows(q_parts)
+
+
+def window_start(k_pos: np.ndarray, query_position: int, window: int | None) -> int:
+    """The index of the first of the keys ``k_pos`` (increasing, as a rank caches them) a
+    query at ``query_position`` sees through ``window``: the keys before it are behind
+    the window (0 without one)."""
+    if window is None:
+        return 0
+    return int(np.searchsorted(k_pos, query_position - window + 1, side="left"))
 
 
 def _concatenate_rows(q_parts):

@@ -14,7 +14,9 @@ The kernel returns no log-sum-exp, which the ring algorithms and multi-rank deco
 to merge partials. ``fused_partial`` pairs the fused output with ``block_lse``'s float32
 log-sum-exp (the score products again, without the value products or a normaliser).
 Where the positions do not have this shape (unsorted keys, a diagonal run with gaps),
-every function here falls back to ``block_attention``: same result, tiled.
+every function here falls back to ``block_attention``: same result, tiled. So does a
+sliding-window layer (``window``): "causal" has no window, and its mask array would be
+as large as the scores the fused kernel avoids.
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ def _run_attention(q, keys, values, key_stop: int, mask, scale: float):
     return out[0]
 
 
-def fused_output(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float):
+def fused_output(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+                 window: int | None = None):
     """Causal attention output (NH, Tq, d) in the inputs' dtype, no log-sum-exp."""
-    plan = causal_run_plan(q_pos, k_pos)
+    plan = causal_run_plan(q_pos, k_pos) if window is None else None
     if plan is None:
-        return block_attention(q, keys, values, q_pos, k_pos, scale)[0].astype(q.dtype)
+        return block_attention(q, keys, values, q_pos, k_pos, scale,
+                               window)[0].astype(q.dtype)
     return _planned_output(q, keys, values, plan, scale)
 
 
@@ -83,15 +87,16 @@ def _planned_output(q, keys, values, plan, scale: float):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
-def fused_partial(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float):
+def fused_partial(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+                  window: int | None = None):
     """(out, lse) in float32, as ``block_attention`` returns them, for a merge.
 
     A row that sees no key gets out 0 and lse -inf (the fused kernel would average
     nothing into NaN, so such runs never reach it).
     """
-    plan = causal_run_plan(q_pos, k_pos)
+    plan = causal_run_plan(q_pos, k_pos) if window is None else None
     if plan is None:
-        return block_attention(q, keys, values, q_pos, k_pos, scale)
+        return block_attention(q, keys, values, q_pos, k_pos, scale, window)
     out = _planned_output(q, keys, values, plan, scale).astype(mx.float32)
     lse = block_lse(q, keys, q_pos, k_pos, scale)
     return mx.where((lse == NEG_INF)[..., None], 0.0, out), lse

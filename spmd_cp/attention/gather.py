@@ -20,7 +20,7 @@ from ..runtime.comm import Comm
 from ..runtime.device import on_gpu_path, use_fused_attention
 from .block import (SCORE_TILE_ELEMENTS, block_attention, decode_partial_packed,
                     merge_packed_sums, merge_stacked, merge_stacked_columns, pack_partial,
-                    unpack_partial)
+                    unpack_partial, window_start)
 from .exp import SOFTMAX_MIN_ELEMENTS, polynomial_exp_enabled, scalar
 from .fused import decode_partial, fused_output, in_position_order
 
@@ -35,13 +35,13 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
     all_pos = np.concatenate(rank_positions)
     fused = use_fused_attention() if fused is None else fused
 
-    def attend(q, keys, values, q_pos, k_pos, scale):
+    def attend(q, keys, values, q_pos, k_pos, scale, window=None):
         all_keys = comm.allgather_rows(keys, axis=1)
         all_values = comm.allgather_rows(values, axis=1)
-        if fused:
+        if fused and window is None:
             all_keys, all_values, positions = in_position_order(all_keys, all_values, all_pos)
             return fused_output(q, all_keys, all_values, q_pos, positions, scale)
-        out, _ = block_attention(q, all_keys, all_values, q_pos, all_pos, scale)
+        out, _ = block_attention(q, all_keys, all_values, q_pos, all_pos, scale, window)
         return out
 
     return attend
@@ -75,6 +75,9 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
     whose size does not grow with N. Its sums stay float32 whatever the KV dtype.
     ``fused``: None follows runtime.device.use_fused_attention. ``comm``: a Comm, or
     graph collectives (runtime/graph_comm.py) that leave the merge inside MLX's graph.
+    A sliding-window layer's query attends to the suffix of each shard inside its
+    window (a rank caches its positions in increasing order), an empty one on most
+    ranks; the partials merged are the same size.
     """
     fused = use_fused_attention() if fused is None else fused
     compiled_merge = not on_gpu_path()  # asked once a step, not once a layer
@@ -85,7 +88,10 @@ def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = 
             newest.update(of=k_pos, position=int(k_pos.max()) if k_pos.size else -1)
         return newest["position"]
 
-    def attend(q, keys, values, q_pos, k_pos, scale):
+    def attend(q, keys, values, q_pos, k_pos, scale, window=None):
+        if window is not None:  # a sliding-window layer: the keys behind its window go
+            start = window_start(k_pos, int(q_pos[0]), window)
+            keys, values, k_pos = keys[:, start:], values[:, start:], k_pos[start:]
         if comm.size == 1:
             return single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused)
         if compiled_merge and merge == "allgather" and not fused and _whole_shard(

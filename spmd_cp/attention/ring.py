@@ -11,6 +11,11 @@ owner; one Alltoallv returns the partials home, where they are merged. Ring byte
 rank per layer: (N-1) * T/N * NH * d * e; Alltoallv: (N-1) * T/N * NH * (d+1) * e.
 Cheaper than pass-KV when few new tokens attend to a long cached prefix.
 
+A sliding-window layer (``window``) under pass-KV takes window.py's exchange instead:
+each rank receives only the keys its queries' windows reach, from their owners, and no
+shard is forwarded. Under pass-Q the queries travel as before and each block is
+attended within the window (tiles behind it are skipped).
+
 Messages travel in the KV dtype (half precision on the GPU path; the partials' lse keeps
 its 32 bits: block.pack_partial) and every merge accumulates in float32. With fused
 attention (the GPU path) each partial is fused.fused_partial, and one rank, which merges
@@ -27,6 +32,7 @@ from ..runtime.device import use_fused_attention
 from .block import (block_attention, lse_width, merge_partials, merge_stacked, pack_partial,
                     unpack_partial)
 from .fused import fused_output, fused_partial
+from .window import window_kv_attention
 
 
 def _partial_attention(fused: bool | None):
@@ -39,10 +45,10 @@ def _partial_attention(fused: bool | None):
 def _single_rank(partial):
     """One rank merges nothing: with the fused partial, skip the lse too."""
 
-    def attend(q, keys, values, q_pos, k_pos, scale):
+    def attend(q, keys, values, q_pos, k_pos, scale, window=None):
         if partial is fused_partial:
-            return fused_output(q, keys, values, q_pos, k_pos, scale)
-        return block_attention(q, keys, values, q_pos, k_pos, scale)[0]
+            return fused_output(q, keys, values, q_pos, k_pos, scale, window)
+        return block_attention(q, keys, values, q_pos, k_pos, scale, window)[0]
 
     return attend
 
@@ -65,14 +71,21 @@ def ring_pass(comm: Comm, payload: mx.array, shape_of):
             payload, owner = transfer.wait(), incoming
 
 
-def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray], fused: bool | None = None):
-    """Ring attention passing K/V. ``cached_positions``: every rank's cache positions."""
+def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray], fused: bool | None = None,
+                      query_positions: list[np.ndarray] | None = None):
+    """Ring attention passing K/V. ``cached_positions``: every rank's cache positions;
+    ``query_positions``: every rank's new (query) positions, which a sliding-window layer
+    needs (window.py; None: this call has no such layer)."""
     size = comm.size
     partial = _partial_attention(fused)
     if size == 1:
         return _single_rank(partial)
+    windowed = None if query_positions is None else window_kv_attention(
+        comm, cached_positions, query_positions)
 
-    def attend(q, keys, values, q_pos, k_pos, scale):
+    def attend(q, keys, values, q_pos, k_pos, scale, window=None):
+        if window is not None:
+            return windowed(q, keys, values, q_pos, k_pos, scale, window)
         block = mx.stack([keys, values])  # (2, NKV, S_owner, d): one message per step
 
         def shape_of(owner):
@@ -99,7 +112,7 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray], fused: bool 
     if size == 1:
         return _single_rank(partial)
 
-    def attend(q, keys, values, q_pos, k_pos, scale):
+    def attend(q, keys, values, q_pos, k_pos, scale, window=None):
         num_heads, _, head_dim = q.shape
         partials = [None] * size  # partials[o]: owner o's queries against my K/V
 
@@ -107,7 +120,8 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray], fused: bool 
             return (num_heads, query_positions[owner].size, head_dim)
 
         for owner, visitor in ring_pass(comm, q, shape_of):
-            out, lse = partial(visitor, keys, values, query_positions[owner], k_pos, scale)
+            out, lse = partial(visitor, keys, values, query_positions[owner], k_pos, scale,
+                               window)
             partials[owner] = pack_partial(out, lse, keys.dtype)
             mx.eval(partials[owner])  # compute now, while the next transfer is in flight
         n_local = query_positions[rank].size

@@ -222,6 +222,9 @@ def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
     mine = {"peak_mem_bytes": int(mx.get_peak_memory()),
             "resident_peak_bytes": resident_peak_bytes(), "kv_cache_bytes": int(cache.nbytes),
             "comm_bytes": int(comm.bytes_sent), "model_bytes": int(model_bytes),
+            # of comm_bytes, pass-KV's for sliding-window layers, and a full ring's for them
+            "window_kv_bytes": int(comm.window_kv_bytes),
+            "window_kv_ring_bytes": int(comm.window_kv_ring_bytes),
             "kv_tokens": int(cache.shard_sizes[comm.rank])}
     gathered = comm.gather_object(mine)
     if comm.rank != 0:

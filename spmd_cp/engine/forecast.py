@@ -6,7 +6,9 @@ and a window of other ranks' layers: models/partial_load.py WeightLayout), the K
 (every cached token once, split N ways), and the activations of one prefill chunk: this
 rank's rows of the hidden state and MLP (``mlp_arrays``), one attention tile of scores
 (block.SCORE_TILE_ELEMENTS), and the K/V the algorithm holds besides the local shard (one
-travelling shard for the rings, the whole layer for allgather-kv). Those are MLX's
+travelling shard for the rings, the whole layer for allgather-kv; for a sliding-window
+layer's exchange, its keys and the windows it receives). The window does not bound the
+KV shard: the cache keeps every key of every layer (docs/MODELS.md says why). Those are MLX's
 arrays; ``process`` is what the rank process holds besides them (interpreter, libraries,
 tokenizer), measured in the running process by the caller (runtime/resident.py), so the
 total is resident memory.
@@ -76,6 +78,12 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
         extra_kv = 2 * layer_kv * total_tokens
     else:
         extra_kv = 3 * layer_kv * kv_tokens  # local shard stacked + one shard in flight
+    if algo != "allgather-kv" and shape.window:
+        # a windowed layer's pass-KV (attention/window.py): its shard stacked, the keys it
+        # sends, those it receives (at most a window behind each of a head-tail shard's
+        # two runs) and its shard joined with them
+        seen = 2 * min(shape.window, total_tokens)
+        extra_kv = max(extra_kv, layer_kv * (3 * kv_tokens + 2 * seen))
     logits = (256 if score else 1) * shape.vocab * 4 * 3
     activations = int(SAFETY * (rows * per_row + attention + extra_kv + logits))
     return Forecast(weights_bytes, kv, activations, process_bytes)

@@ -9,7 +9,9 @@ Everything except attention is position-wise and runs unchanged on the local row
 The loop is written once. Who computes the projections and the MLP is a per-layer
 strategy: ``ReplicatedLayer`` (mlx-lm's modules on this rank's rows) or tp_decode's
 ``LayerSlice`` (this rank's slices of the weights plus the collectives that complete
-them), so an architecture detail added here holds for both.
+them), so an architecture detail added here holds for both. What differs between layers
+beyond their modules (a sliding window, where the norms sit) is each layer's
+``LayerForm`` (layer_form.py), read once.
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
+from mlx_lm.models.gemma3_text import clip_residual
 
 from ..attention.exp import swiglu
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
+from .layer_form import embedding_scale, layer_forms
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 from .one_token import RopeMatrices, lean_graph, rms_norm
 from .weight_slices import linear, times_transposed
 
-# attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale) -> (NH, n, d)
+# attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale, window)
+#   -> (NH, n, d)
 AttendFn = Callable[..., mx.array]
 
 
@@ -184,6 +189,22 @@ class ReplicatedLayer:
                           swiglu(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
 
 
+class SandwichLayer(ReplicatedLayer):
+    """Gemma 3's block: each sublayer's output normed before the residual add (mlx-lm's
+    ``clip_residual``: a float16 sum clipped to its range, any other dtype plainly added)."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.layer = layer
+
+    def add_output(self, h: mx.array, out: mx.array) -> mx.array:
+        attended = self.layer.post_attention_layernorm(linear(self.attn.o_proj, out))
+        return clip_residual(h, attended)
+
+    def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
+        return clip_residual(h, self.layer.post_feedforward_layernorm(self.feed_forward(x)))
+
+
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
@@ -193,7 +214,10 @@ class CPModel:
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
-        self.replicated = [ReplicatedLayer(layer) for layer in self.layers]
+        self.forms = layer_forms(inner)
+        self.replicated = [(SandwichLayer if form.sandwich else ReplicatedLayer)(layer)
+                           for layer, form in zip(self.layers, self.forms)]
+        self.embed_scale = embedding_scale(inner)
         self.norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.lm_head = head if head is not None else inner.embed_tokens.as_linear
@@ -244,8 +268,10 @@ class CPModel:
         norm, rope_matrix = self._norm_and_rope(modules, ids.shape[0], runs)
         row_form = rope_matrix is not None  # one token on the CPU path: (1, D) rows
         h = self.embed_tokens(ids if row_form else ids[None])  # (1, D) or (1, n, D)
-        layers = zip(modules, projections or self.replicated, cache.layers)
-        for index, (layer, project, layer_kv) in enumerate(layers):
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.astype(h.dtype)
+        layers = zip(modules, projections or self.replicated, cache.layers, self.forms)
+        for index, (layer, project, layer_kv, form) in enumerate(layers):
             if on_layer is not None:
                 on_layer(index)
             with span(tracer, f"layer {index}", "layer"):
@@ -254,10 +280,11 @@ class CPModel:
                 q, k, v = heads_with_rope(
                     attn, *project.qkv(norm(layer.input_layernorm, h)), runs, layer_rope)
                 keys, values = local_shard(layer_kv, k, v, store)
-                out = attend(q, keys, values, positions, cache.positions, attn.scale)
+                out = attend(q, keys, values, positions, cache.positions, attn.scale,
+                             form.window)
                 # float32 partials must not widen the residual
                 h = project.add_output(h, heads_to_rows(out.astype(q.dtype), row_form))
-                h = project.add_mlp(h, norm(layer.post_attention_layernorm, h))
+                h = project.add_mlp(h, norm(getattr(layer, form.mlp_norm), h))
                 if tracer is not None:
                     mx.eval(h)
         return h if row_form else h[0]

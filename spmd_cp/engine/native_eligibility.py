@@ -57,6 +57,10 @@ def native_obstacle(model: CPModel) -> str | None:
     embedding = model.embed_tokens
     if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
         return f"the embedding is {_described(embedding)}"
+    odd = next((i for i, form in enumerate(model.forms) if not form.plain), None)
+    if odd is not None:  # the C step has neither a window nor Gemma's norms
+        return (f"layer {odd}: a sliding window or norms around its sublayers "
+                "(Gemma 3), which the native step does not do")
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
     for index, layer in enumerate(model.layers):

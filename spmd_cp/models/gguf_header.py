@@ -170,6 +170,7 @@ def head_counts(path: str) -> tuple[int, int]:
     p = Path(path)
     if p.is_dir():
         config = json.loads((p / "config.json").read_text())
+        config = config.get("text_config") or config  # a multimodal checkpoint's text model
         heads = config["num_attention_heads"]
         return heads, config.get("num_key_value_heads") or heads
 

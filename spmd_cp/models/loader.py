@@ -9,6 +9,7 @@ than float32 through an optimized BLAS (docs/CPU_SPEED.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from . import quantized_shadows
 from ..errors import UserError
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import check_safetensors
-from .shape import SUPPORTED_MODEL_TYPES, ModelShape
+from .shape import SLIDING_WINDOW_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelShape
 
 # What reading damaged or foreign model files raises, in mlx-lm and MLX's loaders: such a
 # failure is the files' fault, reported as a UserError naming them.
@@ -51,7 +52,9 @@ class LoadedModel:
                           intermediate=c["intermediate_size"], num_heads=heads,
                           num_kv_heads=c.get("num_key_value_heads") or heads,
                           head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                          vocab=c["vocab_size"])
+                          vocab=c["vocab_size"],
+                          window=(c.get("sliding_window")
+                                  if c.get("model_type") in SLIDING_WINDOW_MODEL_TYPES else None))
 
 
 def default_model_path() -> str:
@@ -143,6 +146,7 @@ def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool) -> 
         model, config = mlx_lm_load_model(p)
         tokenizer = load_tokenizer(p)
         _refuse_sliding_window(config, path)
+        model, config = text_part(model, config)
         if not keep_quantized and mx.default_device() == mx.cpu:
             from mlx_lm.utils import dequantize_model
 
@@ -209,7 +213,21 @@ def float32_cache_path(checksum: str) -> str | None:
     return str(cache_dir() / "weights" / f"{checksum}.f32dq.safetensors")
 
 
+def text_part(model: nn.Module, config: dict) -> tuple[nn.Module, dict]:
+    """The language model of a multimodal checkpoint (gemma3's ``language_model``: its
+    vision tower is dropped by mlx-lm's sanitize) and, for the families whose mlx-lm
+    arguments fill in defaults the file may leave out (gemma3's head_dim, window, nested
+    ``text_config``), the config with those arguments over it (its model_type kept)."""
+    model = getattr(model, "language_model", model)
+    args = getattr(model, "args", None)
+    if config.get("model_type") in SLIDING_WINDOW_MODEL_TYPES and dataclasses.is_dataclass(args):
+        config = {**config, **dataclasses.asdict(args), "model_type": config["model_type"]}
+    return model, config
+
+
 def _refuse_sliding_window(config: dict, path: str):
+    if config.get("model_type") in SLIDING_WINDOW_MODEL_TYPES:
+        return  # their windows run exactly (attention/window.py)
     kinds = set(config.get("layer_types") or [])
     if kinds - {"full_attention"} or config.get("use_sliding_window"):
         raise UserError(f"{path}: sliding-window attention layers are not supported "

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from .checksum import model_checksum
-from .loader import LoadedModel, _refuse_sliding_window, check_model_path
+from .loader import LoadedModel, _refuse_sliding_window, check_model_path, text_part
 from .tensor_files import GGUFFile, open_tensor_files
 
 
@@ -99,8 +99,14 @@ def vocab_rows(vocab: int, rank: int, size: int) -> tuple[int, int]:
     return int(bounds[rank]), int(bounds[rank + 1])
 
 
-def _layer_prefix(index: int) -> str:
-    return f"model.layers.{index}."
+def _layer_prefix(index: int, base: str = "") -> str:
+    return f"{base}model.layers.{index}."
+
+
+def text_prefix(config: dict) -> str:
+    """Where a checkpoint keeps its language model's tensors: under ``language_model.``
+    where it nests the text model's config (a multimodal gemma3), else at the top."""
+    return "language_model." if "text_config" in config else ""
 
 
 def read_config(files, path: Path, tokenizer: bool = True) -> tuple[dict, object]:
@@ -168,21 +174,26 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     config, tokenizer = read_config(files, p)
     specs = files.specs()
     form = compute_form(files, config, keep_quantized)
-    model = build_skeleton(config, specs, form)
+    base = text_prefix(config)
+    skeleton = build_skeleton(config, specs, form)
+    wanted = _wanted(files, skeleton)
+    model, config = text_part(skeleton, config)
+    if "lm_head" in model and not any(n.startswith(f"{base}lm_head.") for n in specs):
+        model.sanitize({})  # a head the files lack is the tied embedding (gemma3_text's rule)
     share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
-    wanted = _wanted(files, model)
     for index in range(config["num_hidden_layers"]):
-        prefix = _layer_prefix(index)
+        prefix = _layer_prefix(index, base)
         names = [n for n in specs if n.startswith(prefix)]
         share.layer_specs.append({n[len(prefix):]: specs[n] for n in names})
         if share.owner(index) == rank:
             share.layers[index] = {n[len(prefix):]: a for n, a in
                                    _read_all(files, [n for n in names if n in wanted]).items()}
     # The vocabulary slices go into the skeleton's own embedding (and untied head) modules.
-    sliced = _read_all(files, [n for n in wanted if n.startswith(("model.embed_tokens.", "lm_head."))],
+    sliced = _read_all(files, [n for n in wanted
+                               if n.startswith((f"{base}model.embed_tokens.", f"{base}lm_head."))],
                        rows=share.vocab_rows)
-    sliced.update(files.read("model.norm.weight"))
-    params = list(form.convert(sliced).items())
+    sliced.update(files.read(f"{base}model.norm.weight"))
+    params = [(n[len(base):], a) for n, a in form.convert(sliced).items()]
     model.update(tree_unflatten(params))
     mx.eval([a for params in share.layers.values() for a in params.values()],
             [a for _, a in params])
@@ -261,15 +272,19 @@ def weight_layout(path: str, keep_quantized: bool = False,
     config, _ = read_config(files, p, tokenizer=False)
     specs = files.specs()
     form = compute_form(files, config, keep_quantized)
-    wanted = _wanted(files, build_skeleton(config, specs, form))
+    skeleton = build_skeleton(config, specs, form)
+    wanted = _wanted(files, skeleton)
+    base = text_prefix(config)
+    _, text_config = text_part(skeleton, config)  # the layer count, defaults filled in
     packed, compute = [], []
-    for index in range(config["num_hidden_layers"]):
-        names = [n for n in wanted if n.startswith(_layer_prefix(index))]
+    for index in range(text_config["num_hidden_layers"]):
+        names = [n for n in wanted if n.startswith(_layer_prefix(index, base))]
         packed.append(sum(math.prod(specs[n][0]) * specs[n][1].size for n in names))
         compute.append(_compute_bytes(specs, names, form))
-    vocab = [n for n in wanted if n.startswith(("model.embed_tokens.", "lm_head."))]
-    other = [n for n in wanted if not n.startswith(("model.layers.", "model.embed_tokens.",
-                                                    "lm_head."))]
+    vocab = [n for n in wanted if n.startswith((f"{base}model.embed_tokens.", f"{base}lm_head."))]
+    other = [n for n in wanted if not n.startswith((f"{base}model.layers.",
+                                                    f"{base}model.embed_tokens.",
+                                                    f"{base}lm_head."))]
     return WeightLayout(packed, compute, _compute_bytes(specs, vocab, form),
                         _compute_bytes(specs, other, form),
                         _shadow_bytes(specs, form) if packed_decode else 0)

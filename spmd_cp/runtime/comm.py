@@ -92,6 +92,10 @@ class Comm:
         self.ring_next = (self.rank + 1) % self.size
         self.ring_prev = (self.rank - 1) % self.size
         self.bytes_sent = 0
+        # Of those, pass-KV's for sliding-window layers (attention/window.py), and what a
+        # full ring would have forwarded for the same layers: the saving is the difference.
+        self.window_kv_bytes = 0
+        self.window_kv_ring_bytes = 0
         self.wait_seconds = 0.0  # time spent blocked in communication (not overlapped)
         self.watchdog = watchdog  # bounds every blocking call below (see watchdog.py)
         self.tracer = None  # records waits and transfers when --trace is on (trace.py)

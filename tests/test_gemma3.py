@@ -1,0 +1,249 @@
+"""Gemma 3 on N real MPI ranks equals mlx-lm's own, unmodified gemma3 forward.
+
+Tiny random models (conftest.GEMMA3_CONFIG: 16-token windows, so a 70-token prompt spans
+four of them) run every --cp-algo, whole and in chunks, with decode, in one launch per
+N. The reference is mlx-lm's model as its own loader builds it (``model(ids)`` for the
+scores, ``generate_step`` with mlx-lm's rotating caches for the greedy continuation).
+The bytes pass-KV sends for the windowed layers are checked against a brute-force
+count of the keys each rank's queries see.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import GEMMA3_CONFIG, TESTS, run_cli, run_ranks
+from mpi_exact_driver import prompt_ids
+
+DRIVER = [sys.executable, str(TESTS / "mpi_exact_driver.py")]
+ALGOS = ["allgather-kv", "pass-kv", "pass-q", "auto"]
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+WINDOW = GEMMA3_CONFIG["sliding_window"]
+LENGTH = 70  # four windows and a bit
+DECODE = 6
+
+
+@lru_cache(maxsize=None)
+def mlx_lm_model(path: str):
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    model.set_dtype(mx.float32)
+    return model
+
+
+def greedy_reference(path: str, ids, tokens: int) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(ids), mlx_lm_model(path),
+                                             max_tokens=tokens,
+                                             sampler=lambda lp: mx.argmax(lp, axis=-1))]
+
+
+@lru_cache(maxsize=None)
+def reference(path: str, length: int, seed: int, decode: int):
+    import mlx.core as mx
+
+    ids = prompt_ids(length, seed, 49152)
+    logits = mlx_lm_model(path)(mx.array(ids)[None])[0].astype(mx.float32)
+    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return logprobs[np.arange(length - 1), ids[1:]], greedy_reference(path, ids, decode)
+
+
+def run_driver(n: int, path: str, configs: list[dict], tmp_path) -> list[dict]:
+    out = tmp_path / f"gemma3-{n}.json"
+    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out)], timeout=400)
+    return json.loads(out.read_text())["results"]
+
+
+def check(results: list[dict], path: str, n: int):
+    for result in results:
+        config = result["config"]
+        scored, greedy = reference(path, config["length"], config["seed"], config["decode"])
+        where = f"N={n} {config}"
+        np.testing.assert_allclose(result["logprob"], scored, **TOLERANCE, err_msg=where)
+        assert result["greedy"] == greedy, where
+
+
+def test_windowed_block_attention_equals_dense_numpy():
+    """block_attention with a window, on a head-tail shard's two runs of queries against
+    keys cached in two runs out of order, long enough that whole tiles fall behind the window
+    (skipped), lie inside it (unmasked) and straddle its edge, equals a dense float64
+    softmax under the mask k <= q < k + W."""
+    import mlx.core as mx
+
+    from spmd_cp.attention.block import block_attention
+
+    rng = np.random.RandomState(0)
+    heads, kv_heads, d, total, window = 4, 2, 8, 1400, 500
+    q_pos = np.concatenate([np.arange(100, 450), np.arange(900, 1250)])
+    k_pos = np.concatenate([np.arange(700, total), np.arange(0, 700)])
+    q = rng.randn(heads, q_pos.size, d).astype(np.float32)
+    k, v = (rng.randn(kv_heads, total, d).astype(np.float32) for _ in range(2))
+    out, _ = block_attention(mx.array(q), mx.array(k), mx.array(v), q_pos, k_pos, 0.3, window)
+    visible = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
+    group = heads // kv_heads
+    scores = np.einsum("hqd,hkd->hqk", q.astype(np.float64),
+                       np.repeat(k, group, axis=0).astype(np.float64)) * 0.3
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = (probs / probs.sum(-1, keepdims=True)) @ np.repeat(v, group, axis=0)
+    np.testing.assert_allclose(np.array(out), expected, **TOLERANCE)
+
+
+def brute_force_window_bytes(n: int, length: int, dims: dict) -> tuple[list, list]:
+    """Per rank: bytes of the keys other ranks' queries see through the window (pass-KV
+    of the windowed layers), and a full ring's bytes for those layers, by enumeration."""
+    from spmd_cp.attention.partition import head_tail_positions
+
+    positions = head_tail_positions(length, n)
+    per_key = dims["local_layers"] * 2 * dims["NKV"] * dims["d"] * 4
+    sent, ring = [], []
+    for rank in range(n):
+        seen = sum(sum(1 for k in positions[rank]
+                       if any(0 <= q - k < WINDOW for q in positions[other]))
+                   for other in range(n) if other != rank)
+        sent.append(seen * per_key)
+        ring.append(sum(positions[(rank - s) % n].size for s in range(n - 1)) * per_key)
+    return sent, ring
+
+
+def configs_for(n: int) -> list[dict]:
+    """One rank runs every algorithm the same way: whole and chunked. Two: every
+    algorithm whole with decode, and decode's other merge with its collectives in MLX's
+    graph. Three: every algorithm chunked (later chunks attend to the sharded cache),
+    pass-KV whole for its byte count, and a prompt shorter than the ranks (empty shards
+    in the window exchange)."""
+    def config(algo, chunk, decode, **extra):
+        return {"algo": algo, "chunk": chunk, "length": LENGTH, "decode": decode,
+                "seed": LENGTH + chunk, **extra}
+
+    if n == 1:
+        return [config("auto", chunk, DECODE) for chunk in (0, 23)]
+    if n == 2:
+        return [config(algo, 0, DECODE) for algo in ALGOS] + [
+            config("pass-kv", 0, DECODE, merge="allreduce", comm="mlx")]
+    return [config(algo, 23, 2) for algo in ALGOS] + [
+        config("pass-kv", 0, 0), {**config("pass-kv", 0, 2), "length": 2}]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gemma3_text_matches_mlx_lm_under_every_algorithm(n, tiny_gemma3_models, tmp_path):
+    path = tiny_gemma3_models["gemma3_text"]
+    results = run_driver(n, path, configs_for(n), tmp_path)
+    check(results, path, n)
+    if n == 1:
+        return
+    dims = {"local_layers": 3, "NKV": 2, "d": 16}  # layers 0, 1 and 3 of 4 (pattern 3)
+    sent, ring = brute_force_window_bytes(n, LENGTH, dims)
+    for result in results:
+        window = result["window_kv_bytes"]  # per rank: [sent, a full ring's]
+        if "pass-kv" not in result["algos"]:
+            assert all(w == [0, 0] for w in window), result["config"]
+        elif result["config"]["chunk"] == 0 and result["config"]["length"] == LENGTH:
+            assert [w[0] for w in window] == sent, result["config"]
+            assert [w[1] for w in window] == ring, result["config"]
+            assert sum(sent) < 0.6 * sum(ring)
+
+
+def test_multimodal_gemma3_checkpoint_runs_its_text_part(tiny_gemma3_models, tmp_path):
+    """A ``gemma3`` checkpoint (text_config nested, weights under language_model) against
+    mlx-lm's gemma3 model, on 2 ranks."""
+    path = tiny_gemma3_models["gemma3"]
+    configs = [{"algo": algo, "chunk": chunk, "length": 45, "decode": 4, "seed": 45}
+               for algo, chunk in (("pass-kv", 0), ("pass-q", 17))]
+    check(run_driver(2, path, configs, tmp_path), path, 2)
+
+
+DOCUMENT = " ".join(f"Item {i} is kept in box {i * 7 % 13}." for i in range(12))
+
+
+def test_saved_cache_continues_as_mlx_lm_and_weights_shard(tiny_gemma3_models, tmp_path):
+    """--save-cache / --load-cache on 2 ranks: the follow-up's greedy tokens are mlx-lm's
+    for the whole conversation; the same conversation with --shard-weights too."""
+    from spmd_cp.models.loader import load_model
+
+    path = tiny_gemma3_models["gemma3_text"]
+    cache, question = tmp_path / "cache", "Which box holds item 5?"
+    model = ["--model", path, "--max-tokens", "5", "--cp-algo", "pass-kv", "--json"]
+    first = run_cli(2, ["generate", "--prompt", DOCUMENT, "--save-cache", str(cache),
+                        *model]).last_json()
+    resumed = run_cli(2, ["generate", "--load-cache", str(cache), "--prompt", question,
+                          *model]).last_json()
+    tokenizer = load_model(path).tokenizer
+    messages = [{"role": "user", "content": DOCUMENT},
+                {"role": "assistant", "content": first["text"]},
+                {"role": "user", "content": question}]
+    whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = list(tokenizer.encode(whole))
+    assert len(ids) > 4 * WINDOW
+    assert resumed["prompt_tokens"] == len(ids)
+    assert resumed["prompt_tokens_reused"] >= first["prompt_tokens"]
+    expected = greedy_reference(path, ids, 5)
+    assert resumed["token_ids"] == expected[:len(resumed["token_ids"])]
+    (tmp_path / "whole.txt").write_text(whole)
+    sharded = run_cli(2, ["generate", "--no-chat-template", "--parse-special", "--prompt-file",
+                          str(tmp_path / "whole.txt"), "--shard-weights", "on",
+                          *model]).last_json()
+    assert sharded["prompt_tokens"] == len(ids)
+    assert sharded["token_ids"] == resumed["token_ids"]
+
+
+def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
+    """A multimodal checkpoint's shape is its text model's, window included; the window
+    raises a pass-KV forecast's received keys only, never the KV shard (all kept)."""
+    import dataclasses
+
+    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.models.loader import load_model
+
+    text, nested = (load_model(tiny_gemma3_models[k]).shape for k in ("gemma3_text", "gemma3"))
+    assert text == nested
+    assert (text.layers, text.head_dim, text.num_kv_heads, text.window) == (4, 16, 2, WINDOW)
+    wide = dataclasses.replace(text, window=4096)
+    plain = dataclasses.replace(text, window=None)
+    for algo in ("pass-kv", "allgather-kv"):
+        a, b = (forecast_rank_bytes(s, 0, 8192, 8192, 4, algo) for s in (wide, plain))
+        assert a.kv == b.kv == (8192 // 4 + 1) * text.kv_bytes_per_token
+        assert (a.activations > b.activations) == (algo == "pass-kv")
+
+
+def test_quantized_gemma3_packed_and_dequantized_match_mlx_lm(tiny_gemma3_models, tmp_path):
+    """A 4-bit MLX gemma3_text (its tied embedding quantized too) on 2 ranks, kept packed
+    (--keep-quantized: mlx-lm's quantized modules) and dequantized to float32 (the CPU
+    default): greedy tokens equal mlx-lm's own quantized model's."""
+    import shutil
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    from spmd_cp.models.loader import load_model
+
+    source, target = Path(tiny_gemma3_models["gemma3_text"]), tmp_path / "gemma3-4bit"
+    model, config = mlx_lm_load_model(source)
+    nn.quantize(model, group_size=32, bits=4)
+    target.mkdir()
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (target / "config.json").write_text(json.dumps(config))
+    for name in source.iterdir():  # the tokenizer
+        if name.name not in ("config.json", "model.safetensors"):
+            shutil.copy(name, target)
+    ids = list(load_model(str(target)).tokenizer.encode(DOCUMENT))
+    expected = greedy_reference(str(target), ids, 5)
+    args = ["generate", "--model", str(target), "--prompt", DOCUMENT, "--no-chat-template",
+            "--max-tokens", "5", "--cp-algo", "pass-kv", "--json"]
+    for extra in (["--keep-quantized"], []):
+        result = run_cli(2, args + extra).last_json()
+        assert result["prompt_tokens"] == len(ids) > 4 * WINDOW
+        assert result["token_ids"] == expected[:len(result["token_ids"])], extra
