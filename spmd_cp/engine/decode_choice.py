@@ -51,11 +51,11 @@ class PackedReads:
 def split_modules(model) -> list:
     """The modules whose matrices the split step divides: every layer's projections and
     MLP, and the vocabulary projection (the tied embedding if there is no separate head)."""
+    from .layer_parts import LayerParts  # reads mlx-lm's modules; the arithmetic stays pure
+
     modules = []
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        modules += LayerParts.of(layer).modules()
     head = model.lm_head if isinstance(model.lm_head, nn.Module) else model.embed_tokens
     return modules + [head]
 
@@ -75,8 +75,12 @@ def split_copy_bytes(model, cp_size: int) -> int:
         return 0
     from .tp_decode import joined_qkv_bytes  # MLX graph code; this module stays pure
 
-    modules = [getattr(part, name, None) for layer in model.layers
-               for part, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj"))]
+    from .layer_parts import LayerParts
+
+    parts = [LayerParts.of(layer) for layer in model.layers]
+    if not all(p.is_swiglu for p in parts):  # a mixture of experts: decode stays replicated
+        return 0
+    modules = [m for p in parts for m in (p.o, p.down)]
     total = sum(v.nbytes for m in modules if m is not None
                 for _, v in tree_flatten(m.parameters()))
     return -(-total // cp_size) + sum(joined_qkv_bytes(layer, cp_size) for layer in model.layers)

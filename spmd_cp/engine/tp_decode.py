@@ -30,7 +30,8 @@ import numpy as np
 
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
-from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
+from .layer_parts import LayerParts, describe_feed_forward
+from .model import CPModel, vocabulary_projection
 from ..models.quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelHead
 from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges, stack_rows
@@ -65,14 +66,11 @@ def joined_qkv_bytes(layer, size: int) -> int:
                for a, b in plan.qkv_ranges)
 
 
-def _matrix(parent: nn.Module, name: str) -> WeightMatrix:
-    module = getattr(parent, name, None)
-    if module is None:  # an MLP other than mlx-lm's SwiGLU gate/up/down
-        raise TypeError(f"{name} is missing")
+def _matrix(module: nn.Module) -> WeightMatrix:
     try:
         return WeightMatrix.of(module)
     except TypeError as error:
-        raise TypeError(f"{name} is {error}") from None
+        raise TypeError(f"a projection is {error}") from None
 
 
 def _split(name: str, total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -86,7 +84,8 @@ def _split(name: str, total: int, parts: int, align: int = 1) -> list[tuple[int,
 class LayerPlan:
     """One layer's matrices and each rank's share of them (no weights copied yet)."""
 
-    qkv: list  # WeightMatrix of q_proj, k_proj, v_proj: stacked by rows, column-parallel
+    qkv: list  # WeightMatrix of q_proj, k_proj, v_proj or a fused q|k|v: column-parallel
+    qkv_widths: tuple  # output widths of q, k and v
     o: WeightMatrix
     gate: WeightMatrix
     up: WeightMatrix
@@ -98,10 +97,13 @@ class LayerPlan:
     @classmethod
     def of(cls, layer, size: int) -> LayerPlan:
         """TypeError or ValueError, naming the matrix, where ``size`` ranks cannot share it."""
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [_matrix(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
-        o, down = _matrix(attn, "o_proj"), _matrix(mlp, "down_proj")
-        return cls(qkv, o, _matrix(mlp, "gate_proj"), _matrix(mlp, "up_proj"), down,
+        parts = LayerParts.of(layer)
+        if not parts.is_swiglu:
+            raise TypeError(f"its MLP is {describe_feed_forward(parts.feed_forward)}, which "
+                            "the split step does not divide")
+        qkv = [_matrix(m) for m in parts.qkv]
+        o, down = _matrix(parts.o), _matrix(parts.down)
+        return cls(qkv, parts.qkv_widths, o, *parts.gate_up_matrices(), down,
                    _split("q/k/v outputs", sum(m.out_width for m in qkv), size),
                    _split("o_proj inputs", o.in_width, size, o.in_align),
                    _split("down_proj inputs", down.in_width, size, down.in_align))
@@ -122,7 +124,7 @@ class LayerSlice:
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
-        self.q_width, self.k_width = plan.qkv[0].out_width, plan.qkv[1].out_width
+        self.q_width, self.k_width = plan.qkv_widths[:2]
         pieces = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=False)
         join_qkv = copy_rows or _joined_bytes(pieces) > 0
         parts = stack_rows(pieces) if join_qkv else pieces
@@ -176,12 +178,12 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
     them): only their MLPs' kind is checked here, the rest while the slices are cut."""
     if is_layer_sharded(model):
         for index, layer in enumerate(model.layers.modules):
-            if not isinstance(layer.mlp, SWIGLU_MLPS):
-                return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
+            parts = LayerParts.of(layer)
+            if not parts.is_swiglu:
+                return (f"layer {index}: its MLP is {describe_feed_forward(parts.feed_forward)}"
+                        ", which the split step does not divide")
         return None  # the vocabulary is already split (vocab_parallel.py)
     for index, layer in enumerate(model.layers):  # quantization may differ per layer
-        if not isinstance(layer.mlp, SWIGLU_MLPS):
-            return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
         try:
             LayerPlan.of(layer, size)
         except (TypeError, ValueError) as error:
@@ -222,11 +224,12 @@ def supports_tensor_parallel(model: CPModel, comm: Comm) -> bool:
 def describe_weights(layer, model: CPModel) -> str:
     """'float32', '4-bit quantized' or '4/8-bit quantized': what the slices are cut from
     (``layer``: one layer's modules as they were when cut)."""
-    modules = [layer.self_attn.q_proj, layer.mlp.down_proj, model.embed_tokens, model.lm_head]
+    parts = LayerParts.of(layer)
+    modules = [*parts.qkv, parts.down, model.embed_tokens, model.lm_head]
     bits = sorted({m.bits for m in modules if hasattr(m, "bits")})
     if bits:
         return "/".join(str(b) for b in bits) + "-bit quantized"
-    return str(layer.self_attn.q_proj.weight.dtype).replace("mlx.core.", "")
+    return str(parts.qkv[0].weight.dtype).replace("mlx.core.", "")
 
 
 class TensorParallelDecoder:

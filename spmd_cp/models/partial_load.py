@@ -171,6 +171,7 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     model = build_skeleton(config, specs, form)
     share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
     wanted = _wanted(files, model)
+    _refuse_unstacked_experts(wanted, p)
     for index in range(config["num_hidden_layers"]):
         prefix = _layer_prefix(index)
         names = [n for n in specs if n.startswith(prefix)]
@@ -192,9 +193,18 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
 
 def _wanted(files, model: nn.Module) -> set:
     """The file's tensors the model uses (not e.g. a tied head's copy or rotary tables);
-    a quantized weight's scales and biases go with it even when it will be dequantized."""
+    a quantized weight's scales and biases go with it even when it will be dequantized.
+    A mixture's experts stored one by one (``experts.N.``: a Hugging Face checkpoint,
+    which mlx-lm stacks as it loads) count whole."""
     modules = {name.rsplit(".", 1)[0] for name, _ in tree_flatten(model.parameters())}
-    return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules}
+    return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules or ".experts." in n}
+
+
+def _refuse_unstacked_experts(wanted: set, path: Path):
+    if any(".experts." in n for n in wanted):
+        raise UserError(f"{path}: the experts are stored one by one (a Hugging Face "
+                        "checkpoint); --shard-weights reads them stacked, as mlx-lm saves "
+                        "a model (mlx_lm.convert)")
 
 
 def _read_all(files, names, rows=None) -> dict:
@@ -289,6 +299,8 @@ def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
         if base is None or f"{base}.scales" not in specs:
             continue
         scales_shape, scales_dtype = specs[f"{base}.scales"]
+        if len(shape) != 2:  # a mixture's stacked experts: dequantized, not read packed
+            continue
         if form.bits(shape, scales_shape) in quantized_shadows.KERNEL_BITS:
             kept = scales_dtype.size if scales_dtype in quantized_shadows.GROUP_KINDS else 4
             total += math.prod(shape) * dtype.size + 2 * kept * math.prod(scales_shape)

@@ -1,0 +1,133 @@
+"""Phi-3 and the mixtures of experts (Qwen3-MoE, Mixtral) against mlx-lm's own forward.
+
+One launch per rank count runs every family through every ``--cp-algo``, whole and
+chunked prefill, a prompt cache saved and reloaded, and (N > 1) the split decode step
+(tests/families_driver.py); the references are mlx-lm's unmodified models on the whole
+sequence, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from conftest import TESTS, run_ranks, write_tiny_model
+from families_driver import ALGOS, CHUNK, DECODE, LENGTH, TP_LENGTH, prompt_ids
+
+DRIVER = [sys.executable, str(TESTS / "families_driver.py")]
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+# Tiny random models of each family: 8 query heads over 2 KV heads as conftest's; Phi-3
+# and Mixtral take head_dim = hidden / heads = 8 (their mlx-lm attention ignores the key).
+FAMILIES = {
+    # fused q|k|v and gate|up, half the head rotated (a plain RoPE: the native step runs it)
+    "phi3": {"model_type": "phi3", "partial_rotary_factor": 0.5},
+    # Phi-3's long-context RoPE (mlx-lm's SuScaledRoPE): MLX's decode step runs it
+    "phi3-longrope": {"model_type": "phi3", "original_max_position_embeddings": 16,
+                      "max_position_embeddings": 64, "rope_scaling": {
+                          "type": "longrope", "short_factor": [1.0] * 4,
+                          "long_factor": [1.0, 1.5, 2.0, 4.0]}},
+    # experts in layers 0 and 2, a dense MLP in layer 1; q/k norms
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [1], "norm_topk_prob": True},
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 48},
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("families")
+    return {name: str(write_tiny_model(root / name, extra["model_type"], seed=3,
+                                       extra_config=extra))
+            for name, extra in FAMILIES.items()}
+
+
+@lru_cache(maxsize=None)
+def reference(path: str, length: int, seed: int):
+    """mlx-lm's own model on the whole prompt: every prompt token's logprob and the
+    greedy continuation (its generate_step)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(__import__("pathlib").Path(path))
+    model.set_dtype(mx.float32)
+    ids = prompt_ids(length, seed)
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    scored = logprobs[np.arange(length - 1), ids[1:]]
+    tokens = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=DECODE,
+                                                sampler=lambda x: mx.argmax(x, axis=-1))]
+    return scored, tokens
+
+
+@pytest.fixture(scope="module")
+def launches(family_models, tmp_path_factory) -> dict:
+    """{N: (the driver's results, rank 0's log)} for N = 1, 2, 3."""
+    out = {}
+    work = tmp_path_factory.mktemp("family-runs")
+    for n in (1, 2, 3):
+        result = work / f"out-{n}.json"
+        launch = run_ranks(n, DRIVER + [json.dumps(family_models), str(result), str(work)],
+                           timeout=600)
+        out[n] = (json.loads(result.read_text())["results"], launch.stderr)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_family_and_algorithm_equals_mlx_lm(family_models, launches, n):
+    """Scores (1e-4 in float32) and greedy continuations of whole and chunked prefills,
+    and of a prompt cache saved part-way, loaded back and continued."""
+    results, _ = launches[n]
+    for family, path in family_models.items():
+        scored, tokens = reference(path, LENGTH, 1)
+        runs = results[family]
+        assert set(runs["algos"]) == {f"{a}/{c}" for a in ALGOS for c in (0, CHUNK)}
+        for key, run in runs["algos"].items():
+            np.testing.assert_allclose(run["logprob"], scored, **TOLERANCE,
+                                       err_msg=f"{family} {key} N={n}")
+            assert run["greedy"] == tokens, (family, key, n)
+        assert runs["saved_cache"] == tokens, (family, n)
+
+
+def test_decode_steps_and_split_at_two_ranks(family_models, launches):
+    """At N = 2: Phi-3's split step (fused matrices cut by rows) equals mlx-lm; a mixture
+    of experts falls back to the replicated step with one line naming why; the native
+    step runs Phi-3 with a plain RoPE and refuses what it cannot compute."""
+    results, log = launches[2]
+    for family, path in family_models.items():
+        split = results[family]["split"]
+        assert split["greedy"] == reference(path, TP_LENGTH, 2)[1], family
+        assert split["tp_used"] == family.startswith("phi3"), family
+    assert log.count("decode: replicated (the weights cannot be split over 2 ranks: "
+                     "layer 0: its MLP is a mixture of 4 experts (2 a token), which the "
+                     "split step does not divide)") == 2, log
+    steps = {family: runs["algos"]["pass-kv/0"]["decode_step"]
+             for family, runs in results.items()}
+    from conftest import C_HELPERS_BUILD
+
+    if C_HELPERS_BUILD:
+        assert steps == {"phi3": "native", "phi3-longrope": "mlx", "qwen3_moe": "mlx",
+                         "mixtral": "mlx"}, steps
+        assert "decode step: MLX's graph (layer 0: its RoPE is a SuScaledRoPE)" in log
+        assert "decode step: MLX's graph (layer 0: its MLP is a mixture of 4 experts " \
+               "(2 a token) (the native step computes SwiGLU MLPs))" in log
+
+
+def test_a_refused_family_names_the_supported_ones(tmp_path):
+    from spmd_cp.errors import UserError
+    from spmd_cp.models.loader import check_model_path
+    from spmd_cp.models.shape import SUPPORTED_MODEL_TYPES
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    with pytest.raises(UserError) as error:
+        check_model_path(str(tmp_path))
+    assert str(error.value).count("\n") == 0
+    assert f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})" in str(error.value)
+    assert {"phi3", "qwen3_moe", "mixtral"} <= set(SUPPORTED_MODEL_TYPES)
