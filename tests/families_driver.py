@@ -6,8 +6,9 @@ MODELS_JSON: {family: model directory}. Per family, rank 0 records for each
 ``--cp-algo``: the logprob of every prompt token and the greedy continuation of a whole
 prefill and of a chunked one; a prompt cache saved after part of the prompt, loaded
 back and continued to the end (its continuation); and at N > 1 the split decode step
-(``--decode-tp on``): its continuation and whether the split ran. Every decode step
-records which step ran it (native or MLX's graph).
+(``--decode-tp on``): its continuation and whether the split ran, over the replicated
+weights and over layer-sharded ones (``--shard-weights``: each rank loads its share).
+Every decode step records which step ran it (native or MLX's graph).
 """
 
 import json
@@ -62,10 +63,20 @@ def run_saved_cache(comm, model, checksum: str, directory: str) -> list[int]:
 def run_split_decode(comm, model) -> dict:
     engine = Engine(model, comm, algo="pass-kv", decode_tp="on")
     cache = engine.new_cache()
-    logits, _ = engine.prefill(cache, prompt_ids(TP_LENGTH, 2))
+    logits, records = engine.prefill(cache, prompt_ids(TP_LENGTH, 2), score=True)
     tokens = greedy(engine, cache, logits)
-    return {"greedy": tokens, "tp_used": engine.tp_decoder is not None,
+    return {"logprob": records.logprob if records else None, "greedy": tokens,
+            "tp_used": engine.tp_decoder is not None,
             "decode_step": engine.decode_modes["decode_step"]}
+
+
+def run_sharded(comm, path: str) -> dict:
+    """The split decode step over layer-sharded weights (models/partial_load.py)."""
+    from spmd_cp.engine.sharded_model import build_cp_model
+    from spmd_cp.models.partial_load import load_rank_share
+
+    share = load_rank_share(path, comm.rank, comm.size)
+    return run_split_decode(comm, build_cp_model(share, comm))
 
 
 def run_family(comm, path: str, cache_dir: str) -> dict:
@@ -76,6 +87,7 @@ def run_family(comm, path: str, cache_dir: str) -> dict:
            "saved_cache": run_saved_cache(comm, model, loaded.checksum, cache_dir)}
     if comm.size > 1:
         out["split"] = run_split_decode(comm, model)
+        out["sharded"] = run_sharded(comm, path)
     return out
 
 

@@ -48,6 +48,17 @@ def family_models(tmp_path_factory) -> dict:
             for name, extra in FAMILIES.items()}
 
 
+@pytest.fixture(scope="module")
+def quantized_moe(family_models, tmp_path_factory) -> str:
+    """The Qwen3-MoE model 4-bit quantized by mlx-lm's convert (experts included; the
+    router at 8 bits, as its quant_predicate says): run at N = 2 only."""
+    from mlx_lm.convert import convert
+
+    out = tmp_path_factory.mktemp("quantized") / "qwen3_moe-4bit"
+    convert(family_models["qwen3_moe"], str(out), quantize=True, q_group_size=32, q_bits=4)
+    return str(out)
+
+
 @lru_cache(maxsize=None)
 def reference(path: str, length: int, seed: int):
     """mlx-lm's own model on the whole prompt: every prompt token's logprob and the
@@ -68,24 +79,27 @@ def reference(path: str, length: int, seed: int):
 
 
 @pytest.fixture(scope="module")
-def launches(family_models, tmp_path_factory) -> dict:
+def launches(family_models, quantized_moe, tmp_path_factory) -> dict:
     """{N: (the driver's results, rank 0's log)} for N = 1, 2, 3."""
     out = {}
     work = tmp_path_factory.mktemp("family-runs")
     for n in (1, 2, 3):
         result = work / f"out-{n}.json"
-        launch = run_ranks(n, DRIVER + [json.dumps(family_models), str(result), str(work)],
+        models = {**family_models, "qwen3_moe-4bit": quantized_moe} if n == 2 else family_models
+        launch = run_ranks(n, DRIVER + [json.dumps(models), str(result), str(work)],
                            timeout=600)
         out[n] = (json.loads(result.read_text())["results"], launch.stderr)
     return out
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_every_family_and_algorithm_equals_mlx_lm(family_models, launches, n):
+def test_every_family_and_algorithm_equals_mlx_lm(family_models, quantized_moe, launches, n):
     """Scores (1e-4 in float32) and greedy continuations of whole and chunked prefills,
     and of a prompt cache saved part-way, loaded back and continued."""
     results, _ = launches[n]
-    for family, path in family_models.items():
+    paths = {**family_models, "qwen3_moe-4bit": quantized_moe} if n == 2 else family_models
+    assert set(results) == set(paths)
+    for family, path in paths.items():
         scored, tokens = reference(path, LENGTH, 1)
         runs = results[family]
         assert set(runs["algos"]) == {f"{a}/{c}" for a in ALGOS for c in (0, CHUNK)}
@@ -96,27 +110,33 @@ def test_every_family_and_algorithm_equals_mlx_lm(family_models, launches, n):
         assert runs["saved_cache"] == tokens, (family, n)
 
 
-def test_decode_steps_and_split_at_two_ranks(family_models, launches):
-    """At N = 2: Phi-3's split step (fused matrices cut by rows) equals mlx-lm; a mixture
-    of experts falls back to the replicated step with one line naming why; the native
-    step runs Phi-3 with a plain RoPE and refuses what it cannot compute."""
+def test_decode_steps_and_split_at_two_ranks(family_models, quantized_moe, launches):
+    """At N = 2, over replicated and layer-sharded weights: Phi-3's split step (fused
+    matrices cut by rows) equals mlx-lm; a mixture of experts falls back to the
+    replicated step with one line naming why; the native step runs Phi-3 with a plain
+    RoPE and refuses what it cannot compute."""
     results, log = launches[2]
-    for family, path in family_models.items():
-        split = results[family]["split"]
-        assert split["greedy"] == reference(path, TP_LENGTH, 2)[1], family
-        assert split["tp_used"] == family.startswith("phi3"), family
+    for family, path in {**family_models, "qwen3_moe-4bit": quantized_moe}.items():
+        scored, tokens = reference(path, TP_LENGTH, 2)
+        for weights in ("split", "sharded"):
+            run = results[family][weights]
+            np.testing.assert_allclose(run["logprob"], scored, **TOLERANCE,
+                                       err_msg=f"{family} {weights}")
+            assert run["greedy"] == tokens, (family, weights)
+            assert run["tp_used"] == family.startswith("phi3"), (family, weights)
+    # three mixtures, each over replicated and layer-sharded weights
     assert log.count("decode: replicated (the weights cannot be split over 2 ranks: "
                      "layer 0: its MLP is a mixture of 4 experts (2 a token), which the "
-                     "split step does not divide)") == 2, log
+                     "split step does not divide)") == 6, log
     steps = {family: runs["algos"]["pass-kv/0"]["decode_step"]
              for family, runs in results.items()}
     from conftest import C_HELPERS_BUILD
 
     if C_HELPERS_BUILD:
         assert steps == {"phi3": "native", "phi3-longrope": "mlx", "qwen3_moe": "mlx",
-                         "mixtral": "mlx"}, steps
-        assert "decode step: MLX's graph (layer 0: its RoPE is a SuScaledRoPE)" in log
-        assert "decode step: MLX's graph (layer 0: its MLP is a mixture of 4 experts " \
+                         "mixtral": "mlx", "qwen3_moe-4bit": "mlx"}, steps
+        assert "decode step: MLX's graph (rank 0: layer 0: its RoPE is a SuScaledRoPE)" in log
+        assert "decode step: MLX's graph (rank 0: layer 0: its MLP is a mixture of 4 experts " \
                "(2 a token) (the native step computes SwiGLU MLPs))" in log
 
 

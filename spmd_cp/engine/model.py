@@ -151,7 +151,7 @@ def first_layer_stand_in(loaded) -> nn.Module | None:
     stand_in, attn = copy.copy(layer), copy.copy(layer.self_attn)
     stand_in["input_layernorm"] = copy.copy(layer.input_layernorm)
     stand_in["self_attn"], attn[keys] = attn, copy.copy(attn[keys])
-    stand_in.update(tree_unflatten(list(share.form.convert(zeros).items())))
+    stand_in.update(tree_unflatten(list(share.form.convert(zeros, "model.layers.0.").items())))
     return stand_in
 
 
