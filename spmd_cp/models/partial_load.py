@@ -120,7 +120,8 @@ def read_config(files, path: Path, tokenizer: bool = True) -> tuple[dict, object
         meta = dict(files.metadata)
         meta["tokenizer.ggml.token_type"] = np.array(meta["tokenizer.ggml.token_type"])
         try:
-            return gguf_config(meta, files.infos), build_tokenizer(meta) if tokenizer else None
+            return (gguf_config(meta, files.header_tensors()),
+                    build_tokenizer(meta) if tokenizer else None)
         except ValueError as error:
             raise UserError(f"{path}: {error}") from None
     from mlx_lm.utils import load_config, load_tokenizer
