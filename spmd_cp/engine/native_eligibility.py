@@ -26,7 +26,7 @@ def wanted() -> bool:
 
 def availability() -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
-    model is checked when it runs: float32 Llama/Qwen layers)."""
+    model is checked when it runs: float32 Llama/Qwen/Phi-3 layers)."""
     if not wanted():
         return f"off ({ENV}={os.environ[ENV]})"
     if on_gpu_path():
