@@ -41,7 +41,8 @@ def run_algo(comm, model, algo: str, chunk: int) -> dict:
     engine = Engine(model, comm, algo=algo, prefill_chunk=chunk, decode_tp="off")
     cache = engine.new_cache()
     logits, records = engine.prefill(cache, prompt_ids(LENGTH, 1), score=True)
-    return {"logprob": records.logprob if records else None, "greedy": greedy(engine, cache, logits),
+    tokens = greedy(engine, cache, logits)
+    return {"logprob": records.logprob if records else None, "greedy": tokens,
             "decode_step": engine.decode_modes["decode_step"]}
 
 

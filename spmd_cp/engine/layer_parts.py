@@ -90,7 +90,8 @@ class LayerParts:
 
     def modules(self) -> list:
         """Every projection module the split step divides (not a mixture's experts)."""
-        return [*self.qkv, self.o, *(self.gate_up or ()), *([self.down] if self.down else [])]
+        mlp = [*self.gate_up, self.down] if self.is_swiglu else []
+        return [*self.qkv, self.o, *mlp]
 
     def qkv_matrices(self) -> list[WeightMatrix]:
         """The q/k/v matrices stacked by rows (one for a fused q|k|v)."""
@@ -105,10 +106,10 @@ class LayerParts:
         return fused.rows(0, half), fused.rows(half, 2 * half)
 
 
-def key_projection(attn) -> nn.Module:
-    """The module whose output holds the keys (k_proj, or a fused qkv_proj): its dtype is
-    the dtype keys are computed in."""
-    return attn["k_proj"] if "k_proj" in attn else attn["qkv_proj"]
+def key_projection_name(attn) -> str:
+    """The name of the module whose output holds the keys (k_proj, or a fused qkv_proj):
+    its dtype is the dtype keys are computed in."""
+    return "k_proj" if "k_proj" in attn else "qkv_proj"
 
 
 def head_counts(attn) -> tuple[int, int]:

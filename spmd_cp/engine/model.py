@@ -27,7 +27,7 @@ from mlx.utils import tree_unflatten
 from ..attention.exp import swiglu
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
-from .layer_parts import LayerParts, head_counts, key_projection
+from .layer_parts import LayerParts, head_counts, key_projection_name
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 from .one_token import RopeMatrices, lean_graph, rms_norm
@@ -127,7 +127,8 @@ def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None) -> mx.D
     inner = model.model
     layer = first_layer or inner.layers[0]
     hidden = inner.embed_tokens(mx.array([[0]], mx.int32))
-    return key_projection(layer.self_attn)(layer.input_layernorm(hidden)).dtype
+    keys = layer.self_attn[key_projection_name(layer.self_attn)]
+    return keys(layer.input_layernorm(hidden)).dtype
 
 
 def kv_model_shape(loaded) -> ModelShape:
@@ -144,7 +145,7 @@ def first_layer_stand_in(loaded) -> nn.Module | None:
     if share is None:
         return None
     layer = loaded.model.model.layers[0]
-    keys = "k_proj" if "k_proj" in layer.self_attn else "qkv_proj"  # layer_parts.key_projection
+    keys = key_projection_name(layer.self_attn)
     wanted = ("input_layernorm.", f"self_attn.{keys}.")
     zeros = {n: mx.zeros(shape, dtype) for n, (shape, dtype) in share.layer_specs[0].items()
              if n.startswith(wanted)}

@@ -23,7 +23,8 @@ Results equal mlx-lm's forward to float32 rounding (tests/test_native_decode.py)
 Where it runs: the CPU path, a float32 KV cache and weights (a quantized model's are
 dequantized there, its shadows kept), every layer a Llama/Qwen/Phi-3 block (a fused
 q|k|v or gate|up read as views of its rows) with plain RMSNorms, a RoPE with a matrix
-form, a SwiGLU MLP (not a mixture of experts) and at most 64 query heads per KV head, the weights not layer-sharded, a C compiler, and every rank able to; not with
+form, a SwiGLU MLP (not a mixture of experts) and at most 64 query heads per KV head,
+the weights not layer-sharded, a C compiler, and every rank able to; not with
 ``--decode-comm mlx`` or ``SPMD_CP_NATIVE_DECODE=0``. Elsewhere decode keeps MLX's step
 (engine/model.py, tp_decode.py). The KV cache stays the engine's (cache.LayerKV): a
 stored token is written into its evaluated buffer in place.

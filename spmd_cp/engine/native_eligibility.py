@@ -63,12 +63,12 @@ def native_obstacle(model: CPModel) -> str | None:
     for index, layer in enumerate(model.layers):
         parts = LayerParts.of(layer)
         if not parts.is_swiglu:
-            return (f"layer {index}: its MLP is {describe_feed_forward(parts.feed_forward)} "
-                    "(the native step computes SwiGLU MLPs)")
+            return (f"layer {index}: its MLP is {describe_feed_forward(parts.feed_forward)}, "
+                    "which the native step does not compute")
         if type(layer.self_attn.rope) not in EXACT_AS_MATRIX:
             return f"layer {index}: its RoPE is a {type(layer.self_attn.rope).__name__}"
-        named = [("q/k/v", m) for m in parts.qkv] + [("o_proj", parts.o), ("down_proj", parts.down)]
-        named += [("gate/up", m) for m in parts.gate_up]
+        named = [("q/k/v", m) for m in parts.qkv] + [("gate/up", m) for m in parts.gate_up]
+        named += [("o_proj", parts.o), ("down_proj", parts.down)]
         for name, module in named:
             if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
                 return f"layer {index}: {name} is {_described(module)}"
