@@ -3,7 +3,8 @@
 One launch per rank count runs every family through every ``--cp-algo``, whole and
 chunked prefill, a prompt cache saved and reloaded, and (N > 1) the split decode step
 (tests/families_driver.py); the references are mlx-lm's unmodified models on the whole
-sequence, in this process.
+sequence, in this process. In this process too: GGUF files of each family, the split
+step's reason for experts it cannot cut, and the refusal of another family.
 """
 
 from __future__ import annotations
