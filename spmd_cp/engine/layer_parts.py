@@ -88,10 +88,18 @@ class LayerParts:
     def is_swiglu(self) -> bool:
         return self.gate_up is not None
 
+    def named(self) -> list[tuple[str, nn.Module]]:
+        """(mlx-lm's name, module) of every projection the split step divides as a
+        matrix (not a mixture's experts)."""
+        qkv = ("q_proj", "k_proj", "v_proj") if len(self.qkv) == 3 else ("qkv_proj",)
+        named = [*zip(qkv, self.qkv), ("o_proj", self.o)]
+        if self.is_swiglu:
+            gate_up = ("gate_proj", "up_proj") if len(self.gate_up) == 2 else ("gate_up_proj",)
+            named += [*zip(gate_up, self.gate_up), ("down_proj", self.down)]
+        return named
+
     def modules(self) -> list:
-        """Every projection module the split step divides (not a mixture's experts)."""
-        mlp = [*self.gate_up, self.down] if self.is_swiglu else []
-        return [*self.qkv, self.o, *mlp]
+        return [module for _, module in self.named()]
 
     def qkv_matrices(self) -> list[WeightMatrix]:
         """The q/k/v matrices stacked by rows (one for a fused q|k|v)."""

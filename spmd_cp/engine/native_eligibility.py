@@ -67,9 +67,7 @@ def native_obstacle(model: CPModel) -> str | None:
                     "which the native step does not compute")
         if type(layer.self_attn.rope) not in EXACT_AS_MATRIX:
             return f"layer {index}: its RoPE is a {type(layer.self_attn.rope).__name__}"
-        named = [("q/k/v", m) for m in parts.qkv] + [("gate/up", m) for m in parts.gate_up]
-        named += [("o_proj", parts.o), ("down_proj", parts.down)]
-        for name, module in named:
+        for name, module in parts.named():
             if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
                 return f"layer {index}: {name} is {_described(module)}"
     head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding
