@@ -158,7 +158,7 @@ def test_unknown_architecture_refused(tmp_path):
     f = str(tmp_path / "gpt2.gguf")
     mx.save_gguf(f, {"token_embd.weight": mx.zeros((4, 8))}, {"general.architecture": "gpt2"})
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' "
-                                         r"\(supported: llama, qwen2, qwen3\)"):
+                                         r"\(supported: llama, qwen2, qwen3, phi3, qwen3moe\)"):
         load_gguf(f)
 
 

@@ -51,34 +51,47 @@ class PackedReads:
 def split_modules(model) -> list:
     """The modules whose matrices the split step divides: every layer's projections and
     MLP, and the vocabulary projection (the tied embedding if there is no separate head)."""
+    from .layer_parts import LayerParts  # reads mlx-lm's modules; the arithmetic stays pure
+
     modules = []
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                    mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        modules += LayerParts.of(layer).modules()
     head = model.lm_head if isinstance(model.lm_head, nn.Module) else model.embed_tokens
     return modules + [head]
 
 
 def split_matrix_bytes(model) -> int:
-    """Bytes of the matrices the split step divides (``split_modules``); a quantized
-    matrix counts its packed weights, scales and biases."""
-    return sum(v.nbytes for m in split_modules(model) for _, v in tree_flatten(m.parameters()))
+    """Bytes of the matrices a decode step reads that the split step divides
+    (``split_modules``; a quantized matrix counts its packed weights, scales and biases),
+    and of a mixture's experts the share a token reads (its experts per token)."""
+    from .expert_slices import expert_bytes, experts_per_token
+    from .layer_parts import LayerParts
+
+    total = sum(v.nbytes for m in split_modules(model) for _, v in tree_flatten(m.parameters()))
+    for parts in (LayerParts.of(layer) for layer in model.layers):
+        mlp = parts.feed_forward
+        if not parts.is_swiglu and hasattr(mlp, "num_experts"):  # not Gemma's GELU MLP
+            total += expert_bytes(mlp) * experts_per_token(mlp) // mlp.num_experts
+    return total
 
 
 def split_copy_bytes(model, cp_size: int) -> int:
     """Bytes the split step copies on the busiest of ``cp_size`` ranks when the weights
-    are replicated: its columns of every layer's o and down projections, and of a small
-    model the q/k/v rows of a rank whose rows span several of those matrices (the other
-    row slices are views, tp_decode.py). 0 for one rank."""
+    are replicated: its columns of every layer's o and down projections (of a mixture,
+    its share of every expert), and of a small model the q/k/v rows of a rank whose rows
+    span several of those matrices (the other row slices are views, tp_decode.py). 0 for
+    one rank."""
     if cp_size == 1:
         return 0
+    from .expert_slices import expert_bytes
+    from .layer_parts import LayerParts
     from .tp_decode import joined_qkv_bytes  # MLX graph code; this module stays pure
 
-    modules = [getattr(part, name, None) for layer in model.layers
-               for part, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj"))]
-    total = sum(v.nbytes for m in modules if m is not None
-                for _, v in tree_flatten(m.parameters()))
+    parts = [LayerParts.of(layer) for layer in model.layers]
+    modules = [m for p in parts for m in (p.o, p.down) if m is not None]
+    total = sum(v.nbytes for m in modules for _, v in tree_flatten(m.parameters()))
+    total += sum(expert_bytes(p.feed_forward) for p in parts
+                 if not p.is_swiglu and hasattr(p.feed_forward, "switch_mlp"))
     return -(-total // cp_size) + sum(joined_qkv_bytes(layer, cp_size) for layer in model.layers)
 
 

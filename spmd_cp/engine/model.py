@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 from functools import partial
-from importlib import import_module
 from typing import Callable
 
 import mlx.core as mx
@@ -32,6 +31,7 @@ from ..attention.exp import swiglu
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from .layer_form import embedding_scale, layer_forms
+from .layer_parts import LayerParts, head_counts, key_projection_name
 from ..runtime.device import on_gpu_path
 from ..runtime.trace import span
 from .one_token import RopeMatrices, lean_graph, rms_norm
@@ -68,13 +68,14 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matr
     global positions ``runs`` (see ``contiguous_runs``). ``rope_matrix(head_dim)``, for
     one token in the row form, (1, H*d) projections: the (d, d) matrix of the module's
     RoPE at its position, or None (one_token.py)."""
-    head_dim = q.shape[-1] // attn.n_heads  # explicit: a rank may hold 0 rows
+    heads, kv_heads = head_counts(attn)
+    head_dim = q.shape[-1] // heads  # explicit: a rank may hold 0 rows
     if rope_matrix is not None:
         return _one_token_heads(attn, q, k, v, runs, rope_matrix(head_dim), head_dim)
     n = q.shape[1]
-    q = q.reshape(1, n, attn.n_heads, head_dim)
-    k = k.reshape(1, n, attn.n_kv_heads, head_dim)
-    v = v.reshape(1, n, attn.n_kv_heads, head_dim)
+    q = q.reshape(1, n, heads, head_dim)
+    k = k.reshape(1, n, kv_heads, head_dim)
+    v = v.reshape(1, n, kv_heads, head_dim)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
@@ -88,9 +89,9 @@ def _one_token_heads(attn, q, k, v, runs, rotation, head_dim: int):
     so reshapes replace the transposes, and RoPE is a matmul where ``rotation`` is given
     and the heads are float32 (fewer graph nodes: one_token.py), on (H, d) matrices
     (MLX folds a (H, 1, d) operand with two more nodes)."""
-    heads = ((q, attn.n_heads), (k, attn.n_kv_heads))
-    q, k = (x.reshape(count, head_dim) for x, count in heads)
-    v = v.reshape(attn.n_kv_heads, 1, head_dim)
+    heads, kv_heads = head_counts(attn)
+    q, k = q.reshape(heads, head_dim), k.reshape(kv_heads, head_dim)
+    v = v.reshape(kv_heads, 1, head_dim)
     if hasattr(attn, "q_norm"):  # over each head's d: the same on this layout
         q, k = attn.q_norm(q), attn.k_norm(k)
     if rotation is not None and q.dtype == k.dtype == mx.float32:
@@ -131,7 +132,8 @@ def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None) -> mx.D
     inner = model.model
     layer = first_layer or inner.layers[0]
     hidden = inner.embed_tokens(mx.array([[0]], mx.int32))
-    return layer.self_attn.k_proj(layer.input_layernorm(hidden)).dtype
+    keys = layer.self_attn[key_projection_name(layer.self_attn)]
+    return keys(layer.input_layernorm(hidden)).dtype
 
 
 def kv_model_shape(loaded) -> ModelShape:
@@ -147,46 +149,48 @@ def first_layer_stand_in(loaded) -> nn.Module | None:
     share = getattr(loaded, "share", None)
     if share is None:
         return None
-    wanted = ("input_layernorm.", "self_attn.k_proj.")
+    layer = loaded.model.model.layers[0]
+    keys = key_projection_name(layer.self_attn)
+    wanted = ("input_layernorm.", f"self_attn.{keys}.")
     zeros = {n: mx.zeros(shape, dtype) for n, (shape, dtype) in share.layer_specs[0].items()
              if n.startswith(wanted)}
-    layer = loaded.model.model.layers[0]
     stand_in, attn = copy.copy(layer), copy.copy(layer.self_attn)
     stand_in["input_layernorm"] = copy.copy(layer.input_layernorm)
-    stand_in["self_attn"], attn["k_proj"] = attn, copy.copy(attn.k_proj)
-    stand_in.update(tree_unflatten(list(share.form.convert(zeros).items())))
+    stand_in["self_attn"], attn[keys] = attn, copy.copy(attn[keys])
+    stand_in.update(tree_unflatten(list(share.form.convert(zeros, "model.layers.0.").items())))
     return stand_in
 
 
-# mlx-lm's MLPs that compute down(swiglu(gate(x), up(x))): those of every supported
-# architecture (mistral runs llama.py's). Only these are taken apart into their projections
-# (here and in tp_decode.py); another MLP runs as mlx-lm's module.
-SWIGLU_MLPS = tuple(import_module(f"mlx_lm.models.{name}").MLP
-                    for name in ("llama", "qwen2", "qwen3"))
-
-
 class ReplicatedLayer:
-    """Every projection of one layer computed in full, on this rank's rows."""
+    """Every projection of one layer computed in full, on this rank's rows (the family's
+    names read once: layer_parts.py)."""
 
     def __init__(self, layer):
-        self.attn, self.feed_forward = layer.self_attn, layer.mlp
+        self.parts = LayerParts.of(layer)
 
     def qkv(self, x: mx.array):
         """(1, n, D) -> q (1, n, NH*d), k, v (1, n, NKV*d)."""
-        attn = self.attn
-        return linear(attn.q_proj, x), linear(attn.k_proj, x), linear(attn.v_proj, x)
+        parts = self.parts
+        if len(parts.qkv) == 3:
+            return tuple(linear(m, x) for m in parts.qkv)
+        q_width, k_width, _ = parts.qkv_widths
+        return tuple(mx.split(linear(parts.qkv[0], x), [q_width, q_width + k_width], axis=-1))
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
         """The residual ``h`` plus the attention output (1, n, NH*d) projected to (1, n, D)."""
-        return h + linear(self.attn.o_proj, out)
+        return h + linear(self.parts.o, out)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         """The residual ``h`` plus the MLP of ``x`` (its normed copy)."""
-        mlp = self.feed_forward
-        if not isinstance(mlp, SWIGLU_MLPS):
-            return h + mlp(x)
-        return h + linear(mlp.down_proj,
-                          swiglu(linear(mlp.gate_proj, x), linear(mlp.up_proj, x)))
+        parts = self.parts
+        if not parts.is_swiglu:  # a mixture of experts: mlx-lm's module, row-wise
+            # (on no rows it would gather from no rows: nothing to add)
+            return h if x.size == 0 else h + parts.feed_forward(x)
+        if len(parts.gate_up) == 2:
+            gate, up = (linear(m, x) for m in parts.gate_up)
+        else:
+            gate, up = mx.split(linear(parts.gate_up[0], x), 2, axis=-1)
+        return h + linear(parts.down, swiglu(gate, up))
 
 
 class SandwichLayer(ReplicatedLayer):
@@ -198,11 +202,11 @@ class SandwichLayer(ReplicatedLayer):
         self.layer = layer
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
-        attended = self.layer.post_attention_layernorm(linear(self.attn.o_proj, out))
+        attended = self.layer.post_attention_layernorm(linear(self.parts.o, out))
         return clip_residual(h, attended)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
-        return clip_residual(h, self.layer.post_feedforward_layernorm(self.feed_forward(x)))
+        return clip_residual(h, self.layer.post_feedforward_layernorm(self.parts.feed_forward(x)))
 
 
 class CPModel:
@@ -222,8 +226,7 @@ class CPModel:
         head = getattr(model, "lm_head", None)
         self.lm_head = head if head is not None else inner.embed_tokens.as_linear
         attn = self.layers[0].self_attn
-        self.num_heads = attn.n_heads
-        self.num_kv_heads = attn.n_kv_heads
+        self.num_heads, self.num_kv_heads = head_counts(attn)
         self.num_layers = len(self.layers)
         self.rope_matrices = RopeMatrices()
         # The KV cache's, ring messages' and decode partials' dtype (see kv_dtype_for).

@@ -21,9 +21,10 @@ the same float32 arithmetic in another order, RoPE the same matrices (one_token.
 Results equal mlx-lm's forward to float32 rounding (tests/test_native_decode.py).
 
 Where it runs: the CPU path, a float32 KV cache and weights (a quantized model's are
-dequantized there, its shadows kept), every layer a Llama/Qwen block with plain
-RMSNorms, a RoPE with a matrix form, a SwiGLU MLP and at most 64 query heads per KV
-head, the weights not layer-sharded, a C compiler, and every rank able to; not with
+dequantized there, its shadows kept), every layer a Llama/Qwen/Phi-3 block (a fused
+q|k|v or gate|up read as views of its rows) with plain RMSNorms, a RoPE with a matrix
+form, a SwiGLU MLP (not a mixture of experts) and at most 64 query heads per KV head,
+the weights not layer-sharded, a C compiler, and every rank able to; not with
 ``--decode-comm mlx`` or ``SPMD_CP_NATIVE_DECODE=0``. Elsewhere decode keeps MLX's step
 (engine/model.py, tp_decode.py). The KV cache stays the engine's (cache.LayerKV): a
 stored token is written into its evaluated buffer in place.
@@ -43,6 +44,7 @@ from ..kernels import decode_step
 from ..kernels.decode_step import MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
 from ..runtime.trace import span
+from .layer_parts import LayerParts, head_counts
 from .model import CPModel
 from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
@@ -150,8 +152,7 @@ class NativeDecoder:
         self.model, self.comm, self.split = model, comm, split
         self.persistent = persistent
         self.library, _ = decode_step.library()
-        attn = model.layers[0].self_attn
-        self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
+        self.heads, self.kv_heads = head_counts(model.layers[0].self_attn)
         self.dim = model.embed_tokens["weight"].shape[1]
         self.head_dim = None
         self.held = _Held()
@@ -174,9 +175,9 @@ class NativeDecoder:
         self._rope_start = -ROPE_BLOCK  # no block built yet
 
     def _layer(self, index: int, layer) -> Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.head_dim = self.head_dim or WeightMatrix.of(attn.q_proj).out_width // attn.n_heads
-        if (attn.n_heads, attn.n_kv_heads) != (self.heads, self.kv_heads):
+        attn, parts = layer.self_attn, LayerParts.of(layer)
+        self.head_dim = self.head_dim or parts.qkv_widths[0] // self.heads
+        if head_counts(attn) != (self.heads, self.kv_heads):
             raise ValueError(f"layer {index}: head counts differ from the first layer's")
         input_norm, input_eps = _norm_weight(layer.input_layernorm)
         post_norm, post_eps = _norm_weight(layer.post_attention_layernorm)
@@ -196,15 +197,12 @@ class NativeDecoder:
             qkv, o = piece.qkv_parts, WeightMatrix.of(attn.o_proj).rows(a, b).evaluated(copy=False)
             gate, up, down = piece.gate, piece.up, piece.down
         else:
-            qkv = [WeightMatrix.of(attn.q_proj), WeightMatrix.of(attn.k_proj),
-                   WeightMatrix.of(attn.v_proj)]
-            o = WeightMatrix.of(attn.o_proj)
-            gate, up, down = (WeightMatrix.of(m) for m in
-                              (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            qkv, o = parts.qkv_matrices(), WeightMatrix.of(parts.o)
+            (gate, up), down = parts.gate_up_matrices(), WeightMatrix.of(parts.down)
         if len(qkv) > MAX_PIECES:
             raise ValueError(f"layer {index}: q/k/v rows in {len(qkv)} pieces")
         pieces = (Matrix * MAX_PIECES)(*[held.matrix(m) for m in qkv])
-        return Layer(self.dim, attn.n_heads, attn.n_kv_heads, self.head_dim,
+        return Layer(self.dim, self.heads, self.kv_heads, self.head_dim,
                      held.vector(input_norm), held.vector(post_norm), input_eps, post_eps,
                      _address(q_norm), _address(k_norm), qk_eps, len(qkv), pieces,
                      held.matrix(o), held.matrix(gate), held.matrix(up),

@@ -13,7 +13,8 @@ from ..kernels import decode_step
 from ..kernels.decode_step import MAX_GROUP
 from ..runtime.device import on_gpu_path
 from ..runtime.switches import switched_off
-from .model import SWIGLU_MLPS, CPModel
+from .layer_parts import LayerParts, describe_feed_forward
+from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
 
 ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
@@ -25,7 +26,7 @@ def wanted() -> bool:
 
 def availability() -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
-    model is checked when it runs: float32 Llama/Qwen layers)."""
+    model is checked when it runs: float32 Llama/Qwen/Phi-3 layers)."""
     if not wanted():
         return f"off ({ENV}={os.environ[ENV]})"
     if on_gpu_path():
@@ -64,15 +65,13 @@ def native_obstacle(model: CPModel) -> str | None:
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
     for index, layer in enumerate(model.layers):
-        if not isinstance(layer.mlp, SWIGLU_MLPS):
-            return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
+        parts = LayerParts.of(layer)
+        if not parts.is_swiglu:
+            return (f"layer {index}: its MLP is {describe_feed_forward(parts.feed_forward)}, "
+                    "which the native step does not compute")
         if type(layer.self_attn.rope) not in EXACT_AS_MATRIX:
             return f"layer {index}: its RoPE is a {type(layer.self_attn.rope).__name__}"
-        attn, mlp = layer.self_attn, layer.mlp
-        for name, module in (("q_proj", attn.q_proj), ("k_proj", attn.k_proj),
-                             ("v_proj", attn.v_proj), ("o_proj", attn.o_proj),
-                             ("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj),
-                             ("down_proj", mlp.down_proj)):
+        for name, module in parts.named():
             if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
                 return f"layer {index}: {name} is {_described(module)}"
     head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding

@@ -8,6 +8,7 @@ already holds all of them. So each rank computes a 1/N slice of every matmul:
     attn:  each rank's KV shard (CP, as before)    -> exact merge across ranks
     o:     columns of Wo (row-parallel)            -> Allreduce-sum
     mlp:   rows of Wgate, Wup; columns of Wdown    -> Allreduce-sum
+           (a mixture of experts: the same cut of every expert, expert_slices.py)
     head:  rows of the vocabulary (vocab-parallel) -> Gatherv of the logits to rank 0
 
 Four small collectives per layer (about (NH + 2 NKV) d + NH (d+1) + 2 D floats) replace
@@ -30,7 +31,9 @@ import numpy as np
 
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
-from .model import SWIGLU_MLPS, CPModel, vocabulary_projection
+from .expert_slices import expert_bytes, expert_slice, expert_width, experts_obstacle
+from .layer_parts import LayerParts, describe_feed_forward
+from .model import CPModel, vocabulary_projection
 from ..models.quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelHead
 from .weight_slices import WeightMatrix, apply_all, column_slice, split_ranges, stack_rows
@@ -65,14 +68,11 @@ def joined_qkv_bytes(layer, size: int) -> int:
                for a, b in plan.qkv_ranges)
 
 
-def _matrix(parent: nn.Module, name: str) -> WeightMatrix:
-    module = getattr(parent, name, None)
-    if module is None:  # an MLP other than mlx-lm's SwiGLU gate/up/down
-        raise TypeError(f"{name} is missing")
+def _matrix(module: nn.Module) -> WeightMatrix:
     try:
         return WeightMatrix.of(module)
     except TypeError as error:
-        raise TypeError(f"{name} is {error}") from None
+        raise TypeError(f"a projection is {error}") from None
 
 
 def _split(name: str, total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -86,24 +86,36 @@ def _split(name: str, total: int, parts: int, align: int = 1) -> list[tuple[int,
 class LayerPlan:
     """One layer's matrices and each rank's share of them (no weights copied yet)."""
 
-    qkv: list  # WeightMatrix of q_proj, k_proj, v_proj: stacked by rows, column-parallel
+    qkv: list  # WeightMatrix of q_proj, k_proj, v_proj or a fused q|k|v: column-parallel
+    qkv_widths: tuple  # output widths of q, k and v
     o: WeightMatrix
-    gate: WeightMatrix
-    up: WeightMatrix
-    down: WeightMatrix
+    gate: WeightMatrix | None  # None for a mixture of experts: ``mixture``
+    up: WeightMatrix | None
+    down: WeightMatrix | None
     qkv_ranges: list  # per rank: outputs of [Wq; Wk; Wv]
     o_ranges: list  # per rank: inputs of Wo (whole groups)
-    hidden_ranges: list  # per rank: rows of Wgate and Wup = inputs of Wdown (whole groups)
+    hidden_ranges: list  # per rank: rows of Wgate and Wup = inputs of Wdown (whole groups),
+    # or of every expert's (expert_slices.py)
+    mixture: nn.Module | None = None
 
     @classmethod
     def of(cls, layer, size: int) -> LayerPlan:
         """TypeError or ValueError, naming the matrix, where ``size`` ranks cannot share it."""
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [_matrix(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
-        o, down = _matrix(attn, "o_proj"), _matrix(mlp, "down_proj")
-        return cls(qkv, o, _matrix(mlp, "gate_proj"), _matrix(mlp, "up_proj"), down,
-                   _split("q/k/v outputs", sum(m.out_width for m in qkv), size),
-                   _split("o_proj inputs", o.in_width, size, o.in_align),
+        parts = LayerParts.of(layer)
+        qkv = [_matrix(m) for m in parts.qkv]
+        o = _matrix(parts.o)
+        shares = (_split("q/k/v outputs", sum(m.out_width for m in qkv), size),
+                  _split("o_proj inputs", o.in_width, size, o.in_align))
+        if not parts.is_swiglu:
+            mixture = parts.feed_forward
+            reason = experts_obstacle(mixture)
+            if reason is not None:
+                raise TypeError(f"{reason} ({describe_feed_forward(mixture)}), which the "
+                                "split step does not divide")
+            hidden = _split("expert hidden units", expert_width(mixture), size)
+            return cls(qkv, parts.qkv_widths, o, None, None, None, *shares, hidden, mixture)
+        down = _matrix(parts.down)
+        return cls(qkv, parts.qkv_widths, o, *parts.gate_up_matrices(), down, *shares,
                    _split("down_proj inputs", down.in_width, size, down.in_align))
 
 
@@ -122,7 +134,7 @@ class LayerSlice:
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
-        self.q_width, self.k_width = plan.qkv[0].out_width, plan.qkv[1].out_width
+        self.q_width, self.k_width = plan.qkv_widths[:2]
         pieces = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=False)
         join_qkv = copy_rows or _joined_bytes(pieces) > 0
         parts = stack_rows(pieces) if join_qkv else pieces
@@ -132,14 +144,20 @@ class LayerSlice:
         self.o_inputs = plan.o_ranges[rank]
         self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
         SHADOWS.register_columns(self.o.weight, plan.o.weight, *self.o_inputs)
+        self.own = [self.o]
+        if join_qkv:
+            self.own += self.qkv_parts
         a, b = plan.hidden_ranges[rank]
+        if plan.mixture is not None:  # this rank's hidden units of every expert
+            self.mixture = expert_slice(plan.mixture, a, b)
+            self.own_experts = expert_bytes(self.mixture)
+            return
+        self.mixture, self.own_experts = None, 0
         self.gate = plan.gate.rows(a, b).evaluated(copy=copy_rows)
         self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
         self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
         SHADOWS.register_columns(self.down.weight, plan.down.weight, a, b)
-        self.own = [self.o, self.down]
-        if join_qkv:
-            self.own += self.qkv_parts
+        self.own.append(self.down)
         if copy_rows:
             self.own += [self.gate, self.up]
 
@@ -154,6 +172,8 @@ class LayerSlice:
         return self.comm.allreduce_onto(h, self.o(out[..., a:b]))
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
+        if self.mixture is not None:  # mlx-lm's module: router whole, experts sliced
+            return self.comm.allreduce_onto(h, self.mixture(x))
         act = swiglu(self.gate(x), self.up(x))
         return self.comm.allreduce_onto(h, self.down(act))
 
@@ -176,12 +196,14 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
     them): only their MLPs' kind is checked here, the rest while the slices are cut."""
     if is_layer_sharded(model):
         for index, layer in enumerate(model.layers.modules):
-            if not isinstance(layer.mlp, SWIGLU_MLPS):
-                return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
+            parts = LayerParts.of(layer)
+            mlp = parts.feed_forward
+            reason = None if parts.is_swiglu else experts_obstacle(mlp)
+            if reason is not None:
+                return (f"layer {index}: {reason} ({describe_feed_forward(mlp)}), which the "
+                        "split step does not divide")
         return None  # the vocabulary is already split (vocab_parallel.py)
     for index, layer in enumerate(model.layers):  # quantization may differ per layer
-        if not isinstance(layer.mlp, SWIGLU_MLPS):
-            return f"layer {index}: its MLP is not a SwiGLU gate/up/down"
         try:
             LayerPlan.of(layer, size)
         except (TypeError, ValueError) as error:
@@ -222,11 +244,12 @@ def supports_tensor_parallel(model: CPModel, comm: Comm) -> bool:
 def describe_weights(layer, model: CPModel) -> str:
     """'float32', '4-bit quantized' or '4/8-bit quantized': what the slices are cut from
     (``layer``: one layer's modules as they were when cut)."""
-    modules = [layer.self_attn.q_proj, layer.mlp.down_proj, model.embed_tokens, model.lm_head]
+    parts = LayerParts.of(layer)
+    modules = [*parts.qkv, parts.down, model.embed_tokens, model.lm_head]
     bits = sorted({m.bits for m in modules if hasattr(m, "bits")})
     if bits:
         return "/".join(str(b) for b in bits) + "-bit quantized"
-    return str(layer.self_attn.q_proj.weight.dtype).replace("mlx.core.", "")
+    return str(parts.qkv[0].weight.dtype).replace("mlx.core.", "")
 
 
 class TensorParallelDecoder:
@@ -263,7 +286,8 @@ class TensorParallelDecoder:
     def nbytes(self) -> int:
         """Bytes of the weight slices this rank holds for the split step beyond the
         loaded weights (views into those are not counted twice)."""
-        return sum(t.nbytes for piece in self.layers for m in piece.own for t in m.arrays)
+        return sum(t.nbytes for piece in self.layers for m in piece.own for t in m.arrays) + \
+            sum(piece.own_experts for piece in self.layers)
 
     def forward(self, token: int, position: np.ndarray, cache, attend, store: bool,
                 on_layer=None, tracer=None) -> mx.array:

@@ -84,7 +84,7 @@ class LayerStore:
             else:  # the next forward pass starts with these layers
                 self._start((index + self.prefetch) % count)
             module = self.modules[index]
-            self._fill(module, self._finish(index))
+            self._fill(module, self._finish(index), index)
             yield module
             self._empty(module)
             self._held.pop(index, None)
@@ -139,8 +139,8 @@ class LayerStore:
         return sum(self._held.values()) + in_flight + self._converted
 
     # -- modules ---------------------------------------------------------------------
-    def _fill(self, module, packed: dict):
-        params = self.share.form.convert(packed)
+    def _fill(self, module, packed: dict, index: int):
+        params = self.share.form.convert(packed, f"model.layers.{index}.")
         same = {id(a) for a in packed.values()}
         self._converted = sum(a.nbytes for a in params.values() if id(a) not in same)
         self.peak_held_bytes = max(self.peak_held_bytes, self._held_bytes_now())

@@ -8,17 +8,19 @@ rebuilds the byte-level BPE tokenizer that the metadata describes.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import llama, phi3, qwen2, qwen3, qwen3_moe
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers as pre
 
-ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}
+ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3,
+                 "qwen3moe": qwen3_moe}
 GROUP_SIZE = 32  # every GGUF block format that mx.load turns into a quantized triple
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,6 +33,14 @@ _PER_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
+# A mixture's router and stacked experts (experts, out, in), under the family's
+# feed-forward module (engine/layer_parts.py); Phi-3's fused q|k|v and gate|up.
+_EXPERTS = {"ffn_gate_inp": "gate", "ffn_gate_exps": "switch_mlp.gate_proj",
+            "ffn_up_exps": "switch_mlp.up_proj", "ffn_down_exps": "switch_mlp.down_proj"}
+_FEED_FORWARD = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors that configure rather than weigh (Phi-3's long-context RoPE factors).
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 # Split regexes of the HF tokenizers these GGUF pre-tokenizer types stand for (the same as
 # llama.cpp's). Qwen2 cuts numbers into single digits, Llama 3 into groups of up to three.
@@ -46,6 +56,11 @@ def check_architecture(arch: str):
         raise ValueError(
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
     return ARCHITECTURES[arch]
+
+
+def model_module(model_type: str):
+    """mlx-lm's module for a model_type (``gguf_config``'s)."""
+    return importlib.import_module(f"mlx_lm.models.{model_type}")
 
 
 def default_model_path() -> str:
@@ -75,16 +90,11 @@ def gguf_config(meta: dict, tensors: dict) -> dict:
     arch = _value(meta, "general.architecture")
     check_architecture(arch)
     a = lambda key, default=None: _value(meta, f"{arch}.{key}", default)  # noqa: E731
+    model_type = model_type_of(arch, tensors)
     heads = a("attention.head_count")
     head_dim = a("attention.key_length") or a("embedding_length") // heads
-    # Refuse what we would silently get wrong rather than produce plausible garbage.
-    scaling = a("rope.scaling.type", "none")
-    if "rope_freqs.weight" in tensors or scaling not in ("none", "linear"):
-        raise ValueError(f"GGUF RoPE scaling {scaling!r} / rope_freqs is not supported")
-    if a("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("GGUF partial rotary embeddings are not supported")
     config = {
-        "model_type": arch,
+        "model_type": model_type,
         "hidden_size": a("embedding_length"),
         "num_hidden_layers": a("block_count"),
         "intermediate_size": a("feed_forward_length"),
@@ -95,26 +105,85 @@ def gguf_config(meta: dict, tensors: dict) -> dict:
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "rope_theta": a("rope.freq_base", 10000.0),
         # convert_hf_to_gguf.py permutes llama Q/K rows into the interleaved RoPE layout
-        # (verified: gives correct text). It does not permute qwen2/qwen3 (llama.cpp runs them
-        # with NEOX RoPE), so those keep the half-split layout; no such file here to test.
+        # (verified: gives correct text). It does not permute qwen2/qwen3/phi3 (llama.cpp
+        # runs them with NEOX RoPE), so those keep the half-split layout.
         "rope_traditional": arch == "llama",
         "max_position_embeddings": a("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
-    if scaling == "linear":
+    config.update(_rope_config(arch, a, tensors, head_dim))
+    config.update(_experts_config(model_type, a, tensors))
+    return config
+
+
+def _rope_config(arch: str, a, tensors: dict, head_dim: int) -> dict:
+    """RoPE scaling and partial rotation; refuses what we would silently get wrong rather
+    than produce plausible garbage. Phi-3 may rotate part of each head and carry its
+    long-context factors as tensors (mlx-lm's SuScaledRoPE)."""
+    scaling = a("rope.scaling.type", "none")
+    phi3_long = arch == "phi3" and "rope_factors_long.weight" in tensors
+    if "rope_freqs.weight" in tensors or (scaling not in ("none", "linear") and not phi3_long):
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} / rope_freqs is not supported")
+    rotated = a("rope.dimension_count", head_dim)
+    if rotated != head_dim and arch != "phi3":
+        raise ValueError("GGUF partial rotary embeddings are not supported")
+    config = {"partial_rotary_factor": rotated / head_dim} if rotated != head_dim else {}
+    if phi3_long:
+        config["rope_scaling"] = {
+            "type": "longrope", "long_factor": tensors["rope_factors_long.weight"].tolist(),
+            "short_factor": tensors["rope_factors_short.weight"].tolist()}
+        config["original_max_position_embeddings"] = a("rope.scaling.original_context_length")
+    elif scaling == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": a("rope.scaling.factor")}
     return config
 
 
-def _mlx_name(gguf_name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+def _experts_config(model_type: str, a, tensors: dict) -> dict:
+    """A mixture's expert counts and widths (llama.cpp's Qwen3-MoE normalizes the chosen
+    experts' weights; a layer without a router is a dense MLP)."""
+    if model_type == "qwen3_moe":
+        width = a("expert_feed_forward_length")
+        dense = [i for i in range(a("block_count"))
+                 if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+        return {"num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
+                "moe_intermediate_size": width, "decoder_sparse_step": 1,
+                "mlp_only_layers": dense, "norm_topk_prob": True,
+                "intermediate_size": a("feed_forward_length") or width}
+    if model_type == "mixtral":
+        return {"num_local_experts": a("expert_count"),
+                "num_experts_per_tok": a("expert_used_count")}
+    return {}
+
+
+def model_type_of(arch: str, tensor_names) -> str:
+    """mlx-lm's model_type for a GGUF architecture: llama.cpp writes Mixtral as ``llama``
+    with experts."""
+    if arch == "llama" and "blk.0.ffn_gate_exps.weight" in tensor_names:
+        return "mixtral"
+    return {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+
+
+def _layer_names(model_type: str) -> dict:
+    names = dict(_PER_LAYER)
+    if model_type == "phi3":
+        names.update(_FUSED)
+    if model_type in _FEED_FORWARD:
+        names.update({k: f"{_FEED_FORWARD[model_type]}.{v}" for k, v in _EXPERTS.items()})
+    return names
+
+
+def _mlx_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for a
+    tensor that is configuration (``_CONFIG_TENSORS``)."""
+    if gguf_name in _CONFIG_TENSORS:
+        return None
     base, suffix = gguf_name.rsplit(".", 1)
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
+    parts, names = base.split("."), _layer_names(model_type)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -131,39 +200,44 @@ def dequantize_float32(packed: mx.array, scales: mx.array, biases: mx.array,
                          group_size=group_size, bits=bits)
 
 
-def convert_weights(tensors: dict, keep_quantized: bool) -> tuple[dict, dict]:
+def convert_weights(tensors: dict, keep_quantized: bool,
+                    model_type: str = "llama") -> tuple[dict, dict]:
     """Rename to mlx-lm names; returns (weights, {module path: bits} of kept quantized layers)."""
     weights, bits = {}, {}
     for name, t in tensors.items():
-        base = name[: -len(".weight")]
+        base, mlx_name = name[: -len(".weight")], _mlx_name(name, model_type)
+        if mlx_name is None:
+            continue
         if name.endswith(".weight") and base + ".scales" in tensors:
             scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
             b = t.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)  # bits per tensor differ
             if keep_quantized:
-                module = _mlx_name(name)[: -len(".weight")]
+                module = mlx_name[: -len(".weight")]
                 bits[module] = b
                 weights.update({f"{module}.weight": t, f"{module}.scales": scales,
                                 f"{module}.biases": biases})
             else:
-                weights[_mlx_name(name)] = dequantize_float32(t, scales, biases, b)
+                weights[mlx_name] = dequantize_float32(t, scales, biases, b)
         elif not name.endswith((".scales", ".biases")):
-            weights[_mlx_name(name)] = t.astype(mx.float32)  # norms, F16/F32 tensors, biases
+            weights[mlx_name] = t.astype(mx.float32)  # norms, F16/F32 tensors, biases
     return weights, bits
 
 
 def packed_weights(path: str) -> dict:
     """{mlx-lm parameter name: quantized_shadows.Packed} of the file's block-quantized
     matrices: what decode reads in place of their float32 copies
-    (models/quantized_shadows.py)."""
+    (models/quantized_shadows.py; not a mixture's stacked experts, which it does not read)."""
     from .quantized_shadows import Packed
 
-    tensors, packed = mx.load(path), {}
+    tensors, meta = mx.load(path, return_metadata=True)
+    model_type = model_type_of(_value(meta, "general.architecture"), tensors)
+    packed = {}
     for name, t in tensors.items():
         base = name[: -len(".weight")]
-        if name.endswith(".weight") and base + ".scales" in tensors:
+        if name.endswith(".weight") and base + ".scales" in tensors and t.ndim == 2:
             scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
             bits = t.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
-            packed[_mlx_name(name)] = Packed.of(t, scales, biases, bits, GROUP_SIZE)
+            packed[_mlx_name(name, model_type)] = Packed.of(t, scales, biases, bits, GROUP_SIZE)
     return packed
 
 
@@ -240,7 +314,7 @@ def _wrap(tok: Tokenizer, meta: dict, tokens: list) -> TokenizerWrapper:
 
 def load_gguf(path: str, keep_quantized: bool = False,
               float32_cache: str | None = None) -> tuple[nn.Module, TokenizerWrapper, dict]:
-    """Load a llama / qwen2 / qwen3 GGUF as (mlx-lm model, tokenizer, config dict).
+    """Load a GGUF of an ``ARCHITECTURES`` family as (mlx-lm model, tokenizer, config dict).
 
     By default every tensor is dequantized to float32: MLX's quantized matmul is slow on CPU.
     keep_quantized=True keeps Q4/Q8 tensors as MLX quantized layers (bits chosen per tensor).
@@ -249,8 +323,8 @@ def load_gguf(path: str, keep_quantized: bool = False,
     exists, written after dequantizing when it does not.
     """
     tensors, meta = mx.load(path, return_metadata=True)
-    module = check_architecture(_value(meta, "general.architecture"))
     config = gguf_config(meta, tensors)
+    module = model_module(config["model_type"])
     model = module.Model(module.ModelArgs.from_dict(config))
     if not keep_quantized and float32_cache and os.path.isfile(float32_cache):
         # The float32 copy replaces the file's tensors: never hold both (they were 94 MiB
@@ -260,7 +334,7 @@ def load_gguf(path: str, keep_quantized: bool = False,
         if _load_cached(model, float32_cache):
             return _ready(model), build_tokenizer(meta), config
         tensors = mx.load(path)  # a damaged copy: dequantize again, and rewrite it
-    weights, bits = convert_weights(tensors, keep_quantized)
+    weights, bits = convert_weights(tensors, keep_quantized, config["model_type"])
     if not keep_quantized and float32_cache:
         _save_quietly(float32_cache, weights)
     if bits:

@@ -24,7 +24,7 @@ from . import quantized_shadows
 from ..errors import UserError
 from .gguf_header import read_gguf_tensors
 from .safetensors_header import check_safetensors
-from .shape import SLIDING_WINDOW_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelShape
+from .shape import SLIDING_WINDOW_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelShape, shape_of_config
 
 # What reading damaged or foreign model files raises, in mlx-lm and MLX's loaders: such a
 # failure is the files' fault, reported as a UserError naming them.
@@ -46,15 +46,7 @@ class LoadedModel:
 
     @property
     def shape(self) -> ModelShape:
-        c = self.config
-        heads = c["num_attention_heads"]
-        return ModelShape(layers=c["num_hidden_layers"], hidden=c["hidden_size"],
-                          intermediate=c["intermediate_size"], num_heads=heads,
-                          num_kv_heads=c.get("num_key_value_heads") or heads,
-                          head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                          vocab=c["vocab_size"],
-                          window=(c.get("sliding_window")
-                                  if c.get("model_type") in SLIDING_WINDOW_MODEL_TYPES else None))
+        return shape_of_config(self.config)
 
 
 def default_model_path() -> str:
@@ -175,12 +167,18 @@ def dequantize_affine_float32(model: nn.Module) -> dict:
     (models/quantized_shadows.py). Other quantization modes are left to mlx-lm."""
     from mlx.utils import tree_unflatten
 
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
     from .quantized_shadows import Packed
 
     replaced, packed = [], {}
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or \
-                getattr(module, "mode", "affine") != "affine":
+        if getattr(module, "mode", "affine") != "affine":
+            continue
+        if isinstance(module, QuantizedSwitchLinear):  # stacked experts: no packed decode
+            replaced.append((name, _dequantized_experts(module)))
+            continue
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
         form = Packed.of(module["weight"], module["scales"], module["biases"], module.bits,
                          module.group_size)
@@ -197,6 +195,23 @@ def dequantize_affine_float32(model: nn.Module) -> dict:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     return packed
+
+
+def _dequantized_experts(module) -> nn.Module:
+    """A mixture's QuantizedSwitchLinear (experts, out, in) as a float32 SwitchLinear,
+    dequantized in float32 arithmetic as the dense matrices are."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from .gguf import dequantize_float32
+
+    weight = dequantize_float32(module["weight"], module["scales"], module["biases"],
+                                module.bits, module.group_size)
+    experts, out_width, in_width = weight.shape
+    dense = SwitchLinear(in_width, out_width, experts, bias="bias" in module)
+    if "bias" in module:
+        dense.bias = module["bias"]
+    dense.weight = weight
+    return dense
 
 
 def float32_cache_path(checksum: str) -> str | None:

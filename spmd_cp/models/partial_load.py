@@ -36,13 +36,21 @@ class ComputeForm:
     dequantize: bool  # quantized triples -> dense weights
     float32: bool  # floating tensors -> float32 (the CPU default)
     group_size: int = 32
+    # (module path, group size) where the config quantizes a module otherwise than the
+    # rest (mlx-lm's quant_predicate: a mixture's router at 8 bits in groups of 64)
+    group_sizes: tuple = ()
     # GGUF and MLX directories' affine quantization: dequantized in float32 arithmetic
     # (gguf.dequantize_float32, loader.dequantize_affine_float32); other modes in their
     # scales' dtype, as mlx-lm's dequantize_model does.
     float32_arithmetic: bool = False
 
-    def convert(self, packed: dict) -> dict:
-        """Packed {name: array} -> the parameters the modules compute with."""
+    def group_of(self, name: str) -> int:
+        """The group size of parameter ``name`` (a full name: model.layers.3.mlp.gate.weight)."""
+        return dict(self.group_sizes).get(name.rsplit(".", 1)[0], self.group_size)
+
+    def convert(self, packed: dict, prefix: str = "") -> dict:
+        """Packed {name: array} -> the parameters the modules compute with (``prefix``:
+        what makes the names full, e.g. ``model.layers.3.`` for one layer's)."""
         from .gguf import dequantize_float32
 
         out = {}
@@ -53,10 +61,11 @@ class ComputeForm:
                     out[name] = array
                     continue
                 scales, biases = packed[f"{base}.scales"], packed[f"{base}.biases"]
-                bits = self.bits(array.shape, scales.shape)
-                array = (dequantize_float32(array, scales, biases, bits, self.group_size)
+                group = self.group_of(prefix + name)
+                bits = self.bits(array.shape, scales.shape, group)
+                array = (dequantize_float32(array, scales, biases, bits, group)
                          if self.float32_arithmetic else
-                         mx.dequantize(array, scales, biases, group_size=self.group_size,
+                         mx.dequantize(array, scales, biases, group_size=group,
                                        bits=bits))
             elif name.endswith((".scales", ".biases")) and self.dequantize:
                 continue
@@ -66,8 +75,8 @@ class ComputeForm:
             out[name] = array
         return out
 
-    def bits(self, weight_shape, scales_shape) -> int:
-        return weight_shape[-1] * 32 // (scales_shape[-1] * self.group_size)
+    def bits(self, weight_shape, scales_shape, group_size: int) -> int:
+        return weight_shape[-1] * 32 // (scales_shape[-1] * group_size)
 
 
 @dataclass
@@ -117,7 +126,8 @@ def read_config(files, path: Path, tokenizer: bool = True) -> tuple[dict, object
         meta = dict(files.metadata)
         meta["tokenizer.ggml.token_type"] = np.array(meta["tokenizer.ggml.token_type"])
         try:
-            return gguf_config(meta, files.infos), build_tokenizer(meta) if tokenizer else None
+            return (gguf_config(meta, files.header_tensors()),
+                    build_tokenizer(meta) if tokenizer else None)
         except ValueError as error:
             raise UserError(f"{path}: {error}") from None
     from mlx_lm.utils import load_config, load_tokenizer
@@ -138,7 +148,10 @@ def compute_form(files, config: dict, keep_quantized: bool) -> ComputeForm:
     # affine: in float32 arithmetic, as loader.dequantize_affine_float32 (other modes
     # as mlx-lm's dequantize_model)
     affine = quantization.get("mode", "affine") == "affine"
+    overrides = tuple((path, q.get("group_size", group)) for path, q in quantization.items()
+                      if isinstance(q, dict))
     return ComputeForm(dequantize=convert, float32=convert, group_size=group,
+                       group_sizes=overrides,
                        float32_arithmetic=convert and affine)
 
 
@@ -150,10 +163,11 @@ def build_skeleton(config: dict, specs: dict, form: ComputeForm) -> nn.Module:
     model_class, args_class = _get_classes(config=config)
     model = model_class(args_class.from_dict(config))
     if not form.dequantize:
-        bits = {name[: -len(".scales")]: form.bits(specs[name[:-7] + ".weight"][0], shape)
+        bits = {name[: -len(".scales")]: form.bits(specs[name[:-7] + ".weight"][0], shape,
+                                                   form.group_of(name))
                 for name, (shape, _) in specs.items() if name.endswith(".scales")}
         nn.quantize(model, class_predicate=lambda p, m: p in bits
-                    and {"group_size": form.group_size, "bits": bits[p]})
+                    and {"group_size": form.group_of(f"{p}.weight"), "bits": bits[p]})
     dtypes = {name: dtype for name, (_, dtype) in specs.items()}
     placeholders = [(name, mx.zeros((0,), _compute_dtype(dtypes.get(name, a.dtype), form)))
                     for name, a in tree_flatten(model.parameters())]
@@ -181,6 +195,7 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     if "lm_head" in model and not any(n.startswith(f"{base}lm_head.") for n in specs):
         model.sanitize({})  # a head the files lack is the tied embedding (gemma3_text's rule)
     share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
+    _refuse_unstacked_experts(wanted, p)
     for index in range(config["num_hidden_layers"]):
         prefix = _layer_prefix(index, base)
         names = [n for n in specs if n.startswith(prefix)]
@@ -203,9 +218,18 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
 
 def _wanted(files, model: nn.Module) -> set:
     """The file's tensors the model uses (not e.g. a tied head's copy or rotary tables);
-    a quantized weight's scales and biases go with it even when it will be dequantized."""
+    a quantized weight's scales and biases go with it even when it will be dequantized.
+    A mixture's experts stored one by one (``experts.N.``: a Hugging Face checkpoint,
+    which mlx-lm stacks as it loads) count whole."""
     modules = {name.rsplit(".", 1)[0] for name, _ in tree_flatten(model.parameters())}
-    return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules}
+    return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules or ".experts." in n}
+
+
+def _refuse_unstacked_experts(wanted: set, path: Path):
+    if any(".experts." in n for n in wanted):
+        raise UserError(f"{path}: the experts are stored one by one (a Hugging Face "
+                        "checkpoint); --shard-weights reads them stacked, as mlx-lm saves "
+                        "a model (mlx_lm.convert)")
 
 
 def _read_all(files, names, rows=None) -> dict:
@@ -255,7 +279,8 @@ def _compute_bytes(specs: dict, names, form: ComputeForm) -> int:
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         if base is not None and f"{base}.scales" in specs and form.dequantize:
             scales_shape, scales_dtype = specs[f"{base}.scales"]
-            values = math.prod(shape) * 32 // form.bits(shape, scales_shape)
+            values = math.prod(shape) * 32 // form.bits(shape, scales_shape,
+                                                        form.group_of(name))
             total += values * (4 if form.float32 else scales_dtype.size)
         elif name.endswith((".scales", ".biases")) and form.dequantize:
             continue
@@ -304,7 +329,9 @@ def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
         if base is None or f"{base}.scales" not in specs:
             continue
         scales_shape, scales_dtype = specs[f"{base}.scales"]
-        if form.bits(shape, scales_shape) in quantized_shadows.KERNEL_BITS:
+        if len(shape) != 2:  # a mixture's stacked experts: dequantized, not read packed
+            continue
+        if form.bits(shape, scales_shape, form.group_of(name)) in quantized_shadows.KERNEL_BITS:
             kept = scales_dtype.size if scales_dtype in quantized_shadows.GROUP_KINDS else 4
             total += math.prod(shape) * dtype.size + 2 * kept * math.prod(scales_shape)
     return total

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .gguf import GROUP_SIZE, _mlx_name
+from .gguf import _CONFIG_TENSORS, GROUP_SIZE, _mlx_name, model_type_of
 from .gguf_header import read_gguf_layout
 
 # safetensors dtype -> (numpy dtype read from the file, MLX dtype it stands for)
@@ -95,7 +95,21 @@ class GGUFFile:
         # shape in numpy order (GGUF lists the fastest dimension first); absolute offsets
         self.infos = {i.name: _Tensor(tuple(reversed(i.shape)), i.ggml_type,
                                       data_start + i.offset) for i in infos}
-        self.names = {_mlx_name(name): name for name in self.infos}  # mlx-lm -> GGUF name
+        model_type = model_type_of(self.metadata.get("general.architecture"), self.infos)
+        # mlx-lm -> GGUF name (not the tensors that are configuration)
+        self.names = {_mlx_name(name, model_type): name for name in self.infos
+                      if _mlx_name(name, model_type) is not None}
+
+    def header_tensors(self) -> dict:
+        """{GGUF name: tensor info} with the tensors that are configuration (Phi-3's RoPE
+        factors) read: what gguf.gguf_config needs of the tensors."""
+        tensors = dict(self.infos)
+        for name in _CONFIG_TENSORS:
+            info = self.infos.get(name)
+            if info is not None and info.kind == GGML_F32:
+                tensors[name] = mx.array(_read(self.path, info.offset, math.prod(info.shape),
+                                               np.float32))
+        return tensors
 
     def specs(self) -> dict:
         """{mlx-lm name: (shape, MLX dtype)} of every tensor in the form ``read`` gives."""
@@ -103,12 +117,12 @@ class GGUFFile:
         for name, gguf_name in self.names.items():
             info = self.infos[gguf_name]
             if info.kind in _GGML_BLOCK_BYTES:
-                rows, cols = info.shape
+                *rows, cols = info.shape  # rows: (experts, out) for a mixture's experts
                 bits = 8 if info.kind == GGML_Q8_0 else 4
                 base = name[: -len(".weight")]
-                specs[name] = ((rows, cols * bits // 32), mx.uint32)
-                specs[f"{base}.scales"] = ((rows, cols // GROUP_SIZE), mx.float16)
-                specs[f"{base}.biases"] = ((rows, cols // GROUP_SIZE), mx.float16)
+                specs[name] = ((*rows, cols * bits // 32), mx.uint32)
+                specs[f"{base}.scales"] = ((*rows, cols // GROUP_SIZE), mx.float16)
+                specs[f"{base}.biases"] = ((*rows, cols // GROUP_SIZE), mx.float16)
             else:
                 specs[name] = (info.shape, mx.float32)
         return specs
@@ -129,10 +143,11 @@ class GGUFFile:
         block = _GGML_BLOCK_BYTES[info.kind]
         row_bytes = cols // 32 * block
         raw = _read(self.path, info.offset + a * row_bytes, (b - a) * row_bytes, np.uint8)
-        weight, scales, biases = unpack_blocks(raw.reshape(b - a, cols // 32, block), info.kind)
+        triple = unpack_blocks(raw.reshape(b - a, cols // 32, block), info.kind)
+        lead = (b - a, *info.shape[1:-1])  # a mixture's experts: (experts, out)
+        weight, scales, biases = (mx.array(t.reshape(*lead, -1)) for t in triple)
         base = name[: -len(".weight")]
-        return {name: mx.array(weight), f"{base}.scales": mx.array(scales),
-                f"{base}.biases": mx.array(biases)}
+        return {name: weight, f"{base}.scales": scales, f"{base}.biases": biases}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,128 @@
+"""The projections of one mlx-lm decoder layer, whatever family wrote it.
+
+The families store the same maths under different names: Llama, Mistral and Qwen keep
+q, k and v (and the MLP's gate and up) as separate matrices, Phi-3 fuses them (``qkv_proj``
+of q|k|v outputs, ``gate_up_proj`` of gate|up), and the mixtures of experts (Qwen3-MoE,
+Mixtral) replace the dense MLP with a router over stacked experts, which Mixtral keeps
+under ``block_sparse_moe`` instead of ``mlp``. ``LayerParts`` reads those names once per
+layer; the layer loop (model.py), the split step (tp_decode.py), the native step and the
+decode estimate ask it instead of the modules, so a family is described here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+
+import mlx.nn as nn
+
+from .weight_slices import WeightMatrix
+
+# mlx-lm's MLPs that compute down(swiglu(gate(x), up(x))) with separate gate and up
+# matrices (mistral runs llama.py's), and Phi-3's, whose gate|up is one matrix.
+SWIGLU_MLPS = tuple(import_module(f"mlx_lm.models.{name}").MLP
+                    for name in ("llama", "qwen2", "qwen3", "qwen3_moe"))
+FUSED_SWIGLU_MLPS = (import_module("mlx_lm.models.phi3").MLP,)
+
+# Where a decoder layer keeps its feed-forward module, by family (mlx-lm's names).
+FEED_FORWARD_NAMES = ("mlp", "block_sparse_moe")
+
+
+def feed_forward(layer) -> nn.Module:
+    """The layer's MLP or mixture of experts."""
+    for name in FEED_FORWARD_NAMES:
+        if name in layer:
+            return layer[name]
+    raise TypeError(f"a {type(layer).__name__} without an MLP")
+
+
+def describe_feed_forward(mlp) -> str:
+    """'a mixture of 8 experts (2 a token)' or the class name: why a step refuses it."""
+    experts = getattr(mlp, "num_experts", None)
+    if experts is not None:
+        per_token = getattr(mlp, "top_k", None) or getattr(mlp, "num_experts_per_tok", "?")
+        return f"a mixture of {experts} experts ({per_token} a token)"
+    return f"a {type(mlp).__name__}"
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """One layer's projection modules as mlx-lm holds them.
+
+    ``qkv``: (q_proj, k_proj, v_proj) or (qkv_proj,), whose outputs concatenated are
+    q|k|v (``qkv_widths``). ``gate_up``: (gate_proj, up_proj) or (gate_up_proj,)
+    of gate|up, ``down`` the MLP's output projection; both None where the feed-forward
+    is not a SwiGLU MLP (a mixture of experts), which then runs as mlx-lm's module
+    ``feed_forward``."""
+
+    attn: nn.Module
+    qkv: tuple
+    o: nn.Module
+    feed_forward: nn.Module
+    gate_up: tuple | None
+    down: nn.Module | None
+
+    @classmethod
+    def of(cls, layer) -> LayerParts:
+        attn, mlp = layer.self_attn, feed_forward(layer)
+        fused = "qkv_proj" in attn
+        qkv = (attn.qkv_proj,) if fused else (attn.q_proj, attn.k_proj, attn.v_proj)
+        if isinstance(mlp, SWIGLU_MLPS):
+            gate_up, down = (mlp.gate_proj, mlp.up_proj), mlp.down_proj
+        elif isinstance(mlp, FUSED_SWIGLU_MLPS):
+            gate_up, down = (mlp.gate_up_proj,), mlp.down_proj
+        else:
+            gate_up = down = None
+        return cls(attn, qkv, attn.o_proj, mlp, gate_up, down)
+
+    @property
+    def qkv_widths(self) -> tuple[int, int, int]:
+        """Output widths of q, k and v (read from the weights: a layer-sharded store's
+        must hold the layer's parameters)."""
+        if len(self.qkv) == 3:
+            return tuple(WeightMatrix.of(m).out_width for m in self.qkv)
+        head_dim = self.attn.head_dim
+        return (self.attn.n_heads * head_dim, *(2 * (self.attn.n_kv_heads * head_dim,)))
+
+    @property
+    def is_swiglu(self) -> bool:
+        return self.gate_up is not None
+
+    def named(self) -> list[tuple[str, nn.Module]]:
+        """(mlx-lm's name, module) of every projection the split step divides as a
+        matrix (not a mixture's experts)."""
+        qkv = ("q_proj", "k_proj", "v_proj") if len(self.qkv) == 3 else ("qkv_proj",)
+        named = [*zip(qkv, self.qkv), ("o_proj", self.o)]
+        if self.is_swiglu:
+            gate_up = ("gate_proj", "up_proj") if len(self.gate_up) == 2 else ("gate_up_proj",)
+            named += [*zip(gate_up, self.gate_up), ("down_proj", self.down)]
+        return named
+
+    def modules(self) -> list:
+        return [module for _, module in self.named()]
+
+    def qkv_matrices(self) -> list[WeightMatrix]:
+        """The q/k/v matrices stacked by rows (one for a fused q|k|v)."""
+        return [WeightMatrix.of(m) for m in self.qkv]
+
+    def gate_up_matrices(self) -> tuple[WeightMatrix, WeightMatrix]:
+        """(gate, up): a fused gate|up's halves are views of its rows."""
+        if len(self.gate_up) == 2:
+            return tuple(WeightMatrix.of(m) for m in self.gate_up)
+        fused = WeightMatrix.of(self.gate_up[0])
+        half = fused.out_width // 2
+        return fused.rows(0, half), fused.rows(half, 2 * half)
+
+
+def key_projection_name(attn) -> str:
+    """The name of the module whose output holds the keys (k_proj, or a fused qkv_proj):
+    its dtype is the dtype keys are computed in."""
+    return "k_proj" if "k_proj" in attn else "qkv_proj"
+
+
+def head_counts(attn) -> tuple[int, int]:
+    """(query heads, KV heads) of an attention module (Mixtral's are named
+    ``num_heads`` and ``num_key_value_heads``)."""
+    if hasattr(attn, "n_heads"):
+        return attn.n_heads, attn.n_kv_heads
+    return attn.num_heads, attn.num_key_value_heads
