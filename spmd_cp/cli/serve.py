@@ -10,7 +10,8 @@ runs the same prefill and decode as `generate`, and rank 0 streams the text back
 sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
 the next request prefills only what follows the longest token prefix it shares with
 one. SIGTERM or SIGINT: the request being answered is finished, queued ones get 503,
-and every rank exits 0.
+and every rank exits 0. A rank that dies ends every rank (the launcher's doing); the
+clients then waiting get a 503 from the guardian process (server/guardian.py).
 See docs/SERVE.md.
 """
 
