@@ -1,92 +1,177 @@
 #!/usr/bin/env python3
-"""Resident memory of `spmd-cp serve`'s ranks over many requests: does it stay flat?
+"""Resident memory of `spmd-cp serve`'s ranks over many requests, against the memory
+forecast: does it stay within the forecast, and flat once the resident caches are full?
 
-    python benchmarks/serve_soak.py --ranks 2 --requests 100 --conversations 6
+    python benchmarks/serve_soak.py --ranks 2 --requests 100 --conversations 6 --turns 5
 
 Requests cycle through more conversations than --cache-entries (4 by default), each
 turn repeating its conversation so far, so entries are continued, copied and evicted all
-along. Every --every requests the ranks' resident set sizes (/proc/PID/status VmRSS) and
-/health's cache figures are recorded. Prints one JSON object.
+along; a conversation starts again after --turns turns, so the tokens the caches hold
+stop growing once every entry has had its longest conversation (the cache's budget, in
+this workload). Every --every requests /health's per-rank figures are recorded: resident
+memory now and at its peak (/proc), MLX's arrays in use and its buffer cache, the
+resident KV, and the memory forecast of the last request (prompt, max_tokens and the
+entries kept). Writes results/serve_soak.json and .md; prints the JSON.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_followups import free_port, start_server  # noqa: E402
+import benchlib as bl  # noqa: E402
+from serve_followups import BIN, ENV, free_port  # noqa: E402
 
 TOPICS = ["cats", "rivers", "bridges", "volcanoes", "violins", "glaciers", "comets"]
+MB = 1 << 20
 
 
-def rank_pids(port: int) -> list[int]:
-    """The ranks: the spmd-cp serve processes started with this --port that are not the
-    launcher (mpiexec's proxy starts them in a session of their own)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def start_server(ranks: int, port: int, log_path: Path):
+    """The `spmd-cp serve` process group and an OpenAI client, once it answers."""
+    import openai
+
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "spmd-cp"),
+                                   "serve", "--port", str(port)], env=ENV, stderr=log,
+                                  stdout=log, start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                           max_retries=0, timeout=600)
+    deadline = time.monotonic() + 300
+    while True:
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (cmdline and not cmdline[0].endswith(b"mpiexec") and b"serve" in cmdline
-                and any(part.endswith(b"spmd-cp") for part in cmdline)
-                and str(port).encode() in cmdline):
-            pids.append(int(entry.name))
-    return sorted(pids)
+            client.models.list()
+            return server, client
+        except openai.APIError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                os.killpg(server.pid, signal.SIGKILL)
+                raise
+            time.sleep(0.5)
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def sample(port: int, requests: int) -> dict:
+    state = health(port)
+    ranks = [{name: round(value / MB, 1) for name, value in rank.items()}
+             for rank in state["memory"]]
+    return {"requests": requests, "cache_tokens": state["cache"]["tokens"],
+            "cache_entries": state["cache"]["entries"], "ranks": ranks}
+
+
+def slope_mb_per_100(samples: list[dict], rank: int, part) -> float:
+    """Least-squares growth of ``part(rank figures)`` in MB per 100 requests."""
+    xs = [s["requests"] for s in samples]
+    ys = [part(s["ranks"][rank]) for s in samples]
+    mx_, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx_) ** 2 for x in xs) or 1
+    return round(100 * sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / den, 1)
+
+
+def outside_mlx(rank: dict) -> float:
+    return rank["resident_bytes"] - rank["mlx_active_bytes"] - rank["mlx_cache_bytes"]
+
+
+def report(result: dict) -> str:
+    samples, plateau = result["samples"], result["plateau_samples"]
+    lines = [bl.header("`spmd-cp serve`: resident memory per rank over "
+                       f"{result['requests']} requests, N = {result['ranks']}",
+                       result["command"]),
+             f"{result['requests']} chat requests (24 greedy tokens each) cycling through "
+             f"{result['conversations']} conversations of up to {result['turns']} turns, "
+             "--cache-entries 4; the embedded SmolLM2-135M. Figures in MB per rank from "
+             f"/health after the request. {result['elapsed_s']} s in all; exit status "
+             f"{result['exit_code']} after SIGTERM.", ""]
+    header = ["after requests", "cache tokens"]
+    for rank in range(result["ranks"]):
+        header += [f"rank {rank} resident (peak)", f"rank {rank} forecast",
+                   f"rank {rank} MLX in use / cache", f"rank {rank} KV"]
+    rows = []
+    for s in samples:
+        row = [s["requests"], s["cache_tokens"]]
+        for r in s["ranks"]:
+            row += [f"{r['resident_bytes']:.0f} ({r['resident_peak_bytes']:.0f})",
+                    f"{r['forecast_bytes']:.0f}",
+                    f"{r['mlx_active_bytes']:.0f} / {r['mlx_cache_bytes']:.0f}",
+                    f"{r['kv_bytes']:.1f}"]
+        rows.append(row)
+    lines.append(bl.table(header, rows))
+    lines += ["", f"Growth from request {plateau[0]['requests']} on (the caches full; "
+              "least squares, MB per 100 requests):", ""]
+    rows = [[rank, *(result["growth_mb_per_100"][rank][k] for k in
+                     ("resident", "outside_mlx", "mlx_active", "mlx_cache", "kv"))]
+            for rank in range(result["ranks"])]
+    lines.append(bl.table(["rank", "resident", "outside MLX", "MLX in use", "MLX cache",
+                           "KV"], rows))
+    lines += ["", f"Largest resident peak over the forecast of the request that ended "
+              f"before it: {result['worst_peak_over_forecast_mb']} MB (negative: "
+              "within it)."]
+    return "\n".join(lines)
 
 
 def main():
-    import argparse
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
     port = free_port()
-    server, client = start_server(args.ranks, port)
+    log_path = bl.RESULTS / "serve_soak.log"
+    server, client = start_server(args.ranks, port, log_path)
     samples = []
     try:
         conversations = [[] for _ in range(args.conversations)]
         start = time.perf_counter()
-        for index in range(args.requests + 1):
-            if index % args.every == 0:
-                health = json.loads(subprocess.run(
-                    ["curl", "-s", f"http://127.0.0.1:{port}/health"], capture_output=True,
-                    text=True, timeout=30).stdout)
-                samples.append({"requests": index,
-                                "rss_mb": [round(rss_mb(p), 1) for p in rank_pids(port)],
-                                "cache": health["cache"]})
-            if index == args.requests:
-                break
-            messages = conversations[index % args.conversations]
-            topic = TOPICS[index % len(TOPICS)]
+        for index in range(args.requests):
+            slot = index % args.conversations
+            if len(conversations[slot]) >= 2 * args.turns:
+                conversations[slot] = []
+            messages = conversations[slot]
+            topic = TOPICS[(index + len(messages)) % len(TOPICS)]
             messages.append({"role": "user", "content": f"Tell me one more fact about {topic}."})
             reply = client.chat.completions.create(model="any", messages=messages,
                                                    max_tokens=24, temperature=0)
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if (index + 1) % args.every == 0 or index == 0:
+                samples.append(sample(port, index + 1))
         elapsed = time.perf_counter() - start
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         code = server.wait(timeout=120)
-    print(json.dumps({"ranks": args.ranks, "requests": args.requests,
-                      "elapsed_s": round(elapsed, 1), "exit_code": code, "samples": samples}))
+    log_path.unlink(missing_ok=True)
+    # The caches are full once every conversation slot has restarted once.
+    full_at = args.conversations * args.turns
+    plateau = [s for s in samples if s["requests"] >= full_at] or samples[-2:]
+    growth = [{"resident": slope_mb_per_100(plateau, r, lambda x: x["resident_bytes"]),
+               "outside_mlx": slope_mb_per_100(plateau, r, outside_mlx),
+               "mlx_active": slope_mb_per_100(plateau, r, lambda x: x["mlx_active_bytes"]),
+               "mlx_cache": slope_mb_per_100(plateau, r, lambda x: x["mlx_cache_bytes"]),
+               "kv": slope_mb_per_100(plateau, r, lambda x: x["kv_bytes"])}
+              for r in range(args.ranks)]
+    worst = max(r["resident_peak_bytes"] - r["forecast_bytes"]
+                for s in samples for r in s["ranks"])
+    result = {"ranks": args.ranks, "requests": args.requests,
+              "conversations": args.conversations, "turns": args.turns,
+              "elapsed_s": round(elapsed, 1), "exit_code": code, "samples": samples,
+              "plateau_samples": plateau, "growth_mb_per_100": growth,
+              "worst_peak_over_forecast_mb": round(worst, 1),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": bl.machine(),
+              "command": "python benchmarks/serve_soak.py " + " ".join(sys.argv[1:])}
+    bl.save("serve_soak", result, report(result))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

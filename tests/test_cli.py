@@ -39,9 +39,11 @@ def test_generate_single_rank_answers_paris(one_rank_answer):
     assert summary["comm_bytes"] == [0]
 
 
-def test_generate_two_ranks_same_tokens_and_streams_text(question_file, one_rank_answer):
-    launch = run_cli(2, ["generate", "--prompt-file", str(question_file), "--max-tokens", "12",
-                         "--json"])
+def test_generate_two_ranks_same_tokens_and_streams_text(one_rank_answer):
+    """Two ranks, the prompt read from stdin (``--prompt -``; one rank read the same
+    question from --prompt-file): the one-rank answer, streamed once by rank 0."""
+    launch = run_cli(2, ["generate", "--prompt", "-", "--max-tokens", "12", "--json"],
+                     stdin=QUESTION)
     summary = launch.last_json()
     assert summary["text"] == one_rank_answer["text"]
     assert summary["tokens"] == one_rank_answer["tokens"]
@@ -51,12 +53,6 @@ def test_generate_two_ranks_same_tokens_and_streams_text(question_file, one_rank
     # Only rank 0 writes stdout: the answer once, then the JSON line.
     assert launch.stdout.count("Paris") == 2  # streamed text + the JSON "text" field
     assert "[rank 0/2]" in launch.stderr
-
-
-def test_generate_reads_stdin(one_rank_answer):
-    launch = run_cli(2, ["generate", "--prompt", "-", "--max-tokens", "12", "--json"],
-                     stdin=QUESTION)
-    assert launch.last_json()["text"] == one_rank_answer["text"]
 
 
 def test_score_three_ranks_equals_one(tmp_path):

@@ -91,24 +91,53 @@ def test_tiny_gqa_models_match_mlx_lm(n, tiny_models, tmp_path):
         check_against_reference(results, path, n)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])  # N = 3: the tiny models' test above
-def test_embedded_smollm2_matches_mlx_lm(n, embedded_model, tmp_path):
+# The embedded model's launches at N = 1 and 4 serve three tests (one model load per
+# rank count): the memory measurement first, in a process that has run nothing else.
+MEMORY_CONFIG = {"algo": "pass-kv", "chunk": 0, "length": 1024, "decode": 0, "seed": 2,
+                 "score": False}
+KV_CONFIG = {"algo": "auto", "chunk": 0, "length": 203, "decode": 0, "seed": 1, "score": False}
+
+
+def smollm2_configs(n: int) -> list[dict]:
     # Every algorithm on a full prompt and on several chunks (later chunks attend to a
     # cached prefix: auto picks pass-q there); the short edge cases with the default.
     configs = [{"algo": algo, "chunk": chunk, "length": 41, "decode": 3, "seed": 41}
                for algo in ALGOS for chunk in (0, 12)]
-    configs += [{"algo": "auto", "chunk": 0, "length": length, "decode": 3, "seed": length}
-                for length in sorted({1, max(n - 1, 1), 2 * n + 1})]
-    results = run_driver(n, embedded_model, configs, tmp_path)
+    return configs + [{"algo": "auto", "chunk": 0, "length": length, "decode": 3,
+                       "seed": length} for length in sorted({1, max(n - 1, 1), 2 * n + 1})]
+
+
+@pytest.fixture(scope="module")
+def embedded_runs(embedded_model, tmp_path_factory):
+    """``runs(n)``: the driver's results on the embedded model at N = n, launched once."""
+    done = {}
+
+    def runs(n: int) -> list[dict]:
+        if n not in done:
+            shared = [MEMORY_CONFIG, KV_CONFIG] if n in (1, 4) else []
+            done[n] = run_driver(n, embedded_model, shared + smollm2_configs(n),
+                                 tmp_path_factory.mktemp(f"embedded-{n}"))
+        return done[n]
+    return runs
+
+
+def result_of(results: list[dict], config: dict) -> dict:
+    (result,) = [r for r in results if r["config"] == config]
+    return result
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])  # N = 3: the tiny models' test above
+def test_embedded_smollm2_matches_mlx_lm(n, embedded_model, embedded_runs):
+    configs = smollm2_configs(n)
+    results = [r for r in embedded_runs(n) if r["config"] in configs]
+    assert len(results) == len(configs)
     check_against_reference(results, embedded_model, n)
 
 
-def test_kv_bytes_split_evenly(embedded_model, tmp_path):
+def test_kv_bytes_split_evenly(embedded_runs):
     """Each of 4 ranks caches about a quarter of the single-rank KV bytes."""
-    config = [{"algo": "auto", "chunk": 0, "length": 203, "decode": 0, "seed": 1,
-               "score": False}]
-    single = run_driver(1, embedded_model, config, tmp_path)[0]["kv_bytes_prefill"][0]
-    split = run_driver(4, embedded_model, config, tmp_path)[0]["kv_bytes_prefill"]
+    single = result_of(embedded_runs(1), KV_CONFIG)["kv_bytes_prefill"][0]
+    split = result_of(embedded_runs(4), KV_CONFIG)["kv_bytes_prefill"]
     assert sum(split) == single
     # SmolLM2: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46,080 bytes per token.
     assert single == 203 * 46080
@@ -152,12 +181,10 @@ def test_counted_bytes_equal_analytic_volumes(tiny_models, tmp_path):
             assert result["prefill_comm_bytes"] == expected, config
 
 
-def test_prefill_memory_per_rank_shrinks_with_n(embedded_model, tmp_path):
+def test_prefill_memory_per_rank_shrinks_with_n(embedded_runs):
     """Peak memory beyond the weights at N=4 is at most 40% of one rank's (pass-kv)."""
-    config = [{"algo": "pass-kv", "chunk": 0, "length": 1024, "decode": 0, "seed": 2,
-               "score": False}]
-    single = run_driver(1, embedded_model, config, tmp_path)[0]["peak_beyond_weights"][0]
-    four = run_driver(4, embedded_model, config, tmp_path)[0]["peak_beyond_weights"]
+    single = result_of(embedded_runs(1), MEMORY_CONFIG)["peak_beyond_weights"][0]
+    four = result_of(embedded_runs(4), MEMORY_CONFIG)["peak_beyond_weights"]
     assert max(four) <= 0.4 * single, (four, single)
 
 

@@ -21,24 +21,25 @@ def files(tmp_path_factory):
     return root
 
 
-def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files, tmp_path):
+def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files, tmp_path,
+                                                                         tiny_models):
     cache = tmp_path / "cache"
-    first = run_cli(2, ["generate", "--prompt-file", str(files / "doc.txt"), "--max-tokens", "16",
-                        "--save-cache", str(cache), "--json"]).last_json()
+    model = ["--model", tiny_models["llama"]]  # the embedded model's tokenizer and template
+    first = run_cli(2, ["generate", *model, "--prompt-file", str(files / "doc.txt"),
+                        "--max-tokens", "16", "--save-cache", str(cache), "--json"]).last_json()
     assert sorted(p.name for p in cache.iterdir()) == [
         "meta.json", "rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
     follow_up = "When was the city founded?"
-    resumed = run_cli(2, ["generate", "--load-cache", str(cache), "--prompt", follow_up,
+    resumed = run_cli(2, ["generate", *model, "--load-cache", str(cache), "--prompt", follow_up,
                           "--max-tokens", "16", "--json"]).last_json()
     # Most of the conversation came from the cache: only the new turn was prefilled.
     assert resumed["prompt_tokens_reused"] >= first["prompt_tokens"]
     assert resumed["prompt_tokens"] - resumed["prompt_tokens_reused"] < 40
 
     # The same conversation, templated by the reference tokenizer and prefilled from scratch.
-    from spmd_cp.models.gguf import default_model_path
     from spmd_cp.models.loader import load_model
 
-    tokenizer = load_model(default_model_path()).tokenizer
+    tokenizer = load_model(tiny_models["llama"]).tokenizer
     messages = [{"role": "user", "content": (files / "doc.txt").read_text().strip()},
                 {"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": follow_up}]
@@ -46,7 +47,7 @@ def test_follow_up_from_saved_cache_equals_whole_conversation_from_scratch(files
     whole.write_text(tokenizer.apply_chat_template(messages, tokenize=False,
                                                    add_generation_prompt=True))
     # Already templated: its control-token strings are the conversation's control tokens.
-    scratch = run_cli(1, ["generate", "--no-chat-template", "--parse-special",
+    scratch = run_cli(1, ["generate", *model, "--no-chat-template", "--parse-special",
                           "--prompt-file", str(whole),
                           "--max-tokens", "16", "--json"]).last_json()
     assert scratch["prompt_tokens"] == resumed["prompt_tokens"]
@@ -180,11 +181,13 @@ def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
         ShardedKVCache.from_state(engine.model.num_layers, 0, [np.arange(41)], arrays, shared)
 
 
-def test_sampled_decode_and_stop_strings_equal_on_one_and_two_ranks(files, tmp_path):
+def test_sampled_decode_and_stop_strings_equal_on_one_and_two_ranks(files, tmp_path,
+                                                                   tiny_models):
     """Sampled tokens (rank 0's random stream), the stop, and the cache left behind (the
     token that ends the generation is never fed) must not depend on the rank count."""
     doc = str(files / "doc.txt")
-    sampling = ["--temp", "0.9", "--seed", "11", "--max-tokens", "12"]
+    sampling = ["--model", tiny_models["llama"], "--temp", "0.9", "--seed", "11",
+                "--max-tokens", "12"]
     free = {n: run_cli(n, ["generate", "--prompt-file", doc, "--json", *sampling]).last_json()
             for n in (1, 2)}
     assert free[1]["tokens"] == free[2]["tokens"] == 12

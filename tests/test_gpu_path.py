@@ -98,6 +98,20 @@ def mlx_lm_logprobs(model_path: str, text: str):
     return ids, result[0], result[1]
 
 
+@pytest.fixture(scope="module")
+def q4_scores(half_models, document, tmp_path_factory):
+    """``scores(n, algo)``: the 4-bit model scored on the GPU path, launched once each
+    (the replicated N = 2 pass-kv run serves two tests)."""
+    done, folder = {}, tmp_path_factory.mktemp("q4_scores")
+
+    def scores(n: int, algo: str):
+        if (n, algo) not in done:
+            done[n, algo] = score(n, half_models["q4"], document,
+                                  folder / f"{n}-{algo}.jsonl", algo, GPU_PATH)
+        return done[n, algo]
+    return scores
+
+
 def score(n: int, model: str, document: Path, out: Path, algo: str, env: dict):
     summary = run_cli(n, ["score", "--model", model, "--keep-quantized", "--text-file",
                           str(document), "--output", str(out), "--cp-algo", algo, "--json"],
@@ -135,18 +149,15 @@ def test_bf16_model_keeps_a_bf16_cache_and_mlx_lm_precision(n, half_models, docu
 
 # The CPU path's --keep-quantized runs: tests/test_tensor_parallel.py (N = 1 and 2,
 # the split step over packed slices) and tests/test_gguf.py (against the float32 model).
-@pytest.mark.parametrize("path", ["gpu"])
-def test_quantized_model_on_two_ranks(path, half_models, document, tmp_path):
+def test_quantized_model_on_two_ranks(half_models, document, q4_scores):
     """--keep-quantized 4-bit weights through every algorithm on the GPU path."""
-    env = {"SPMD_CP_PATH": path}
+    path = "gpu"
     ids, half, full = mlx_lm_logprobs(half_models["q4"], document.read_text())
-    one, _, single = score(1, half_models["q4"], document, tmp_path / "one.jsonl", "pass-kv", env)
-    assert one["kv_dtype"] == ("bfloat16" if path == "gpu" else "float32")
-    assert (one["warmup_s"] > 0) == (path == "gpu")
-    assert_within_half_precision(single, half, full, path == "gpu", f"{path} N=1")
+    one, _, single = q4_scores(1, "pass-kv")
+    assert one["kv_dtype"] == "bfloat16" and one["warmup_s"] > 0
+    assert_within_half_precision(single, half, full, True, f"{path} N=1")
     for algo in RING_ALGOS:
-        _, _, logprob = score(2, half_models["q4"], document, tmp_path / f"{algo}.jsonl", algo,
-                              env)
+        _, _, logprob = q4_scores(2, algo)
         where = f"{path} N=2 {algo}"
         if algo == "allgather-kv":  # merges nothing: the same sums as one rank
             np.testing.assert_allclose(logprob, single, rtol=0, atol=1e-5, err_msg=where)
@@ -154,13 +165,13 @@ def test_quantized_model_on_two_ranks(path, half_models, document, tmp_path):
             assert_within_half_precision(logprob, half, full, False, where)
 
 
-def test_layer_sharded_quantized_weights_on_the_gpu_path(half_models, document, tmp_path):
+def test_layer_sharded_quantized_weights_on_the_gpu_path(half_models, document, tmp_path,
+                                                         q4_scores):
     """--shard-weights on: packed 4-bit layers broadcast, bf16 cache, fused attention;
     the same tokens as the replicated run at the same N and mlx-lm's precision."""
     model = half_models["q4"]
     ids, half, full = mlx_lm_logprobs(model, document.read_text())
-    _, tokens, logprob = score(2, model, document, tmp_path / "plain.jsonl", "pass-kv",
-                               GPU_PATH)
+    _, tokens, logprob = q4_scores(2, "pass-kv")
     summary, sharded_tokens, sharded = run_sharded_score(model, document, tmp_path)
     assert summary["compute_path"] == "gpu" and summary["kv_dtype"] == "bfloat16"
     assert max(summary["model_bytes"]) < Path(model, "model.safetensors").stat().st_size

@@ -7,11 +7,13 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import SPMD_CP, run_cli, run_process
 from spmd_cp.runtime.launcher import LauncherMismatch, check_launch
+from spmd_cp.runtime.mpi_library import choose_mpi_library
 
 
 def only_error_line(launch, *fragments):
@@ -102,7 +104,10 @@ def test_damaged_model_is_one_line_and_exit_2(damage, n, damaged_models, documen
 
 
 # -- point 6: a launcher of another MPI is refused before any work ------------------------
-OPEN_MPI_RANK_0 = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+# What a rank of Open MPI's mpirun sees: its place, and its launcher's address (Open MPI
+# 4's; without a PMIx server's address, so that no Open MPI library is chosen for it).
+OPEN_MPI_RANK_0 = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
+                   "OMPI_MCA_orte_hnp_uri": "1.0;tcp://127.0.0.1:9"}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +133,11 @@ def test_singleton_under_another_launchers_variables_is_refused(tiny_models, doc
     other = run_process(score, env={**OPEN_MPI_RANK_0, "OMPI_COMM_WORLD_RANK": "1"},
                         check=False)
     assert (other.returncode, other.stderr) == (2, "")
+    # Started alone with only the rank variables: no launcher started the others, so
+    # this process says why it stops, whatever its rank.
+    alone = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}
+    only_error_line(run_process(score, env=alone, check=False), "rank 1 of 2",
+                    "OMPI_COMM_WORLD_SIZE=2", "started alone", mpi_library)
     run_process(score)  # the same command without a launcher's variables: a real singleton
     assert len(output.read_text().splitlines()) > 5
 
@@ -136,6 +146,60 @@ def test_doctor_refuses_another_launcher_the_same_way(mpi_library):
     refused = run_process(SPMD_CP + ["doctor"], env=OPEN_MPI_RANK_0, check=False)
     only_error_line(refused, "one of 2 ranks", "OMPI_COMM_WORLD_SIZE=2", mpi_library)
     assert refused.stdout == ""
+
+
+def test_a_pmix_launcher_gets_its_open_mpi_library_or_one_line(tmp_path):
+    """Where the launcher's Open MPI library is looked for (OPAL_PREFIX, beside the
+    launcher on PATH, the system's folders), and when the default stays."""
+    def install(prefix):
+        (prefix / "bin").mkdir(parents=True)
+        (prefix / "bin" / "mpirun").write_text("#!/bin/sh\n")
+        (prefix / "lib").mkdir()
+        (prefix / "lib" / "libmpi.so.40").write_bytes(b"")
+        return str(prefix / "lib" / "libmpi.so.40")
+
+    opal, on_path = install(tmp_path / "opal"), install(tmp_path / "ompi")
+    pmix = {"PMIX_SERVER_URI41": "1.0;tcp4://127.0.0.1:9", "PMIX_RANK": "0",
+            "PATH": f"{tmp_path / 'empty'}:{tmp_path / 'ompi' / 'bin'}"}
+    for environ, system_dirs, chosen in [
+        ({**pmix, "OPAL_PREFIX": str(tmp_path / "opal")}, [], opal),
+        (dict(pmix), [], on_path),
+        ({**pmix, "PATH": ""}, [str(tmp_path / "ompi" / "lib")], on_path),
+        ({**pmix, "PMI_RANK": "0"}, [], None),  # MPICH's mpiexec: its default is right
+        ({**pmix, "MPI4PY_LIBMPI": "/mine.so"}, [], None),  # the user's choice stands
+        ({"PATH": pmix["PATH"]}, [], None),  # no launcher
+    ]:
+        before = dict(environ)
+        assert choose_mpi_library(environ, system_dirs) == chosen, environ
+        assert environ == (before if chosen is None else {**before, "MPI4PY_LIBMPI": chosen})
+    # Nowhere to be found, and mpi4py would load the MPICH wheel: one line, once per job.
+    for rank, shown in (("0", True), ("1", False)):
+        with pytest.raises(LauncherMismatch, match="MPI4PY_LIBMPI=") as error:
+            choose_mpi_library({**pmix, "PATH": "", "PMIX_RANK": rank}, [])
+        assert error.value.shown == shown and "mpich" in str(error.value)
+
+
+def open_mpi_launcher() -> str | None:
+    """Open MPI's mpirun (beside its ompi_info), or None where Open MPI is not installed."""
+    info = shutil.which("ompi_info")
+    mpirun = Path(info).with_name("mpirun") if info else None
+    return str(mpirun) if mpirun is not None and mpirun.exists() else None
+
+
+def test_open_mpi_mpirun_loads_its_own_library_and_answers_as_mpiexec(tiny_models):
+    """Under Open MPI's mpirun, with the MPICH wheel installed and nothing set, every rank
+    loads Open MPI's library (found from the launcher) and the job answers what the
+    MPICH wheel's mpiexec answers, token for token."""
+    mpirun = open_mpi_launcher()
+    if mpirun is None:
+        pytest.skip("Open MPI is not installed here (apt-get install openmpi-bin)")
+    args = ["generate", "--model", tiny_models["qwen3"], "--prompt", "The quick brown fox",
+            "--max-tokens", "8", "--json"]
+    expected = run_cli(2, args).last_json()
+    as_root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {**as_root, "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    got = run_process([mpirun, "-n", "2", *SPMD_CP, *args], env=env, timeout=300).last_json()
+    assert got["ranks"] == 2 and got["token_ids"] == expected["token_ids"]
 
 
 @pytest.mark.parametrize("environ, world_size, refused", [

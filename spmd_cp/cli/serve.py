@@ -10,7 +10,8 @@ runs the same prefill and decode as `generate`, and rank 0 streams the text back
 sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
 the next request prefills only what follows the longest token prefix it shares with
 one. SIGTERM or SIGINT: the request being answered is finished, queued ones get 503,
-and every rank exits 0.
+and every rank exits 0. A rank that dies ends every rank (the launcher's doing); the
+clients then waiting get a 503 from the guardian process (server/guardian.py).
 See docs/SERVE.md.
 """
 
@@ -136,6 +137,9 @@ def open_server(args: ServeConfig, sampling: SamplingConfig, held: dict):
     except OSError as error:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {error.strerror or error}") \
             from None
+    from ..server.guardian import GuardianLink
+
+    state.guardian = GuardianLink()
     held.update(state=state, server=server, thread=http_api.start(server))
 
 
@@ -145,6 +149,7 @@ def close_server(held: dict):
     held["state"].drain()
     held["server"].shutdown()
     held["server"].server_close()
+    held["state"].guardian.close()
 
 
 def spmd_log():
@@ -198,6 +203,7 @@ def serve_loop(comm, engine, loaded, root, caches):
     """Every rank: the next request from rank 0, answered together, until it says stop."""
     from ..engine.generation import generate
     from ..runtime import spmd
+    from ..runtime.resident import memory_now
 
     while True:
         with idle(comm):
@@ -208,9 +214,9 @@ def serve_loop(comm, engine, loaded, root, caches):
         result = generate(engine, cache, work["ids"][work["reused"]:], loaded.tokenizer,
                           work["sampling"], write=root.emit if root else None,
                           cancelled=root.cancelled if root else None)
-        kv_bytes = comm.gather_object(int(caches.nbytes))
+        memory = comm.gather_object({"kv_bytes": int(caches.nbytes), **memory_now()})
         if root is not None:
             spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
                           "generated, %s; %d cache entries", len(work["ids"]), work["reused"],
                           len(result.tokens), result.finish_reason, len(caches.entries))
-            root.finished(result, work, caches, sum(kv_bytes))
+            root.finished(result, work, caches, memory)

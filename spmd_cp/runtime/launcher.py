@@ -44,6 +44,17 @@ LAUNCHERS = (
 )
 
 
+# What a launcher that really started this process leaves beside the rank variables: its
+# server's address or its job's id. A process with rank variables and none of these was
+# started by hand (or by a script) with a launcher's variables set.
+LAUNCHER_SERVICES = ("PMIX_SERVER_URI", "OMPI_MCA_orte_hnp_uri", "OMPI_MCA_ess_base_jobid",
+                     "PMI_FD", "PMI_PORT", "SLURM_STEP_ID", "MPISPAWN_")
+
+
+def launcher_present(environ) -> bool:
+    return any(name.startswith(LAUNCHER_SERVICES) for name in environ)
+
+
 @dataclass(frozen=True)
 class LaunchedAs:
     kind: str
@@ -90,6 +101,15 @@ def check_launch(world_size: int, library_version: str, environ=None):
     library = " ".join(library_version.strip().splitlines()[0].split()) if library_version else "?"
     place = (f"one of {launched.size} ranks" if launched.size is not None
              else f"rank {launched.rank} of a larger job")
+    if not launcher_present(environ if environ is not None else os.environ):
+        # No launcher is there to have started the others: every such process speaks.
+        raise LauncherMismatch(
+            f"{launched.evidence} says this process is rank {launched.rank} of "
+            f"{launched.size or 'a larger job'} started by {launched.kind}, "
+            f"but none of that launcher's own variables ({', '.join(LAUNCHER_SERVICES)}...) "
+            f"is set and the MPI library ({library}) sees a job of 1 rank: it was started "
+            "alone with a launcher's variables set; unset them to run one rank, or start "
+            "the job with its launcher", shown=True)
     raise LauncherMismatch(
         f"launched as {place} by {launched.kind} ({launched.evidence}), but the MPI library "
         f"mpi4py loaded ({library}) sees a job of 1 rank: launcher and library belong to "

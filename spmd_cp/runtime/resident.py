@@ -44,3 +44,11 @@ def outside_mlx_bytes() -> int:
     if now is None:
         return 0
     return max(0, now - mx.get_active_memory() - mx.get_cache_memory())
+
+
+def memory_now() -> dict:
+    """This process's memory as the operating system and MLX count it (bytes)."""
+    return {"resident_bytes": resident_bytes() or 0,
+            "resident_peak_bytes": resident_peak_bytes(),
+            "mlx_active_bytes": int(mx.get_active_memory()),
+            "mlx_cache_bytes": int(mx.get_cache_memory())}

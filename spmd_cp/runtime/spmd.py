@@ -17,7 +17,7 @@ import traceback
 
 from .comm import Comm
 from ..errors import UserError
-from .launcher import check_launch
+from .launcher import LauncherMismatch, check_launch
 from .trace import Tracer
 from .watchdog import EXIT_INTERRUPTED, Watchdog
 
@@ -106,11 +106,23 @@ def software_versions() -> dict:
 def import_mpi():
     """mpi4py.MPI, which initialises MPI: only after the BLAS re-exec in cli.main.
 
+    First the launcher's own MPI library where the default one cannot join its job
+    (runtime/mpi_library.py: Open MPI's under Open MPI's mpirun), or one line and exit 2.
     Without mpi4py's several-line warning about a launcher of another MPI:
     ``check_launcher`` turns the case that matters into one line and exit 2.
     """
     import warnings
 
+    from .mpi_library import choose_mpi_library
+
+    try:
+        chosen = choose_mpi_library()
+    except LauncherMismatch as error:
+        if error.shown:
+            print(f"spmd-cp: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    if chosen:
+        log.debug("MPI library of the launcher: %s (MPI4PY_LIBMPI)", chosen)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
         from mpi4py import MPI

@@ -33,6 +33,7 @@ class Pending:
         self.request = request
         self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
+        self.guard_id = None  # its connection's id at the guardian (server/guardian.py)
 
     def start(self):
         self.events.put(("start", None))
@@ -59,8 +60,10 @@ class ServerState:
         self.stopping = threading.Event()
         self.busy = False
         self.cache = {"entries": 0, "bytes": 0, "tokens": 0}
+        self.memory = []  # per rank, after the last request: resident and MLX bytes
         self.served = 0
         self.cancelled = 0  # requests whose client went away before the answer's end
+        self.guardian = None  # GuardianLink: answers the waiting clients if rank 0 dies
 
     def drain(self):
         """Answer what is still queued with 503 (the server is stopping)."""
@@ -76,7 +79,8 @@ class ServerState:
             else "loading"
         return {"status": status, "model": self.model_id, "queue_length": self.queue.qsize(),
                 "busy": self.busy, "requests_served": self.served,
-                "requests_cancelled": self.cancelled, "cache": dict(self.cache)}
+                "requests_cancelled": self.cancelled, "cache": dict(self.cache),
+                "memory": [dict(rank) for rank in self.memory]}
 
 
 def peer_closed(sock: socket.socket) -> bool:
@@ -152,11 +156,17 @@ class Handler(BaseHTTPRequestHandler):
         if self.state.stopping.is_set():
             return self.send_api_error(shutting_down())
         pending = Pending(request)
+        guardian = self.state.guardian
+        if guardian is not None:
+            pending.guard_id = guardian.hold(self.connection)
         self.state.queue.put(pending)
         try:
             (self.stream if request.stream else self.answer)(pending)
         except OSError:  # the client went away while we wrote
             pending.cancelled.set()
+        finally:
+            if guardian is not None:
+                guardian.release(pending.guard_id)
 
     # -- answers -----------------------------------------------------------------------
     def next_event(self, pending: Pending):
@@ -191,6 +201,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Connection", "close")
                 self.end_headers()
+                if self.state.guardian is not None:
+                    self.state.guardian.streaming(pending.guard_id)
                 if request.kind == "chat":
                     self.send_event(chunk(request, model, first=True))
             elif kind == "text":

@@ -84,16 +84,20 @@ class RootSide:
             raise ApiError(400, str(error), code="context_length_exceeded",
                            param="messages" if request.kind == "chat" else "prompt") from None
 
+        forecast = {}
+
         def fits(resident_tokens: int, reused: int):
             try:
-                check_memory(self.comm, self.loaded, self.run,
-                             len(ids) + sampling.max_tokens + resident_tokens,
-                             len(ids) - reused,
-                             split_decode=self.may_split and sampling.max_tokens > 1)
+                need = check_memory(self.comm, self.loaded, self.run,
+                                    len(ids) + sampling.max_tokens + resident_tokens,
+                                    len(ids) - reused,
+                                    split_decode=self.may_split and sampling.max_tokens > 1)
             except UserError as error:
                 raise ApiError(400, str(error), code="memory_limit_exceeded") from None
+            forecast["bytes"] = need["total_bytes"]
 
-        return {"ids": ids, "sampling": sampling, **caches.plan(ids, fits)}
+        plan = caches.plan(ids, fits)
+        return {"ids": ids, "sampling": sampling, "forecast_bytes": forecast["bytes"], **plan}
 
     def emit(self, text: str):
         self.current.emit(text)
@@ -102,11 +106,16 @@ class RootSide:
         # Not on shutdown: the request being answered is finished first.
         return self.current.cancelled.is_set()
 
-    def finished(self, result, work: dict, caches, cache_bytes: int):
+    def finished(self, result, work: dict, caches, memory: list[dict]):
+        """``memory``: every rank's figures after the request (runtime/resident.py's
+        ``memory_now`` and its resident KV bytes), for /health."""
         counts = {"prompt_tokens": len(work["ids"]), "completion_tokens": len(result.tokens),
                   "cached_tokens": int(work["reused"])}
         self.current.done(result.text, result.finish_reason, counts)
-        self.state.cache = {"entries": len(caches.entries), "bytes": int(cache_bytes),
+        self.state.cache = {"entries": len(caches.entries),
+                            "bytes": sum(rank["kv_bytes"] for rank in memory),
                             "tokens": int(caches.num_tokens)}
+        forecast = work.get("forecast_bytes", 0)
+        self.state.memory = [{**rank, "forecast_bytes": forecast} for rank in memory]
         self.state.served += 1
         self.state.cancelled += result.finish_reason == "cancelled"
