@@ -7,8 +7,12 @@ reference."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,14 +25,64 @@ DRIVER = [sys.executable, str(TESTS / "native_decode_driver.py")]
 TOLERANCE = 1e-4
 
 
+KERNELS = Path(__file__).resolve().parent.parent / "spmd_cp" / "kernels"
+COMPILERS = ["gcc", "clang"]  # Debian's two; the kernels must build with each
+
+
+def compiler_or_skip(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed here")
+    return path
+
+
+@pytest.mark.parametrize("cc", COMPILERS)
+def test_kernels_compile_cleanly_with_each_compiler(cc, tmp_path):
+    """Both kernels, with their vector code and as plain C alone (what an ARM or a macOS
+    clang compiles), without a warning under -Wall -Wextra."""
+    path = compiler_or_skip(cc)
+    for source in sorted(KERNELS.glob("*.c")):
+        for portable in ([], ["-DSPMD_CP_PORTABLE"]):
+            command = [path, *portable, "-O2", "-shared", "-fPIC", "-Wall", "-Wextra",
+                       "-Werror", "-I", str(KERNELS), "-o", str(tmp_path / "k.so"),
+                       str(source), "-ldl"]
+            built = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            assert built.returncode == 0, (command, built.stderr)
+
+
+@needs_c_helpers
+def test_ctypes_structs_are_checked_against_the_c_layout(tmp_path):
+    """decode_step.py's structs match the sizes and offsets the library reports; a
+    struct that differs (a field missing) is named and keeps the library unused."""
+    from spmd_cp.kernels import decode_step
+    from spmd_cp.runtime import native
+
+    loaded = ctypes.CDLL(str(native.build(decode_step.SOURCE, tmp_path / "step.so")))
+    assert decode_step.layout_mismatch(loaded) == ""
+
+    class Shorter(ctypes.Structure):
+        _fields_ = [f for f in decode_step.Matrix._fields_ if f[0] != "bias"]
+
+    decode_step.STRUCTS["matrix"] = Shorter
+    try:
+        assert decode_step.layout_mismatch(loaded) == (
+            "decode_step.c and decode_step.py disagree: sizeof(matrix) is "
+            f"{ctypes.sizeof(decode_step.Matrix)} in C, {ctypes.sizeof(Shorter)} in ctypes")
+    finally:
+        decode_step.STRUCTS["matrix"] = decode_step.Matrix
+
+
 @needs_openblas
 @needs_c_helpers
-def test_decode_step_calls_equal_numpy(tmp_path):
+@pytest.mark.parametrize("cc", COMPILERS)
+def test_decode_step_calls_equal_numpy(cc, tmp_path):
     """Each call of decode_step.c on a layer with two q/k/v pieces and biases, q/k norms,
     12 query heads on one KV head: within float32 rounding of numpy in float64; the new
     token's key and value land in the cache row given; an empty shard's partial weighs
-    nothing in the merge; SwiGLU's exponential holds where |gate| reaches 100."""
-    errors = run_result_script(TESTS / "native_kernels_probe.py", tmp_path)
+    nothing in the merge; SwiGLU's exponential holds where |gate| reaches 100. Built by
+    each compiler present (the forward and the step: the probe's cache is its own)."""
+    errors = run_result_script(TESTS / "native_kernels_probe.py", tmp_path,
+                               CC=compiler_or_skip(cc))
     assert errors.pop("empty_partial_max") == float("-inf")
     assert errors.pop("stored_value") == 0.0  # copied, not computed
     assert all(error < 2e-6 for error in errors.values()), errors

@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_features.h"
+#include "exp_polynomial.h"
+
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
@@ -44,6 +47,9 @@ typedef struct {
 } matrix;
 
 enum { MAX_PIECES = 3, MAX_GROUP = 64 }; /* engine/native_decode.py checks both */
+/* A partial's head: d unnormalized values, then the probabilities' sum and the largest
+ * unscaled score. */
+enum { PARTIAL_EXTRA = 2 };
 
 /* One rank's part of one layer, filled once by engine/native_decode.py (the cache's
  * pointers again whenever it grows). */
@@ -62,6 +68,34 @@ typedef struct {
   float scale;
 } layer;
 
+/* The structs' layout, for kernels/decode_step.py to check its ctypes copies against:
+ * the offset of `field` in struct `type`, its size for the field "", -1 if unknown. */
+#define LAYOUT_SIZE(type) {#type, "", sizeof(type)}
+#define LAYOUT_FIELD(type, field) {#type, #field, offsetof(type, field)}
+static const struct {
+  const char *type, *field;
+  size_t offset;
+} LAYOUT[] = {
+    LAYOUT_SIZE(matrix),         LAYOUT_FIELD(matrix, weights),  LAYOUT_FIELD(matrix, bias),
+    LAYOUT_FIELD(matrix, rows),  LAYOUT_FIELD(matrix, cols),     LAYOUT_FIELD(matrix, ld),
+    LAYOUT_SIZE(layer),          LAYOUT_FIELD(layer, dim),       LAYOUT_FIELD(layer, heads),
+    LAYOUT_FIELD(layer, kv_heads), LAYOUT_FIELD(layer, head_dim),
+    LAYOUT_FIELD(layer, input_norm), LAYOUT_FIELD(layer, post_norm),
+    LAYOUT_FIELD(layer, input_eps), LAYOUT_FIELD(layer, post_eps),
+    LAYOUT_FIELD(layer, q_norm), LAYOUT_FIELD(layer, k_norm),   LAYOUT_FIELD(layer, qk_eps),
+    LAYOUT_FIELD(layer, qkv_pieces), LAYOUT_FIELD(layer, qkv),   LAYOUT_FIELD(layer, o),
+    LAYOUT_FIELD(layer, gate),   LAYOUT_FIELD(layer, up),        LAYOUT_FIELD(layer, down),
+    LAYOUT_FIELD(layer, keys),   LAYOUT_FIELD(layer, values),    LAYOUT_FIELD(layer, capacity),
+    LAYOUT_FIELD(layer, scale),
+};
+
+long spmd_cp_decode_layout(const char *type, const char *field) {
+  for (size_t i = 0; i < sizeof LAYOUT / sizeof LAYOUT[0]; i++)
+    if (strcmp(LAYOUT[i].type, type) == 0 && strcmp(LAYOUT[i].field, field) == 0)
+      return (long)LAYOUT[i].offset;
+  return -1;
+}
+
 /* c (n) = W x (+ bias): x (1 x k) times W' through cblas_sgemm, as MLX multiplies a
  * row by a weight's transposed view. */
 static void product(const matrix *w, const float *x, float *c) {
@@ -78,24 +112,6 @@ static void rms_norm(const float *x, const float *weight, float eps, int n, floa
   for (int i = 0; i < n; i++) sum += (double)x[i] * x[i];
   float inverse = 1.0f / sqrtf((float)(sum / n) + eps);
   for (int i = 0; i < n; i++) out[i] = x[i] * inverse * weight[i];
-}
-
-/* attention/exp.py's polynomial (Cephes expf), for x <= 0: within 2 ulp. */
-static const float LOG2E = 1.4426950408889634f, LN2_HI = 0.693359375f,
-                   LN2_LO = -2.12194440e-4f, ROUNDING_SHIFT = 12582912.0f, LOWEST = -88.0f;
-static const float C0 = 5.0000001201e-1f, C1 = 1.6666665459e-1f, C2 = 4.1665795894e-2f,
-                   C3 = 8.3334519073e-3f, C4 = 1.3981999507e-3f, C5 = 1.9875691500e-4f;
-
-static inline float exp_nonpositive(float x) {
-  x = x < LOWEST ? LOWEST : x;
-  float n = (x * LOG2E + ROUNDING_SHIFT) - ROUNDING_SHIFT;
-  float r = (x - n * LN2_HI) - n * LN2_LO;
-  float r2 = r * r;
-  float tail = (C0 + C1 * r) + r2 * (C2 + C3 * r) + (r2 * r2) * (C4 + C5 * r);
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float two_n;
-  memcpy(&two_n, &bits, sizeof two_n);
-  return ((r + 1.0f) + r2 * tail) * two_n;
 }
 
 /* The scalar forms (any CPU), and the AVX2 ones below where the CPU has AVX2 and FMA:
@@ -128,32 +144,14 @@ static void swiglu_plain(const float *gate, const float *up, int n, float *act) 
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef HAVE_X86_VECTORS
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
-
-/* exp_nonpositive on eight lanes, the same steps (no contraction: explicit products). */
-AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(LOWEST), x); /* NaN stays NaN */
-  __m256 shift = _mm256_set1_ps(ROUNDING_SHIFT);
-  __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), shift),
-                           shift);
-  __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                           _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-  __m256 r2 = _mm256_mul_ps(r, r);
-#define LINEAR(A, B) _mm256_add_ps(_mm256_set1_ps(A), _mm256_mul_ps(_mm256_set1_ps(B), r))
-  __m256 tail = _mm256_add_ps(_mm256_add_ps(LINEAR(C0, C1), _mm256_mul_ps(r2, LINEAR(C2, C3))),
-                              _mm256_mul_ps(_mm256_mul_ps(r2, r2), LINEAR(C4, C5)));
-#undef LINEAR
-  __m256 e_r = _mm256_add_ps(_mm256_add_ps(r, _mm256_set1_ps(1.0f)), _mm256_mul_ps(r2, tail));
-  __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e_r, _mm256_castsi256_ps(bits));
-}
+enum { LANES = 8 }; /* floats in an AVX2 register */
 
 /* The sum of v's eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
 AVX2 static inline float lanes_sum(__m256 v) {
-  float lane[8];
+  float lane[LANES];
   _mm256_storeu_ps(lane, v);
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
@@ -161,7 +159,7 @@ AVX2 static inline float lanes_sum(__m256 v) {
 AVX2 static float softmax_row_avx2(const float *s, int n, float top, float scale, float *p) {
   __m256 sum = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top), scale8 = _mm256_set1_ps(scale);
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + LANES <= n; i += LANES) {
     __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), top8),
                                               scale8));
     _mm256_storeu_ps(p + i, e);
@@ -173,17 +171,17 @@ AVX2 static float softmax_row_avx2(const float *s, int n, float top, float scale
 AVX2 static float row_max_avx2(const float *s, int n) {
   __m256 top8 = _mm256_set1_ps(-INFINITY);
   int i = 0;
-  for (; i + 8 <= n; i += 8) top8 = _mm256_max_ps(_mm256_loadu_ps(s + i), top8);
-  float lane[8], top = row_max_plain(s + i, n - i);
+  for (; i + LANES <= n; i += LANES) top8 = _mm256_max_ps(_mm256_loadu_ps(s + i), top8);
+  float lane[LANES], top = row_max_plain(s + i, n - i);
   _mm256_storeu_ps(lane, top8);
-  for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+  for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
   return top;
 }
 
 AVX2 static void swiglu_avx2(const float *gate, const float *up, int n, float *act) {
   __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + LANES <= n; i += LANES) {
     __m256 g = _mm256_loadu_ps(gate + i);
     __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign)); /* e^-|g| */
     __m256 negative = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
@@ -195,7 +193,7 @@ AVX2 static void swiglu_avx2(const float *gate, const float *up, int n, float *a
 
 static int avx2_here(void) {
   static int known = -1;
-  if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (known < 0) known = cpu_has_avx2_fma(0);
   return known;
 }
 
@@ -270,7 +268,7 @@ void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, in
       memcpy(l->values + g * head_stride + (size_t)store_row * d, v + (size_t)g * d,
              d * sizeof(float));
     }
-  int width = normalized ? d : d + 2;
+  int width = normalized ? d : d + PARTIAL_EXTRA;
   for (int g = 0; g < kv; g++) {
     float *o = out + (size_t)g * group * width;
     if (length == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
@@ -307,7 +305,7 @@ void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, in
  * exp((max - top) * scale), the values' sum over the probabilities'. */
 void spmd_cp_decode_merge(int ranks, int heads, int d, float scale, const float *partials,
                           float *out) {
-  size_t width = d + 2, rank_stride = (size_t)heads * width;
+  size_t width = d + PARTIAL_EXTRA, rank_stride = (size_t)heads * width;
   for (int h = 0; h < heads; h++) {
     float top = -INFINITY;
     for (int r = 0; r < ranks; r++) {

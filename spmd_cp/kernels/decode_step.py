@@ -43,6 +43,27 @@ class Layer(ctypes.Structure):
                 ("capacity", ctypes.c_int), ("scale", ctypes.c_float)]
 
 
+STRUCTS = {"matrix": Matrix, "layer": Layer}
+
+
+def layout_mismatch(loaded) -> str:
+    """"" where every ctypes struct above has decode_step.c's size and field offsets
+    (the library reports them, spmd_cp_decode_layout), else the first difference: a
+    struct changed on one side only would hand the kernels wrong pointers."""
+    loaded.spmd_cp_decode_layout.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    loaded.spmd_cp_decode_layout.restype = ctypes.c_long
+    for name, struct in STRUCTS.items():
+        fields = [("", ctypes.sizeof(struct))]
+        fields += [(field, getattr(struct, field).offset) for field, _ in struct._fields_]
+        for field, offset in fields:
+            in_c = loaded.spmd_cp_decode_layout(name.encode(), field.encode())
+            if in_c != offset:
+                what = f"{name}.{field}'s offset" if field else f"sizeof({name})"
+                return (f"decode_step.c and decode_step.py disagree: {what} is {in_c} "
+                        f"in C, {offset} in ctypes")
+    return ""
+
+
 @functools.lru_cache(maxsize=1)
 def library():
     """(the loaded library, "") or (None, why not)."""
@@ -53,6 +74,9 @@ def library():
         loaded = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as error:
         return None, str(error)
+    mismatch = layout_mismatch(loaded)
+    if mismatch:
+        return None, mismatch
     if not loaded.spmd_cp_decode_ready():
         return None, "no cblas_sgemm in the process's global scope"
     pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
