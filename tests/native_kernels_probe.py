@@ -16,7 +16,8 @@ blas.ensure_fast_blas()
 
 import numpy as np  # noqa: E402
 
-from spmd_cp.kernels.decode_step import MAX_PIECES, Layer, Matrix, library  # noqa: E402
+from spmd_cp.kernels.decode_step import (KV_KINDS, MAX_PIECES, Layer, Matrix,  # noqa: E402
+                                         library)
 
 rng = np.random.default_rng(1)
 DIM, HEADS, KV, D, HIDDEN, CAPACITY, CACHED = 48, 12, 1, 16, 40, 32, 20
@@ -56,7 +57,7 @@ pieces = (Matrix * MAX_PIECES)(matrix(wq, bq), matrix(wkv, bkv))
 layer = Layer(DIM, HEADS, KV, D, norm_in.ctypes.data, norm_post.ctypes.data, EPS, EPS,
               q_norm.ctypes.data, k_norm.ctypes.data, EPS, 2, pieces, matrix(wo),
               matrix(wg), matrix(wu), matrix(wd), keys.ctypes.data, values.ctypes.data,
-              CAPACITY, SCALE)
+              CAPACITY, SCALE, KV_KINDS["float32"])
 ref = ctypes.byref(layer)
 result = {}
 
@@ -107,6 +108,50 @@ merged = np.zeros(HEADS * D, np.float32)
 library.spmd_cp_decode_merge(3, HEADS, D, ctypes.c_float(SCALE), partials.ctypes.data,
                              merged.ctypes.data)
 result["merged"] = error(merged.reshape(HEADS, D), wanted_attention)
+
+
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (MLX's conversion)."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def widened(bits: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+# a half-precision cache: the new token's k/v stored rounded to nearest even (the bits
+# numpy / MLX round to), attention over the widened cache in float32 against float64;
+# rows of 2 and 3 tokens exercise the vector kernels' tails (D = 16: two lanes of 8)
+for kind in ("float16", "bfloat16"):
+    half_keys = np.zeros((KV, CAPACITY, D), np.uint16)
+    half_values = np.zeros((KV, CAPACITY, D), np.uint16)
+    to_bits = (lambda x: np.asarray(x, np.float32).astype(np.float16).view(np.uint16)) \
+        if kind == "float16" else bfloat16_bits
+    half_keys[:, :CACHED], half_values[:, :CACHED] = (to_bits(keys[:, :CACHED]),
+                                                      to_bits(values[:, :CACHED]))
+    layer.keys, layer.values, layer.capacity = (half_keys.ctypes.data,
+                                                half_values.ctypes.data, CAPACITY)
+    layer.kv_kind = KV_KINDS[kind]
+    new_qkv = qkv.copy()  # already normed and rotated: no rotation, no norms
+    out_half = np.zeros(HEADS * D, np.float32)
+    library.spmd_cp_decode_attend(ref, new_qkv.ctypes.data, None, CACHED, CACHED + 1, 1,
+                                  scratch.ctypes.data, out_half.ctypes.data)
+    k_new, v_new = new_qkv[HEADS * D:(HEADS + KV) * D], new_qkv[(HEADS + KV) * D:]
+    result[f"{kind}_stored_bits"] = float(
+        np.count_nonzero(half_keys[:, CACHED].reshape(-1) != to_bits(k_new))
+        + np.count_nonzero(half_values[:, CACHED].reshape(-1) != to_bits(v_new)))
+    wide_k, wide_v = widened(half_keys[:, :CACHED + 1], kind), widened(half_values[:, :CACHED + 1], kind)
+    s_half = np.einsum("hd,hkd->hk", new_qkv[:HEADS * D].reshape(HEADS, D),
+                       np.repeat(wide_k, HEADS // KV, axis=0)) * SCALE
+    p_half = np.exp(s_half - s_half.max(axis=1, keepdims=True))
+    p_half /= p_half.sum(axis=1, keepdims=True)
+    wanted_half = np.einsum("hk,hkd->hd", p_half, np.repeat(wide_v, HEADS // KV, axis=0))
+    result[f"{kind}_attention"] = error(out_half.reshape(HEADS, D), wanted_half)
+layer.keys, layer.values, layer.capacity = keys.ctypes.data, values.ctypes.data, CAPACITY
+layer.kv_kind = KV_KINDS["float32"]
 
 # output projection, then the MLP on h plus it
 o_part = np.zeros(DIM, np.float32)

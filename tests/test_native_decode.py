@@ -23,6 +23,9 @@ DRIVER = [sys.executable, str(TESTS / "native_decode_driver.py")]
 # float32 steps against a float32 forward over the whole sequence: the sums run in
 # other orders (RMSNorm, softmax, the merge, sgemv against MLX's sgemm), no more
 TOLERANCE = 1e-4
+# against mlx-lm with the same half-precision cache: a key both sides compute to float32
+# rounding may still round to neighbouring halves (one half ulp: 1e-3 or 8e-3 relative)
+HALF_TOLERANCE = 1e-3
 
 
 KERNELS = Path(__file__).resolve().parent.parent / "spmd_cp" / "kernels"
@@ -79,12 +82,16 @@ def test_decode_step_calls_equal_numpy(cc, tmp_path):
     """Each call of decode_step.c on a layer with two q/k/v pieces and biases, q/k norms,
     12 query heads on one KV head: within float32 rounding of numpy in float64; the new
     token's key and value land in the cache row given; an empty shard's partial weighs
-    nothing in the merge; SwiGLU's exponential holds where |gate| reaches 100. Built by
+    nothing in the merge; SwiGLU's exponential holds where |gate| reaches 100; over a
+    float16 and a bfloat16 cache, the stored bits are numpy's rounding and attention is
+    float64's over the widened cache to float32 rounding. Built by
     each compiler present (the forward and the step: the probe's cache is its own)."""
     errors = run_result_script(TESTS / "native_kernels_probe.py", tmp_path,
                                CC=compiler_or_skip(cc))
     assert errors.pop("empty_partial_max") == float("-inf")
     assert errors.pop("stored_value") == 0.0  # copied, not computed
+    # a half-precision cache stores the bits numpy rounds to, and reads them exactly
+    assert errors.pop("float16_stored_bits") == errors.pop("bfloat16_stored_bits") == 0
     assert all(error < 2e-6 for error in errors.values()), errors
 
 
@@ -102,15 +109,22 @@ def test_native_steps_equal_mlx_lm_forward(n, tiny_models, tiny_variant_models, 
     """Llama, Qwen3 (q/k norms) and Qwen2 (q/k/v biases, untied head): every decode
     step's logits within 1e-4 (relative to the largest) of mlx-lm's forward over the
     whole sequence, the same argmax; at N = 2 with the split step and the replicated one,
-    and the split step over blocking collectives (as on an MPI without persistent ones)."""
+    and the split step over blocking collectives (as on an MPI without persistent ones).
+    Llama also over a float16 and a bfloat16 cache, against mlx-lm's forward with its
+    own cache in the same dtype."""
     models = [tiny_models["llama"], tiny_models["qwen3"], tiny_variant_models["qwen2"]]
     results = driver_results(n, models, tmp_path)
-    # at N = 2 also the split step over blocking collectives (an MPI without persistent ones)
-    assert len(results) == len(models) * (2 if n > 1 else 1) + (n > 1)
+    modes = 2 if n > 1 else 1
+    # at N = 2 also the split step over blocking collectives (an MPI without persistent
+    # ones); for the first model each mode over a float16 and a bfloat16 cache
+    assert len(results) == len(models) * modes + (n > 1) + 2 * modes
     assert [r["persistent"] for r in results].count(False) == (n > 1)
+    assert sorted(r["kv_dtype"] for r in results if r["kv_dtype"] != "float32") == \
+        ["bfloat16"] * modes + ["float16"] * modes
     for result in results:
         assert result["decode_step"] == "native", result
-        assert result["error"] < TOLERANCE and result["argmax_equal"], result
+        tolerance = TOLERANCE if result["kv_dtype"] == "float32" else HALF_TOLERANCE
+        assert result["error"] < tolerance and result["argmax_equal"], result
 
 
 def test_mlx_step_kept_on_request_equals_mlx_lm_forward(tiny_models, tmp_path):

@@ -20,7 +20,8 @@ the weights and the cache as in MLX's step; RMSNorm, the softmax, SwiGLU and the
 the same float32 arithmetic in another order, RoPE the same matrices (one_token.py).
 Results equal mlx-lm's forward to float32 rounding (tests/test_native_decode.py).
 
-Where it runs: the CPU path, a float32 KV cache and weights (a quantized model's are
+Where it runs: the CPU path, a float32, float16 or bfloat16 KV cache (a half-precision
+one read in float32, kernels/kv_half.h), float32 weights (a quantized model's are
 dequantized there, its shadows kept), every layer a Llama/Qwen block with plain
 RMSNorms, a RoPE with a matrix form, a SwiGLU MLP and at most 64 query heads per KV
 head, the weights not layer-sharded, a C compiler, and every rank able to; not with
@@ -40,7 +41,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import decode_step
-from ..kernels.decode_step import MAX_PIECES, Layer, Matrix
+from ..kernels.decode_step import KV_KINDS, MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
 from ..runtime.trace import span
 from .model import CPModel
@@ -61,6 +62,19 @@ def _view(a: mx.array) -> np.ndarray:
     view = np.asarray(a)
     if view.dtype != np.float32 or view.strides[-1] != 4:
         raise TypeError("not float32 with contiguous rows")
+    return view
+
+
+def _cache_view(a: mx.array) -> np.ndarray:
+    """A zero-copy numpy view of an evaluated cache buffer: float32 as is, a float16 or
+    bfloat16 one as its uint16 bits (numpy has no bfloat16; MLX's view shares the
+    buffer, so the C step's stores land in the cache itself)."""
+    if a.dtype == mx.float32:
+        return _view(a)
+    mx.eval(a)
+    view = np.asarray(a.view(mx.uint16))
+    if not view.flags["C_CONTIGUOUS"]:
+        raise TypeError("a cache buffer that is not contiguous")
     return view
 
 
@@ -208,7 +222,8 @@ class NativeDecoder:
                      held.vector(input_norm), held.vector(post_norm), input_eps, post_eps,
                      _address(q_norm), _address(k_norm), qk_eps, len(qkv), pieces,
                      held.matrix(o), held.matrix(gate), held.matrix(up),
-                     held.matrix(down), None, None, 0, float(attn.scale))
+                     held.matrix(down), None, None, 0, float(attn.scale),
+                     KV_KINDS["float32"])
 
     def _buffers(self):
         """Every vector a step writes, allocated once, their addresses taken once, and
@@ -275,8 +290,9 @@ class NativeDecoder:
         self.requests = []
 
     def _scores(self, length: int) -> int:
-        """The scores' scratch for ``length`` keys (and RoPE's), grown by doubling."""
-        need = max((self.heads // self.kv_heads) * length, self.heads * self.head_dim)
+        """The scores' scratch for ``length`` keys (every head's: the heads may run at
+        once) and RoPE's, grown by doubling."""
+        need = self.heads * max(length, self.head_dim)
         if self.scores.size < need:
             self.scores = np.zeros(max(need, 2 * self.scores.size), np.float32)
         return self.scores.ctypes.data
@@ -287,9 +303,10 @@ class NativeDecoder:
         if self._cache_versions[index] == layer_kv.buffers_version:
             return
         layer = self.layers[index]
-        keys, values = _view(layer_kv.keys), _view(layer_kv.values)
+        keys, values = _cache_view(layer_kv.keys), _cache_view(layer_kv.values)
         layer.keys, layer.values = keys.ctypes.data, values.ctypes.data
         layer.capacity = keys.shape[1]
+        layer.kv_kind = KV_KINDS[str(layer_kv.keys.dtype).removeprefix("mlx.core.")]
         self._cache_versions[index] = layer_kv.buffers_version
 
     def _rotations(self, position: int) -> list:

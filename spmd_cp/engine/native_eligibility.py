@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import decode_step
-from ..kernels.decode_step import MAX_GROUP
+from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import on_gpu_path
 from ..runtime.switches import switched_off
 from .model import SWIGLU_MLPS, CPModel
@@ -50,8 +50,9 @@ def native_obstacle(model: CPModel) -> str | None:
         return f"{ENV}={os.environ[ENV]}"
     if on_gpu_path():
         return "the GPU path"
-    if model.kv_dtype != mx.float32:
-        return "the KV cache is not float32"
+    kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")
+    if kv_dtype not in KV_KINDS:
+        return f"the KV cache is {kv_dtype}"
     if getattr(model.layers, "sharded", False):
         return "layer-sharded weights"
     embedding = model.embed_tokens
@@ -59,6 +60,9 @@ def native_obstacle(model: CPModel) -> str | None:
         return f"the embedding is {_described(embedding)}"
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
+    head_dim = model.layers[0].self_attn.k_proj.weight.shape[0] // model.num_kv_heads
+    if head_dim > MAX_HEAD_DIM:
+        return f"heads of {head_dim} dimensions (at most {MAX_HEAD_DIM})"
     for index, layer in enumerate(model.layers):
         if not isinstance(layer.mlp, SWIGLU_MLPS):
             return f"layer {index}: its MLP is not a SwiGLU gate/up/down"

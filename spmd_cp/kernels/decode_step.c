@@ -26,6 +26,7 @@
 
 #include "cpu_features.h"
 #include "exp_polynomial.h"
+#include "kv_half.h"
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
@@ -63,9 +64,10 @@ typedef struct {
   matrix qkv[MAX_PIECES];
   matrix o;              /* rows of W_o: this rank's outputs */
   matrix gate, up, down; /* rows of gate and up, the matching columns of down */
-  float *keys, *values;  /* this rank's cache: kv_heads x capacity x head_dim */
+  void *keys, *values;   /* this rank's cache: kv_heads x capacity x head_dim */
   int capacity;
   float scale;
+  int kv_kind; /* the cache's elements: KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16 */
 } layer;
 
 /* The structs' layout, for kernels/decode_step.py to check its ctypes copies against:
@@ -86,7 +88,7 @@ static const struct {
     LAYOUT_FIELD(layer, qkv_pieces), LAYOUT_FIELD(layer, qkv),   LAYOUT_FIELD(layer, o),
     LAYOUT_FIELD(layer, gate),   LAYOUT_FIELD(layer, up),        LAYOUT_FIELD(layer, down),
     LAYOUT_FIELD(layer, keys),   LAYOUT_FIELD(layer, values),    LAYOUT_FIELD(layer, capacity),
-    LAYOUT_FIELD(layer, scale),
+    LAYOUT_FIELD(layer, scale),  LAYOUT_FIELD(layer, kv_kind),
 };
 
 long spmd_cp_decode_layout(const char *type, const char *field) {
@@ -243,11 +245,94 @@ static void norm_heads(float *x, int count, int d, const float *weight, float ep
   for (int h = 0; h < count; h++) rms_norm(x + (size_t)h * d, weight, eps, d, x + (size_t)h * d);
 }
 
+/* KV head g's key and value of one token (d floats each) into cache row `row`. */
+static void store_kv(const layer *l, int g, int row, const float *k, const float *v) {
+  int d = l->head_dim;
+  size_t at = ((size_t)g * l->capacity + row) * d;
+  if (l->kv_kind == KV_FLOAT32) {
+    memcpy((float *)l->keys + at, k, d * sizeof(float));
+    memcpy((float *)l->values + at, v, d * sizeof(float));
+  } else {
+    half_row(k, d, l->kv_kind, (uint16_t *)l->keys + at);
+    half_row(v, d, l->kv_kind, (uint16_t *)l->values + at);
+  }
+}
+
+/* A half-precision cache's scores: a KV head's query rows q (group x d) times its
+ * first `length` keys, a tile of keys widened into float32 at a time and multiplied as
+ * a float32 cache's keys are (rows `length` apart in scores). */
+static void half_scores(const layer *l, const uint16_t *keys, const float *q, int length,
+                        float *scores) {
+  int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+  float widened[KV_TILE_FLOATS];
+  for (int t = 0; t < length; t += tile) {
+    int rows = length - t < tile ? length - t : tile;
+    widen_row(keys + (size_t)t * d, rows * d, l->kv_kind, widened);
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, rows, d, 1.0f, q, d, widened, d, 0.0f,
+          scores + t, length);
+  }
+}
+
+/* o (group rows, `width` apart) = p (group x length) times the first `length` values,
+ * a tile widened at a time, its products added to the tiles' before. */
+static void half_values(const layer *l, const uint16_t *values, const float *p, int length,
+                        float *o, int width) {
+  int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+  float widened[KV_TILE_FLOATS];
+  for (int t = 0; t < length; t += tile) {
+    int rows = length - t < tile ? length - t : tile;
+    widen_row(values + (size_t)t * d, rows * d, l->kv_kind, widened);
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, rows, 1.0f, p + t, length, widened, d,
+          t == 0 ? 0.0f : 1.0f, o, width);
+  }
+}
+
+/* KV head g's query rows q (group x d) over the first `length` cache rows: into o
+ * (group rows, `width` apart) the partial or, `normalized`, the output. `scores`:
+ * group x length floats of its own. */
+static void attend_head(const layer *l, int g, const float *q, int length, int normalized,
+                        float *scores, float *o) {
+  int d = l->head_dim, group = l->heads / l->kv_heads;
+  int width = normalized ? d : d + PARTIAL_EXTRA;
+  if (length == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
+    for (int r = 0; r < group; r++) {
+      memset(o + (size_t)r * width, 0, (d + 1) * sizeof(float));
+      o[(size_t)r * width + d + 1] = -INFINITY;
+    }
+    return;
+  }
+  size_t head_start = (size_t)g * l->capacity * d;
+  if (l->kv_kind == KV_FLOAT32)
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, length, d, 1.0f, q, d,
+          (const float *)l->keys + head_start, d, 0.0f, scores, length);
+  else
+    half_scores(l, (const uint16_t *)l->keys + head_start, q, length, scores);
+  float top[MAX_GROUP], total[MAX_GROUP];
+  for (int r = 0; r < group; r++) {
+    float *row = scores + (size_t)r * length;
+    top[r] = row_max(row, length);
+    total[r] = softmax_row(row, length, top[r], l->scale, row);
+  }
+  if (l->kv_kind == KV_FLOAT32)
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, length, 1.0f, scores, length,
+          (const float *)l->values + head_start, d, 0.0f, o, width);
+  else
+    half_values(l, (const uint16_t *)l->values + head_start, scores, length, o, width);
+  for (int r = 0; r < group; r++) {
+    float *row = o + (size_t)r * width;
+    if (normalized) {
+      for (int i = 0; i < d; i++) row[i] /= total[r];
+    } else {
+      row[d] = total[r], row[d + 1] = top[r];
+    }
+  }
+}
+
 /* The layer's attention over this rank's cache for the token whose full q/k/v (after
  * the gather) is `qkv`: q/k norms and RoPE in place, k and v stored at cache row
  * `store_row` (-1: another rank caches this token), then over the first `length`
  * rows: the partial (kv_heads x group x (d + 2)), or with `normalized` the output
- * (heads x d) itself. `scores`: max(group x length, heads x d) floats at least. */
+ * (heads x d) itself. `scores`: max(heads x length, heads x d) floats at least. */
 void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, int store_row,
                            int length, int normalized, float *scores, float *out) {
   int d = l->head_dim, heads = l->heads, kv = l->kv_heads, group = heads / kv;
@@ -260,44 +345,12 @@ void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, in
     rotate(q, heads, d, rotation, scores);
     rotate(k, kv, d, rotation, scores);
   }
-  size_t head_stride = (size_t)l->capacity * d;
   if (store_row >= 0)
-    for (int g = 0; g < kv; g++) {
-      memcpy(l->keys + g * head_stride + (size_t)store_row * d, k + (size_t)g * d,
-             d * sizeof(float));
-      memcpy(l->values + g * head_stride + (size_t)store_row * d, v + (size_t)g * d,
-             d * sizeof(float));
-    }
+    for (int g = 0; g < kv; g++) store_kv(l, g, store_row, k + (size_t)g * d, v + (size_t)g * d);
   int width = normalized ? d : d + PARTIAL_EXTRA;
-  for (int g = 0; g < kv; g++) {
-    float *o = out + (size_t)g * group * width;
-    if (length == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
-      for (int r = 0; r < group; r++) {
-        memset(o + (size_t)r * width, 0, (d + 1) * sizeof(float));
-        o[(size_t)r * width + d + 1] = -INFINITY;
-      }
-      continue;
-    }
-    const float *keys = l->keys + g * head_stride, *values = l->values + g * head_stride;
-    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, length, d, 1.0f, q + (size_t)g * group * d, d,
-          keys, d, 0.0f, scores, length);
-    float top[MAX_GROUP], total[MAX_GROUP];
-    for (int r = 0; r < group; r++) {
-      float *row = scores + (size_t)r * length;
-      top[r] = row_max(row, length);
-      total[r] = softmax_row(row, length, top[r], l->scale, row);
-    }
-    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, length, 1.0f, scores, length, values, d,
-          0.0f, o, width);
-    for (int r = 0; r < group; r++) {
-      float *row = o + (size_t)r * width;
-      if (normalized) {
-        for (int i = 0; i < d; i++) row[i] /= total[r];
-      } else {
-        row[d] = total[r], row[d + 1] = top[r];
-      }
-    }
-  }
+  for (int g = 0; g < kv; g++)
+    attend_head(l, g, q + (size_t)g * group * d, length, normalized,
+                scores + (size_t)g * group * length, out + (size_t)g * group * width);
 }
 
 /* The exact merge of `ranks` partials (ranks x heads x (d + 2), stacked in rank order)

@@ -18,6 +18,9 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 NAME = "spmd-cp-decode-step"  # the built file: <cache>/kernels/<NAME>-<source hash>.so
 MAX_PIECES = 3  # decode_step.c's: q/k/v rows of at most three matrices a rank
 MAX_GROUP = 64  # query heads a KV head, at most (the C side's stack arrays)
+MAX_HEAD_DIM = 512  # kv_half.h's: a half-precision cache row widened on the stack
+# kv_half.h's element kinds of the cache, by MLX dtype name
+KV_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 class Matrix(ctypes.Structure):
@@ -40,7 +43,8 @@ class Layer(ctypes.Structure):
                 ("o", Matrix),
                 ("gate", Matrix), ("up", Matrix), ("down", Matrix),
                 ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
-                ("capacity", ctypes.c_int), ("scale", ctypes.c_float)]
+                ("capacity", ctypes.c_int), ("scale", ctypes.c_float),
+                ("kv_kind", ctypes.c_int)]
 
 
 STRUCTS = {"matrix": Matrix, "layer": Layer}

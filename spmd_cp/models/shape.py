@@ -18,8 +18,10 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab: int
-    elem_bytes: int = 4
+    elem_bytes: int = 4  # the activations' element size
+    kv_elem_bytes: int | None = None  # the KV cache's (None: elem_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.num_kv_heads * self.head_dim * self.elem_bytes
+        kv = self.kv_elem_bytes or self.elem_bytes
+        return 2 * self.layers * self.num_kv_heads * self.head_dim * kv
