@@ -63,12 +63,14 @@ result = {}
 
 # qkv: h plus what the previous layer added, normed, times the two pieces (with biases)
 h, added = f32(DIM), f32(DIM)
+h_start = h.copy()
 wanted_h = h.astype(np.float64) + added
 normed, qkv = np.zeros(DIM, np.float32), np.zeros((HEADS + 2 * KV) * D, np.float32)
 library.spmd_cp_decode_qkv(ref, h.ctypes.data, added.ctypes.data, normed.ctypes.data,
                            qkv.ctypes.data)
 x = rms(wanted_h, norm_in)
-result["qkv"] = error(qkv, np.concatenate([wq @ x + bq, wkv @ x + bkv]))
+wanted_qkv = np.concatenate([wq @ x + bq, wkv @ x + bkv])
+result["qkv"] = error(qkv, wanted_qkv)
 
 # attention over the cache with the new token stored at row CACHED
 q = rms(qkv[:HEADS * D].reshape(HEADS, D), q_norm) @ rotation
@@ -87,6 +89,32 @@ library.spmd_cp_decode_attend(ref, qkv.ctypes.data, rotation.ctypes.data, CACHED
 result["stored_key"] = error(keys[:, CACHED], k)
 result["stored_value"] = error(values[:, CACHED], v)
 result["attention"] = error(out.reshape(HEADS, D), wanted_attention)
+
+# the same on a pool of three threads: the products split by rows, attention by ranges
+# of the cache (more parts than a 2-row cache has rows: empty ranges merge too), merged
+THREADS = 3
+layer.q_norm = layer.k_norm = None  # q/k already normed and rotated in place above
+assert library.spmd_cp_decode_set_threads(THREADS) == THREADS
+scratch = np.zeros(library.spmd_cp_decode_scratch(HEADS, D, CAPACITY), np.float32)
+qkv_threads = np.zeros_like(qkv)
+library.spmd_cp_decode_qkv(ref, h_start.ctypes.data, added.ctypes.data, normed.ctypes.data,
+                           qkv_threads.ctypes.data)
+result["threads_qkv"] = error(qkv_threads, wanted_qkv)
+for length, name in ((CACHED + 1, "threads_attention"), (2, "threads_two_rows")):
+    out_threads = np.zeros(HEADS * D, np.float32)
+    library.spmd_cp_decode_attend(ref, qkv.ctypes.data, None, -1, length, 1,
+                                  scratch.ctypes.data, out_threads.ctypes.data)
+    p2 = np.exp(scores[:, :length] - scores[:, :length].max(axis=1, keepdims=True))
+    wanted = np.einsum("hk,hkd->hd", p2 / p2.sum(axis=1, keepdims=True),
+                       np.repeat(all_values[:, :length], HEADS // KV, axis=0))
+    result[name] = error(out_threads.reshape(HEADS, D), wanted)
+partial_threads = np.zeros(HEADS * (D + 2), np.float32)
+library.spmd_cp_decode_attend(ref, qkv.ctypes.data, None, -1, CACHED + 1, 0,
+                              scratch.ctypes.data, partial_threads.ctypes.data)
+merged_threads = np.zeros(HEADS * D, np.float32)
+library.spmd_cp_decode_merge(1, HEADS, D, ctypes.c_float(SCALE), partial_threads.ctypes.data,
+                             merged_threads.ctypes.data)
+result["threads_partial"] = error(merged_threads.reshape(HEADS, D), wanted_attention)
 
 # the same over three "ranks": the first 9 entries, the rest, and an empty shard; the
 # q/k/v already normed and rotated in place above, so no rotation and no norms now

@@ -45,6 +45,7 @@ from ..kernels.decode_step import KV_KINDS, MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
 from ..runtime.trace import span
 from .model import CPModel
+from .native_eligibility import decode_threads
 from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
 
@@ -164,6 +165,8 @@ class NativeDecoder:
         self.model, self.comm, self.split = model, comm, split
         self.persistent = persistent
         self.library, _ = decode_step.library()
+        # the library's one pool, started once (a later decoder asking as many reuses it)
+        self.threads = self.library.spmd_cp_decode_set_threads(decode_threads())
         attn = model.layers[0].self_attn
         self.heads, self.kv_heads = attn.n_heads, attn.n_kv_heads
         self.dim = model.embed_tokens["weight"].shape[1]
@@ -290,9 +293,9 @@ class NativeDecoder:
         self.requests = []
 
     def _scores(self, length: int) -> int:
-        """The scores' scratch for ``length`` keys (every head's: the heads may run at
-        once) and RoPE's, grown by doubling."""
-        need = self.heads * max(length, self.head_dim)
+        """Attention's scratch for ``length`` keys (spmd_cp_decode_scratch: every head's
+        scores, or RoPE's, and each thread's partials), grown by doubling."""
+        need = self.library.spmd_cp_decode_scratch(self.heads, self.head_dim, length)
         if self.scores.size < need:
             self.scores = np.zeros(max(need, 2 * self.scores.size), np.float32)
         return self.scores.ctypes.data

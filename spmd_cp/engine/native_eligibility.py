@@ -9,6 +9,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..blas.libraries import default_threads, usable_cpus
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import on_gpu_path
@@ -17,10 +18,25 @@ from .model import SWIGLU_MLPS, CPModel
 from .one_token import EXACT_AS_MATRIX
 
 ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
+# The BLAS's thread settings, the first one set: the native step's threads follow them
+THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                   "BLIS_NUM_THREADS")
 
 
 def wanted() -> bool:
     return not switched_off(ENV)
+
+
+def decode_threads() -> int:
+    """Threads of a rank's native decode step: as many as its BLAS may use (the first of
+    THREAD_SETTINGS set to a positive number: the re-exec sets one to the rank's share
+    of the host's cores unless the user did, blas/reexec.py), else that share itself;
+    never more than the CPUs the process may run on."""
+    for name in THREAD_SETTINGS:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), usable_cpus())
+    return default_threads()
 
 
 def availability() -> str:
@@ -33,7 +49,8 @@ def availability() -> str:
     library, why = decode_step.library()
     if library is None:
         return f"not available ({why})"
-    return "on (decode steps as C calls between MPI collectives)"
+    return (f"on (decode steps as C calls between MPI collectives, {decode_threads()} "
+            f"thread(s) a rank; a float32, float16 or bfloat16 KV cache)")
 
 
 def _described(module) -> str:

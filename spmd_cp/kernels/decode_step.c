@@ -27,6 +27,7 @@
 #include "cpu_features.h"
 #include "exp_polynomial.h"
 #include "kv_half.h"
+#include "thread_pool.h"
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
@@ -98,13 +99,43 @@ long spmd_cp_decode_layout(const char *type, const char *field) {
   return -1;
 }
 
-/* c (n) = W x (+ bias): x (1 x k) times W' through cblas_sgemm, as MLX multiplies a
- * row by a weight's transposed view. */
-static void product(const matrix *w, const float *x, float *c) {
-  sgemm(ROW_MAJOR, NO_TRANS, TRANS, 1, w->rows, w->cols, 1.0f, x, w->cols, w->weights,
-        w->ld, 0.0f, c, w->rows);
+/* Rows [first, first + count) of c = W x (+ bias): x (1 x k) times those rows of W'
+ * through cblas_sgemm, as MLX multiplies a row by a weight's transposed view (each
+ * row's sum the same however the rows are split). */
+static void product_rows(const matrix *w, const float *x, float *c, int first, int count) {
+  if (count <= 0) return;
+  sgemm(ROW_MAJOR, NO_TRANS, TRANS, 1, count, w->cols, 1.0f, x, w->cols,
+        w->weights + (size_t)first * w->ld, w->ld, 0.0f, c + first, count);
   if (w->bias != NULL)
-    for (int i = 0; i < w->rows; i++) c[i] += w->bias[i];
+    for (int i = first; i < first + count; i++) c[i] += w->bias[i];
+}
+
+/* Products of up to MAX_PRODUCTS matrices with one vector each, their rows split among
+ * the pool's threads in runs of ROW_RUN (whole cache lines of output). */
+enum { MAX_PRODUCTS = MAX_PIECES, ROW_RUN = 16 };
+typedef struct {
+  int count;
+  const matrix *w[MAX_PRODUCTS];
+  const float *x[MAX_PRODUCTS];
+  float *c[MAX_PRODUCTS];
+} products;
+
+static void products_part(void *args, int part, int parts) {
+  const products *job = args;
+  for (int i = 0; i < job->count; i++) {
+    int runs = (job->w[i]->rows + ROW_RUN - 1) / ROW_RUN;
+    int first = runs * part / parts * ROW_RUN, end = runs * (part + 1) / parts * ROW_RUN;
+    end = end < job->w[i]->rows ? end : job->w[i]->rows;
+    product_rows(job->w[i], job->x[i], job->c[i], first, end - first);
+  }
+}
+
+static void run_products(products *job) { run_parallel(products_part, job); }
+
+/* c (n) = W x (+ bias), on the pool. */
+static void product(const matrix *w, const float *x, float *c) {
+  products job = {1, {w}, {x}, {c}};
+  run_products(&job);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, MLX's RMSNorm (sum in double: the mean of
@@ -227,10 +258,12 @@ void spmd_cp_decode_qkv(const layer *l, float *h, const float *added, float *nor
                         float *qkv) {
   if (added != NULL) add_into(h, added, l->dim);
   rms_norm(h, l->input_norm, l->input_eps, l->dim, normed);
+  products job = {l->qkv_pieces, {0}, {0}, {0}};
   for (int p = 0; p < l->qkv_pieces; p++) {
-    product(&l->qkv[p], normed, qkv);
+    job.w[p] = &l->qkv[p], job.x[p] = normed, job.c[p] = qkv;
     qkv += l->qkv[p].rows;
   }
+  run_products(&job);
 }
 
 /* RoPE of `count` heads in place: x (count x d) times the (d x d) rotation, as MLX's
@@ -258,66 +291,67 @@ static void store_kv(const layer *l, int g, int row, const float *k, const float
   }
 }
 
-/* A half-precision cache's scores: a KV head's query rows q (group x d) times its
- * first `length` keys, a tile of keys widened into float32 at a time and multiplied as
- * a float32 cache's keys are (rows `length` apart in scores). */
-static void half_scores(const layer *l, const uint16_t *keys, const float *q, int length,
-                        float *scores) {
+/* A half-precision cache's scores: query rows q (group x d) times `count` keys, a tile
+ * of keys widened into float32 at a time and multiplied as a float32 cache's keys are
+ * (into scores' rows, `stride` apart). */
+static void half_scores(const layer *l, const uint16_t *keys, const float *q, int count,
+                        float *scores, int stride) {
   int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
   float widened[KV_TILE_FLOATS];
-  for (int t = 0; t < length; t += tile) {
-    int rows = length - t < tile ? length - t : tile;
+  for (int t = 0; t < count; t += tile) {
+    int rows = count - t < tile ? count - t : tile;
     widen_row(keys + (size_t)t * d, rows * d, l->kv_kind, widened);
     sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, rows, d, 1.0f, q, d, widened, d, 0.0f,
-          scores + t, length);
+          scores + t, stride);
   }
 }
 
-/* o (group rows, `width` apart) = p (group x length) times the first `length` values,
- * a tile widened at a time, its products added to the tiles' before. */
-static void half_values(const layer *l, const uint16_t *values, const float *p, int length,
-                        float *o, int width) {
+/* o (group rows, `width` apart) = p (group x count, rows `stride` apart) times `count`
+ * values, a tile widened at a time, its products added to the tiles' before. */
+static void half_values(const layer *l, const uint16_t *values, const float *p, int count,
+                        int stride, float *o, int width) {
   int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
   float widened[KV_TILE_FLOATS];
-  for (int t = 0; t < length; t += tile) {
-    int rows = length - t < tile ? length - t : tile;
+  for (int t = 0; t < count; t += tile) {
+    int rows = count - t < tile ? count - t : tile;
     widen_row(values + (size_t)t * d, rows * d, l->kv_kind, widened);
-    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, rows, 1.0f, p + t, length, widened, d,
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, rows, 1.0f, p + t, stride, widened, d,
           t == 0 ? 0.0f : 1.0f, o, width);
   }
 }
 
-/* KV head g's query rows q (group x d) over the first `length` cache rows: into o
- * (group rows, `width` apart) the partial or, `normalized`, the output. `scores`:
- * group x length floats of its own. */
-static void attend_head(const layer *l, int g, const float *q, int length, int normalized,
-                        float *scores, float *o) {
+/* KV head g's query rows q (group x d) over cache rows [start, start + count): into o
+ * (group rows, `width` apart) the partial or, `normalized`, the output. `scores`: the
+ * head's group rows, `stride` floats apart, of which columns [start, start + count). */
+static void attend_range(const layer *l, int g, const float *q, int start, int count,
+                         int normalized, float *scores, int stride, float *o) {
   int d = l->head_dim, group = l->heads / l->kv_heads;
   int width = normalized ? d : d + PARTIAL_EXTRA;
-  if (length == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
+  if (count == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
     for (int r = 0; r < group; r++) {
       memset(o + (size_t)r * width, 0, (d + 1) * sizeof(float));
       o[(size_t)r * width + d + 1] = -INFINITY;
     }
     return;
   }
-  size_t head_start = (size_t)g * l->capacity * d;
+  size_t first = ((size_t)g * l->capacity + start) * d;
+  scores += start;
   if (l->kv_kind == KV_FLOAT32)
-    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, length, d, 1.0f, q, d,
-          (const float *)l->keys + head_start, d, 0.0f, scores, length);
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, count, d, 1.0f, q, d,
+          (const float *)l->keys + first, d, 0.0f, scores, stride);
   else
-    half_scores(l, (const uint16_t *)l->keys + head_start, q, length, scores);
+    half_scores(l, (const uint16_t *)l->keys + first, q, count, scores, stride);
   float top[MAX_GROUP], total[MAX_GROUP];
   for (int r = 0; r < group; r++) {
-    float *row = scores + (size_t)r * length;
-    top[r] = row_max(row, length);
-    total[r] = softmax_row(row, length, top[r], l->scale, row);
+    float *row = scores + (size_t)r * stride;
+    top[r] = row_max(row, count);
+    total[r] = softmax_row(row, count, top[r], l->scale, row);
   }
   if (l->kv_kind == KV_FLOAT32)
-    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, length, 1.0f, scores, length,
-          (const float *)l->values + head_start, d, 0.0f, o, width);
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, count, 1.0f, scores, stride,
+          (const float *)l->values + first, d, 0.0f, o, width);
   else
-    half_values(l, (const uint16_t *)l->values + head_start, scores, length, o, width);
+    half_values(l, (const uint16_t *)l->values + first, scores, count, stride, o, width);
   for (int r = 0; r < group; r++) {
     float *row = o + (size_t)r * width;
     if (normalized) {
@@ -328,11 +362,63 @@ static void attend_head(const layer *l, int g, const float *q, int length, int n
   }
 }
 
+/* The exact merge of `parts` partials (parts x heads x (d + 2), stacked) into out:
+ * each part's sums weighted by exp((max - top) * scale); `normalized`, the values' sum
+ * over the probabilities' (heads x d), else the merged partial (heads x (d + 2)). */
+static void merge_partials(int parts, int heads, int d, float scale, const float *partials,
+                           int normalized, float *out) {
+  size_t width = d + PARTIAL_EXTRA, part_stride = (size_t)heads * width;
+  for (int h = 0; h < heads; h++) {
+    float top = -INFINITY;
+    for (int r = 0; r < parts; r++) {
+      float m = partials[r * part_stride + h * width + d + 1];
+      top = m > top ? m : top;
+    }
+    float *o = out + (size_t)h * (normalized ? (size_t)d : width), total = 0.0f;
+    memset(o, 0, d * sizeof(float));
+    for (int r = 0; r < parts; r++) {
+      const float *part = partials + r * part_stride + h * width;
+      if (part[d + 1] == -INFINITY) continue; /* an empty shard */
+      float weight = exp_nonpositive((part[d + 1] - top) * scale);
+      for (int i = 0; i < d; i++) o[i] += weight * part[i];
+      total += weight * part[d];
+    }
+    if (normalized) {
+      for (int i = 0; i < d; i++) o[i] /= total;
+    } else {
+      o[d] = total, o[d + 1] = top;
+    }
+  }
+}
+
+/* Attention split among the pool's threads by ranges of the cache (each range a
+ * partial of every head, merged after as the ranks' are): a cache's three KV heads
+ * would not split evenly over two threads, its rows do. */
+typedef struct {
+  const layer *l;
+  const float *q;
+  int length;
+  float *scores, *partials; /* heads x length; parts x heads x (d + 2) */
+} attention_job;
+
+static void attention_part(void *args, int part, int parts) {
+  const attention_job *job = args;
+  const layer *l = job->l;
+  int d = l->head_dim, group = l->heads / l->kv_heads;
+  int start = (int)((long long)job->length * part / parts);
+  int end = (int)((long long)job->length * (part + 1) / parts);
+  float *partial = job->partials + (size_t)part * l->heads * (d + PARTIAL_EXTRA);
+  for (int g = 0; g < l->kv_heads; g++)
+    attend_range(l, g, job->q + (size_t)g * group * d, start, end - start, 0,
+                 job->scores + (size_t)g * group * job->length, job->length,
+                 partial + (size_t)g * group * (d + PARTIAL_EXTRA));
+}
+
 /* The layer's attention over this rank's cache for the token whose full q/k/v (after
  * the gather) is `qkv`: q/k norms and RoPE in place, k and v stored at cache row
  * `store_row` (-1: another rank caches this token), then over the first `length`
  * rows: the partial (kv_heads x group x (d + 2)), or with `normalized` the output
- * (heads x d) itself. `scores`: max(heads x length, heads x d) floats at least. */
+ * (heads x d) itself. `scores`: spmd_cp_decode_scratch(...) floats. */
 void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, int store_row,
                            int length, int normalized, float *scores, float *out) {
   int d = l->head_dim, heads = l->heads, kv = l->kv_heads, group = heads / kv;
@@ -347,35 +433,30 @@ void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, in
   }
   if (store_row >= 0)
     for (int g = 0; g < kv; g++) store_kv(l, g, store_row, k + (size_t)g * d, v + (size_t)g * d);
-  int width = normalized ? d : d + PARTIAL_EXTRA;
-  for (int g = 0; g < kv; g++)
-    attend_head(l, g, q + (size_t)g * group * d, length, normalized,
-                scores + (size_t)g * group * length, out + (size_t)g * group * width);
+  if (pool.threads == 1) { /* one range: the output or partial directly */
+    int width = normalized ? d : d + PARTIAL_EXTRA;
+    for (int g = 0; g < kv; g++)
+      attend_range(l, g, q + (size_t)g * group * d, 0, length, normalized,
+                   scores + (size_t)g * group * length, length, out + (size_t)g * group * width);
+    return;
+  }
+  attention_job job = {l, q, length, scores, scores + (size_t)heads * length};
+  run_parallel(attention_part, &job);
+  merge_partials(pool.threads, heads, d, l->scale, job.partials, normalized, out);
+}
+
+/* Floats of the scratch spmd_cp_decode_attend takes over `length` cache rows: every
+ * head's scores, or RoPE's, and a partial of every head per thread. */
+long spmd_cp_decode_scratch(int heads, int head_dim, int length) {
+  long scores = (long)heads * (length > head_dim ? length : head_dim);
+  return scores + (long)pool.threads * heads * (head_dim + PARTIAL_EXTRA);
 }
 
 /* The exact merge of `ranks` partials (ranks x heads x (d + 2), stacked in rank order)
- * into the attention output (heads x d): each rank's sums weighted by
- * exp((max - top) * scale), the values' sum over the probabilities'. */
+ * into the attention output (heads x d). */
 void spmd_cp_decode_merge(int ranks, int heads, int d, float scale, const float *partials,
                           float *out) {
-  size_t width = d + PARTIAL_EXTRA, rank_stride = (size_t)heads * width;
-  for (int h = 0; h < heads; h++) {
-    float top = -INFINITY;
-    for (int r = 0; r < ranks; r++) {
-      float m = partials[r * rank_stride + h * width + d + 1];
-      top = m > top ? m : top;
-    }
-    float *o = out + (size_t)h * d, total = 0.0f;
-    memset(o, 0, d * sizeof(float));
-    for (int r = 0; r < ranks; r++) {
-      const float *part = partials + r * rank_stride + h * width;
-      if (part[d + 1] == -INFINITY) continue; /* an empty shard */
-      float weight = exp_nonpositive((part[d + 1] - top) * scale);
-      for (int i = 0; i < d; i++) o[i] += weight * part[i];
-      total += weight * part[d];
-    }
-    for (int i = 0; i < d; i++) o[i] /= total;
-  }
+  merge_partials(ranks, heads, d, scale, partials, 1, out);
 }
 
 /* This rank's outputs of the output projection: its rows of W_o times the attention
@@ -391,8 +472,8 @@ void spmd_cp_decode_mlp(const layer *l, float *h, const float *added, float *scr
   add_into(h, added, l->dim);
   float *normed = scratch, *gate = scratch + l->dim, *up = gate + l->gate.rows;
   rms_norm(h, l->post_norm, l->post_eps, l->dim, normed);
-  product(&l->gate, normed, gate);
-  product(&l->up, normed, up);
+  products gate_up = {2, {&l->gate, &l->up}, {normed, normed}, {gate, up}};
+  run_products(&gate_up);
   swiglu(gate, up, l->gate.rows, gate);
   product(&l->down, gate, part);
 }

@@ -1,8 +1,8 @@
 """The native decode step's C library (decode_step.c): built on first use, its structs.
 
 engine/native_decode.py fills one ``Layer`` per layer of a model and calls the library's
-four functions a layer between its collectives; this module only builds and loads the
-library (runtime/native.py, like the sgemv forward), declares the functions' argument
+four functions a layer between its collectives (on a pool of threads the library starts
+once, ``spmd_cp_decode_set_threads``); this module only builds and loads the library (runtime/native.py, like the sgemv forward), declares the functions' argument
 types, and mirrors decode_step.c's ``matrix`` and ``layer`` structs. The library resolves
 ``cblas_sgemm`` in the process's global scope (the forward or the BLAS that the re-exec
 preloads, blas/reexec.py); where there is none it is not used. Standard library only.
@@ -84,6 +84,10 @@ def library():
     if not loaded.spmd_cp_decode_ready():
         return None, "no cblas_sgemm in the process's global scope"
     pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    loaded.spmd_cp_decode_set_threads.argtypes = [integer]
+    loaded.spmd_cp_decode_set_threads.restype = integer
+    loaded.spmd_cp_decode_scratch.argtypes = [integer] * 3
+    loaded.spmd_cp_decode_scratch.restype = ctypes.c_long
     signatures = {
         "spmd_cp_decode_qkv": [pointer] * 5,
         "spmd_cp_decode_attend": [pointer, pointer, pointer, integer, integer, integer,

@@ -75,7 +75,7 @@ def build(source: Path, target: Path) -> Path:
     command = [cc, "-O2", "-shared", "-fPIC", "-I", str(source.parent), "-o", scratch,
                str(source)]
     if sys.platform.startswith("linux"):
-        command.append("-ldl")  # dlopen/dlsym (in libc itself from glibc 2.34)
+        command += ["-ldl", "-lpthread"]  # dlsym, threads (in libc itself from glibc 2.34)
     try:
         built = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if built.returncode != 0:
