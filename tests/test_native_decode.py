@@ -161,3 +161,41 @@ def test_what_keeps_mlx_step_is_named(tiny_models, monkeypatch):
     assert plain is None or "cblas_sgemm" in plain or "failed" in plain, plain
     monkeypatch.setenv("SPMD_CP_NATIVE_DECODE", "0")
     assert obstacle() == "SPMD_CP_NATIVE_DECODE=0"
+
+
+def test_half_precision_cache_saves_its_dtype_and_loads_converted():
+    """A float16 cache's state keeps float16 (what --save-cache writes); restored into a
+    float32 cache it is widened exactly, and into a bfloat16 one rounded as MLX rounds."""
+    import mlx.core as mx
+    import numpy as np
+
+    from spmd_cp.engine.cache import ShardedKVCache
+
+    rng = np.random.default_rng(3)
+    cache = ShardedKVCache(2, 0, 1, mx.float16)
+    cache.add_positions([np.arange(5)], np.arange(5))
+    for layer in cache.layers:
+        layer.update_and_fetch(*(mx.array(rng.standard_normal((2, 5, 8)), mx.float32)
+                                 for _ in range(2)))
+    arrays, shared = cache.state()
+    assert arrays["layer.1.keys"].dtype == mx.float16
+    for dtype in (mx.float32, mx.bfloat16):
+        restored = ShardedKVCache.from_state(2, 0, [cache.positions], arrays, shared, dtype)
+        keys, _ = restored.layers[1].fetch()
+        assert keys.dtype == dtype
+        wanted = arrays["layer.1.keys"].astype(dtype)
+        assert np.array_equal(np.array(keys.astype(mx.float32)),
+                              np.array(wanted.astype(mx.float32)))
+
+
+def test_forecast_counts_the_cache_at_its_element_size():
+    """--kv-dtype float16 halves the forecast's KV bytes; activations stay float32's."""
+    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.models.shape import ModelShape
+
+    shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152)
+    full = forecast_rank_bytes(shape, 0, 8192, 8192, 2)
+    half = forecast_rank_bytes(ModelShape(30, 576, 1536, 9, 3, 64, 49152, kv_elem_bytes=2),
+                               0, 8192, 8192, 2)
+    assert half.kv * 2 == full.kv == (8192 // 2 + 1) * 2 * 30 * 3 * 64 * 4
+    assert half.activations == full.activations
