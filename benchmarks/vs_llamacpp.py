@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -52,20 +53,25 @@ def gguf_path() -> str:
 
 
 def make_prompt(tokens: int, directory: Path) -> tuple[Path, int]:
-    """A prompt file of the source text's first whole lines, at most ``tokens`` tokens
-    by spmd-cp's tokenizer of the GGUF; (its path, its token count)."""
+    """A prompt file of the source text's first whole words, at most ``tokens`` tokens
+    by spmd-cp's tokenizer of the GGUF (the longest such prefix, by bisection); (its
+    path, its token count)."""
     from spmd_cp.models.loader import load_model
 
     tokenizer = load_model(gguf_path()).tokenizer
-    text, count = "", 0
-    for line in SOURCE_TEXT.read_text().splitlines(keepends=True):
-        longer = len(tokenizer.encode(text + line))
-        if longer > tokens:
-            break
-        text, count = text + line, longer
+    source = SOURCE_TEXT.read_text()
+    ends = [m.start() for m in re.finditer(r"\s+", source)] + [len(source)]
+    low, high = 0, len(ends)  # ends[:low] fit; ends[high:] do not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if len(tokenizer.encode(source[:ends[middle]])) <= tokens:
+            low = middle
+        else:
+            high = middle
+    text = source[:ends[low]]
     path = directory / f"prompt_{tokens}.txt"
     path.write_text(text)
-    return path, count
+    return path, len(tokenizer.encode(text))
 
 
 def llama_worker(prompt: str, threads: int, tokens: int) -> dict:
