@@ -124,9 +124,10 @@ def summary(runs: list[dict]) -> list[list]:
         medians[name]["runs"] = len(mine)
     rows = []
     for name, system, ranks, threads in VARIANTS:
-        m = medians[name]
-        base = medians[BASELINE[ranks * threads]]
-        ratios = ["-", "-"] if system == "llama.cpp" else [
+        m, base = medians[name], medians[BASELINE[ranks * threads]]
+        if not m["runs"]:
+            continue
+        ratios = ["-", "-"] if system == "llama.cpp" or not base["runs"] else [
             f"{m[k] / base[k]:.2f}x" for k in ("prefill_tok_s", "decode_tok_s")]
         rows.append([name, ranks * threads, m["runs"], int(m["prompt_tokens"]),
                      bl.fmt(m["prefill_tok_s"], 1), bl.fmt(m["decode_tok_s"], 2), *ratios])
@@ -139,6 +140,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kv-dtype", default=None, help="spmd-cp's --kv-dtype (default: its own)")
+    parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
+                        help="which of the variants to run, by their 0-based place in the "
+                             "table (e.g. 0 2 4: the one-thread ones)")
     parser.add_argument("--llama-worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -151,8 +155,8 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         for context in args.contexts:
             prompt, count = make_prompt(context, Path(scratch))
-            runs = [run_variant(v, prompt, args.tokens, args.kv_dtype)
-                    for _ in range(args.rounds) for v in VARIANTS]
+            runs = [run_variant(VARIANTS[i], prompt, args.tokens, args.kv_dtype)
+                    for _ in range(args.rounds) for i in args.variants]
             rows = summary(runs)
             payload["contexts"][str(context)] = {"prompt_tokens": count, "runs": runs,
                                                  "summary": rows}
