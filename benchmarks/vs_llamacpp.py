@@ -155,15 +155,19 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         for context in args.contexts:
             prompt, count = make_prompt(context, Path(scratch))
-            runs = [run_variant(VARIANTS[i], prompt, args.tokens, args.kv_dtype)
-                    for _ in range(args.rounds) for i in args.variants]
-            rows = summary(runs)
-            payload["contexts"][str(context)] = {"prompt_tokens": count, "runs": runs,
-                                                 "summary": rows}
-            report.append(f"### {count}-token prompt, {args.tokens} greedy tokens\n\n" + bl.table(
-                ["system", "cores", "runs", "prompt tokens", "prefill tok/s", "decode tok/s",
-                 "prefill vs llama.cpp", "decode vs llama.cpp"], rows))
-            bl.save("vs_llamacpp", payload, "\n\n".join(report))  # after every context
+            runs = []
+            for _ in range(args.rounds):
+                for i in args.variants:
+                    runs.append(run_variant(VARIANTS[i], prompt, args.tokens, args.kv_dtype))
+                    rows = summary(runs)
+                    payload["contexts"][str(context)] = {"prompt_tokens": count, "runs": runs,
+                                                         "summary": rows}
+                    table = f"### {count}-token prompt, {args.tokens} greedy tokens\n\n" + \
+                        bl.table(["system", "cores", "runs", "prompt tokens", "prefill tok/s",
+                                  "decode tok/s", "prefill vs llama.cpp",
+                                  "decode vs llama.cpp"], rows)
+                    bl.save("vs_llamacpp", payload, "\n\n".join(report + [table]))  # each run
+            report.append(table)
     print("\n\n".join(report))
 
 
