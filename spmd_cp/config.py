@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 DECODE_TP_MODES = ("auto", "on", "off")
 DECODE_COMM_MODES = ("auto", "mlx", "mpi")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
+KV_DTYPES = ("float32", "float16", "bfloat16")
 
 # Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
 # declaration both the generate/batch flags and batch's job lines are checked against.
@@ -77,6 +78,9 @@ class RunConfig(_Settings):
     # Layer-sharded weights (docs/SHARDED_WEIGHTS.md); auto: when the replicated weights
     # alone exceed memory_limit.
     shard_weights: str = "auto"
+    # The KV cache's dtype on the CPU path (the GPU path keeps the model's): a half
+    # precision one holds half the bytes a decode step reads, and is read into float32.
+    kv_dtype: str = "float32"
     comm_timeout: float | None = None  # None: spmd.DEFAULT_COMM_TIMEOUT_S; 0 disables
     trace: str | None = None
     verbose: bool = False

@@ -16,7 +16,8 @@ blas.ensure_fast_blas()
 
 import numpy as np  # noqa: E402
 
-from spmd_cp.kernels.decode_step import MAX_PIECES, Layer, Matrix, library  # noqa: E402
+from spmd_cp.kernels.decode_step import (KV_KINDS, MAX_PIECES, Layer, Matrix,  # noqa: E402
+                                         library)
 
 rng = np.random.default_rng(1)
 DIM, HEADS, KV, D, HIDDEN, CAPACITY, CACHED = 48, 12, 1, 16, 40, 32, 20
@@ -56,18 +57,20 @@ pieces = (Matrix * MAX_PIECES)(matrix(wq, bq), matrix(wkv, bkv))
 layer = Layer(DIM, HEADS, KV, D, norm_in.ctypes.data, norm_post.ctypes.data, EPS, EPS,
               q_norm.ctypes.data, k_norm.ctypes.data, EPS, 2, pieces, matrix(wo),
               matrix(wg), matrix(wu), matrix(wd), keys.ctypes.data, values.ctypes.data,
-              CAPACITY, SCALE)
+              CAPACITY, SCALE, KV_KINDS["float32"])
 ref = ctypes.byref(layer)
 result = {}
 
 # qkv: h plus what the previous layer added, normed, times the two pieces (with biases)
 h, added = f32(DIM), f32(DIM)
+h_start = h.copy()
 wanted_h = h.astype(np.float64) + added
 normed, qkv = np.zeros(DIM, np.float32), np.zeros((HEADS + 2 * KV) * D, np.float32)
 library.spmd_cp_decode_qkv(ref, h.ctypes.data, added.ctypes.data, normed.ctypes.data,
                            qkv.ctypes.data)
 x = rms(wanted_h, norm_in)
-result["qkv"] = error(qkv, np.concatenate([wq @ x + bq, wkv @ x + bkv]))
+wanted_qkv = np.concatenate([wq @ x + bq, wkv @ x + bkv])
+result["qkv"] = error(qkv, wanted_qkv)
 
 # attention over the cache with the new token stored at row CACHED
 q = rms(qkv[:HEADS * D].reshape(HEADS, D), q_norm) @ rotation
@@ -86,6 +89,32 @@ library.spmd_cp_decode_attend(ref, qkv.ctypes.data, rotation.ctypes.data, CACHED
 result["stored_key"] = error(keys[:, CACHED], k)
 result["stored_value"] = error(values[:, CACHED], v)
 result["attention"] = error(out.reshape(HEADS, D), wanted_attention)
+
+# the same on a pool of three threads: the products split by rows, attention by ranges
+# of the cache (more parts than a 2-row cache has rows: empty ranges merge too), merged
+THREADS = 3
+layer.q_norm = layer.k_norm = None  # q/k already normed and rotated in place above
+assert library.spmd_cp_decode_set_threads(THREADS) == THREADS
+scratch = np.zeros(library.spmd_cp_decode_scratch(HEADS, D, CAPACITY), np.float32)
+qkv_threads = np.zeros_like(qkv)
+library.spmd_cp_decode_qkv(ref, h_start.ctypes.data, added.ctypes.data, normed.ctypes.data,
+                           qkv_threads.ctypes.data)
+result["threads_qkv"] = error(qkv_threads, wanted_qkv)
+for length, name in ((CACHED + 1, "threads_attention"), (2, "threads_two_rows")):
+    out_threads = np.zeros(HEADS * D, np.float32)
+    library.spmd_cp_decode_attend(ref, qkv.ctypes.data, None, -1, length, 1,
+                                  scratch.ctypes.data, out_threads.ctypes.data)
+    p2 = np.exp(scores[:, :length] - scores[:, :length].max(axis=1, keepdims=True))
+    wanted = np.einsum("hk,hkd->hd", p2 / p2.sum(axis=1, keepdims=True),
+                       np.repeat(all_values[:, :length], HEADS // KV, axis=0))
+    result[name] = error(out_threads.reshape(HEADS, D), wanted)
+partial_threads = np.zeros(HEADS * (D + 2), np.float32)
+library.spmd_cp_decode_attend(ref, qkv.ctypes.data, None, -1, CACHED + 1, 0,
+                              scratch.ctypes.data, partial_threads.ctypes.data)
+merged_threads = np.zeros(HEADS * D, np.float32)
+library.spmd_cp_decode_merge(1, HEADS, D, ctypes.c_float(SCALE), partial_threads.ctypes.data,
+                             merged_threads.ctypes.data)
+result["threads_partial"] = error(merged_threads.reshape(HEADS, D), wanted_attention)
 
 # the same over three "ranks": the first 9 entries, the rest, and an empty shard; the
 # q/k/v already normed and rotated in place above, so no rotation and no norms now
@@ -107,6 +136,50 @@ merged = np.zeros(HEADS * D, np.float32)
 library.spmd_cp_decode_merge(3, HEADS, D, ctypes.c_float(SCALE), partials.ctypes.data,
                              merged.ctypes.data)
 result["merged"] = error(merged.reshape(HEADS, D), wanted_attention)
+
+
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (MLX's conversion)."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def widened(bits: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+# a half-precision cache: the new token's k/v stored rounded to nearest even (the bits
+# numpy / MLX round to), attention over the widened cache in float32 against float64;
+# rows of 2 and 3 tokens exercise the vector kernels' tails (D = 16: two lanes of 8)
+for kind in ("float16", "bfloat16"):
+    half_keys = np.zeros((KV, CAPACITY, D), np.uint16)
+    half_values = np.zeros((KV, CAPACITY, D), np.uint16)
+    to_bits = (lambda x: np.asarray(x, np.float32).astype(np.float16).view(np.uint16)) \
+        if kind == "float16" else bfloat16_bits
+    half_keys[:, :CACHED], half_values[:, :CACHED] = (to_bits(keys[:, :CACHED]),
+                                                      to_bits(values[:, :CACHED]))
+    layer.keys, layer.values, layer.capacity = (half_keys.ctypes.data,
+                                                half_values.ctypes.data, CAPACITY)
+    layer.kv_kind = KV_KINDS[kind]
+    new_qkv = qkv.copy()  # already normed and rotated: no rotation, no norms
+    out_half = np.zeros(HEADS * D, np.float32)
+    library.spmd_cp_decode_attend(ref, new_qkv.ctypes.data, None, CACHED, CACHED + 1, 1,
+                                  scratch.ctypes.data, out_half.ctypes.data)
+    k_new, v_new = new_qkv[HEADS * D:(HEADS + KV) * D], new_qkv[(HEADS + KV) * D:]
+    result[f"{kind}_stored_bits"] = float(
+        np.count_nonzero(half_keys[:, CACHED].reshape(-1) != to_bits(k_new))
+        + np.count_nonzero(half_values[:, CACHED].reshape(-1) != to_bits(v_new)))
+    wide_k, wide_v = widened(half_keys[:, :CACHED + 1], kind), widened(half_values[:, :CACHED + 1], kind)
+    s_half = np.einsum("hd,hkd->hk", new_qkv[:HEADS * D].reshape(HEADS, D),
+                       np.repeat(wide_k, HEADS // KV, axis=0)) * SCALE
+    p_half = np.exp(s_half - s_half.max(axis=1, keepdims=True))
+    p_half /= p_half.sum(axis=1, keepdims=True)
+    wanted_half = np.einsum("hk,hkd->hd", p_half, np.repeat(wide_v, HEADS // KV, axis=0))
+    result[f"{kind}_attention"] = error(out_half.reshape(HEADS, D), wanted_half)
+layer.keys, layer.values, layer.capacity = keys.ctypes.data, values.ctypes.data, CAPACITY
+layer.kv_kind = KV_KINDS["float32"]
 
 # output projection, then the MLP on h plus it
 o_part = np.zeros(DIM, np.float32)

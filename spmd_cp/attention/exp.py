@@ -46,6 +46,7 @@ from collections import OrderedDict
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
+from ..kernels.header_constants import defines
 from ..runtime.device import compiled_kernels_work
 from ..runtime.switches import switched_off
 
@@ -58,16 +59,16 @@ MIN_ELEMENTS = 8192
 # MLX's exp (and 1.61 through MLX's fused attention); over 128 keys no faster.
 SOFTMAX_MIN_ELEMENTS = 2048
 
-LOG2E = 1.4426950408889634
-LN2_HI = 0.693359375  # ln 2 = LN2_HI + LN2_LO; n * LN2_HI is exact for |n| < 2^10
-LN2_LO = -2.12194440e-4
-ROUNDING_SHIFT = 12582912.0  # 1.5 * 2^23: (y + shift) - shift is y rounded to an integer
-LOWEST = -88.0  # n = -127 here: 2^n's exponent bits are 0, the result 0
+# The polynomial's numbers, from the C header the native decode step compiles
+# (kernels/exp_polynomial.h says what each is): one source for both.
+_POLYNOMIAL = defines()
+LOG2E, LN2_HI, LN2_LO = (_POLYNOMIAL[f"EXP_{n}"] for n in ("LOG2E", "LN2_HI", "LN2_LO"))
+ROUNDING_SHIFT, LOWEST = _POLYNOMIAL["EXP_ROUNDING_SHIFT"], _POLYNOMIAL["EXP_LOWEST"]
 # No upper clip: every caller passes x <= 0, and up to 88 (n = 127) the bits hold. Each
 # clip is a NaN-checking maximum or minimum: without this one the kernels run 30% faster.
-# e^r = 1 + r + r^2 (C0 + C1 r + ... + C5 r^5) on |r| <= ln2 / 2 (Cephes expf).
-C0, C1, C2, C3, C4, C5 = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2,
-                          8.3334519073e-3, 1.3981999507e-3, 1.9875691500e-4)
+C0, C1, C2, C3, C4, C5 = (_POLYNOMIAL[f"EXP_C{i}"] for i in range(6))
+EXPONENT_BIAS = int(_POLYNOMIAL["FLOAT_EXPONENT_BIAS"])
+MANTISSA_BITS = int(_POLYNOMIAL["FLOAT_MANTISSA_BITS"])
 
 
 def _mantissa_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -78,7 +79,7 @@ def _mantissa_and_exponent_bits(x: mx.array) -> tuple[mx.array, mx.array]:
     r2 = r * r
     tail = (C0 + C1 * r) + r2 * (C2 + C3 * r) + (r2 * r2) * (C4 + C5 * r)
     e_r = (r + 1.0) + r2 * tail
-    return e_r, mx.left_shift(n.astype(mx.int32) + 127, 23)
+    return e_r, mx.left_shift(n.astype(mx.int32) + EXPONENT_BIAS, MANTISSA_BITS)
 
 
 class PerShape:

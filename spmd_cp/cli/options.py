@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_COMM_MODES, DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig,
-                      RunConfig, SamplingConfig, describe_range, in_range)
+from ..config import (DECODE_COMM_MODES, DECODE_TP_MODES, KV_DTYPES, SHARD_WEIGHTS_MODES,
+                      DecodeConfig, RunConfig, SamplingConfig, describe_range, in_range)
 
 
 class RangeError(click.BadParameter):
@@ -66,6 +66,11 @@ def common_options(fn):
                      help="Each rank holds only layers i mod N and 1/N of the vocabulary; a "
                           "layer's owner broadcasts it just before it runs (auto: when the "
                           "weights and the process's own memory exceed --memory-limit)."),
+        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=d("kv_dtype"),
+                     show_default=True,
+                     help="The KV cache's dtype on the CPU path: float16 or bfloat16 hold "
+                          "half the bytes and are read into float32 (the GPU path keeps "
+                          "the model's dtype)."),
         click.option("--comm-timeout", type=click.FloatRange(min=0), default=d("comm_timeout"),
                      callback=_not_nan,
                      help="Abort the job when a rank waits this many seconds for a peer during "

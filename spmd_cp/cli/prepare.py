@@ -121,7 +121,7 @@ class Preparer:
         # The memory forecast generate checks, per job: one huge job must not take the
         # whole batch down with it.
         try:
-            check_fits(kv_model_shape(self.loaded), self.weights_bytes,
+            check_fits(kv_model_shape(self.loaded, self.run.kv_dtype), self.weights_bytes,
                        int(ids.size) + self.sampling(job, int(ids.size)).max_tokens,
                        min(self.run.prefill_chunk or int(ids.size), int(ids.size)), self.ranks,
                        self.memory_limit, forecast_algo(self.run),

@@ -153,7 +153,7 @@ def resolve_model(comm: Comm, run: RunConfig, decode: bool = True):
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
-    return Engine(build_cp_model(loaded, comm), comm, algo=run.cp_algo,
+    return Engine(build_cp_model(loaded, comm, run.kv_dtype), comm, algo=run.cp_algo,
                   prefill_chunk=run.prefill_chunk,
                   on_layer=layer_hook(comm.rank, comm.watchdog),
                   kv_interleave=decode.kv_interleave, decode_merge=decode.decode_merge,
@@ -206,7 +206,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     if split_decode and getattr(loaded, "share", None) is None:
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)
-    need = check_fits(kv_model_shape(loaded), weights, total_tokens,
+    need = check_fits(kv_model_shape(loaded, run.kv_dtype), weights, total_tokens,
                       min(run.prefill_chunk or new_tokens, new_tokens), comm.size, limit,
                       forecast_algo(run),
                       score, process_bytes=outside_mlx_bytes())

@@ -61,9 +61,11 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
                         chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
                         score: bool = False, process_bytes: int = 0) -> Forecast:
     """Peak bytes on the busiest rank for a context of ``total_tokens`` prefilled in
-    chunks of ``chunk_tokens`` on ``cp_size`` ranks. ``shape.elem_bytes`` is the KV
-    dtype's size (engine.model.kv_dtype_for), which activations share: 4 on the CPU
-    path, the model's 2 on a GPU. ``process_bytes``: the rank's resident bytes besides
+    chunks of ``chunk_tokens`` on ``cp_size`` ranks. ``shape.kv_bytes_per_token`` counts
+    the KV dtype's size (engine.model.kv_dtype_for: ``--kv-dtype`` on the CPU path, the
+    model's on a GPU); ``shape.elem_bytes`` is the activations' and the shards attention
+    reads (4 on the CPU path, where a half-precision cache is read into float32; the
+    model's 2 on a GPU). ``process_bytes``: the rank's resident bytes besides
     MLX's arrays, as measured."""
     e = shape.elem_bytes
     kv_tokens = math.ceil(total_tokens / cp_size) + 1

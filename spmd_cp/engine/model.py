@@ -114,21 +114,25 @@ def heads_to_rows(out: mx.array, row_form: bool = False) -> mx.array:
 def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
     """This rank's keys/values for one layer after (maybe) appending the new k, v."""
     if store:
-        return layer_kv.update_and_fetch(k, v)
-    keys, values = layer_kv.fetch()
-    if keys is None:  # nothing cached here yet: an empty shard of the right shape and dtype
-        dtype = layer_kv.dtype or k.dtype
-        return k[:, :0].astype(dtype), v[:, :0].astype(dtype)
+        keys, values = layer_kv.update_and_fetch(k, v)
+    else:
+        keys, values = layer_kv.fetch()
+        if keys is None:  # nothing cached here yet: an empty shard of the right shape
+            return k[:, :0], v[:, :0]
+    if keys.dtype != k.dtype:  # a half-precision cache on the CPU path: read in float32
+        keys, values = keys.astype(k.dtype), values.astype(k.dtype)
     return keys, values
 
 
-def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None) -> mx.Dtype:
-    """The KV dtype: float32 on the CPU path (half-precision arithmetic is slow there and
-    the tiled attention computes in float32 anyway), else the dtype the model computes
+def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None,
+                 cpu_kv_dtype: str = "float32") -> mx.Dtype:
+    """The KV cache's dtype: on the CPU path ``cpu_kv_dtype`` (``--kv-dtype``: float32,
+    or float16 / bfloat16 stored in half the bytes and read back into float32, where
+    every product and the tiled attention compute), else the dtype the model computes
     its keys in (bfloat16 / float16 for half-precision and quantized models), found by
     projecting one token through the first layer (``first_layer``: a stand-in for it)."""
     if not on_gpu_path():
-        return mx.float32
+        return getattr(mx, cpu_kv_dtype)
     inner = model.model
     layer = first_layer or inner.layers[0]
     hidden = inner.embed_tokens(mx.array([[0]], mx.int32))
@@ -136,10 +140,12 @@ def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None) -> mx.D
     return keys(layer.input_layernorm(hidden)).dtype
 
 
-def kv_model_shape(loaded) -> ModelShape:
-    """A LoadedModel's shape with the KV dtype's element size (the memory forecast's)."""
-    dtype = kv_dtype_for(loaded.model, first_layer_stand_in(loaded))
-    return dataclasses.replace(loaded.shape, elem_bytes=dtype.size)
+def kv_model_shape(loaded, cpu_kv_dtype: str = "float32") -> ModelShape:
+    """A LoadedModel's shape with the KV dtype's element size and the activations' (the
+    memory forecast's; they differ where a half-precision cache serves float32 work)."""
+    dtype = kv_dtype_for(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype)
+    compute = mx.float32 if not on_gpu_path() else dtype
+    return dataclasses.replace(loaded.shape, elem_bytes=compute.size, kv_elem_bytes=dtype.size)
 
 
 def first_layer_stand_in(loaded) -> nn.Module | None:
@@ -212,9 +218,11 @@ class SandwichLayer(ReplicatedLayer):
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
-    def __init__(self, model: nn.Module, first_layer: nn.Module | None = None):
+    def __init__(self, model: nn.Module, first_layer: nn.Module | None = None,
+                 cpu_kv_dtype: str = "float32"):
         """``first_layer``: a stand-in for the first layer where the model's hold
-        placeholders (``first_layer_stand_in``), for the KV dtype."""
+        placeholders (``first_layer_stand_in``), for the KV dtype; ``cpu_kv_dtype``: the
+        cache's on the CPU path (see kv_dtype_for)."""
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
@@ -229,9 +237,11 @@ class CPModel:
         self.num_heads, self.num_kv_heads = head_counts(attn)
         self.num_layers = len(self.layers)
         self.rope_matrices = RopeMatrices()
-        # The KV cache's, ring messages' and decode partials' dtype (see kv_dtype_for).
-        self.kv_dtype = kv_dtype_for(model, first_layer)
-        self.elem_bytes = self.kv_dtype.size
+        # The KV cache's dtype (see kv_dtype_for); ring messages and decode partials
+        # carry the dtype attention computes in (local_shard reads a half-precision
+        # cache into float32 on the CPU path), whose size is elem_bytes.
+        self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype)
+        self.elem_bytes = (mx.float32 if not on_gpu_path() else self.kv_dtype).size
 
     def forward(
         self,

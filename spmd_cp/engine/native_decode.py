@@ -20,7 +20,8 @@ the weights and the cache as in MLX's step; RMSNorm, the softmax, SwiGLU and the
 the same float32 arithmetic in another order, RoPE the same matrices (one_token.py).
 Results equal mlx-lm's forward to float32 rounding (tests/test_native_decode.py).
 
-Where it runs: the CPU path, a float32 KV cache and weights (a quantized model's are
+Where it runs: the CPU path, a float32, float16 or bfloat16 KV cache (a half-precision
+one read in float32, kernels/kv_half.h), float32 weights (a quantized model's are
 dequantized there, its shadows kept), every layer a Llama/Qwen/Phi-3 block (a fused
 q|k|v or gate|up read as views of its rows) with plain RMSNorms, a RoPE with a matrix
 form, a SwiGLU MLP (not a mixture of experts) and at most 64 query heads per KV head,
@@ -41,11 +42,12 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import decode_step
-from ..kernels.decode_step import MAX_PIECES, Layer, Matrix
+from ..kernels.decode_step import KV_KINDS, MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
 from ..runtime.trace import span
 from .layer_parts import LayerParts, head_counts
 from .model import CPModel
+from .native_eligibility import decode_threads
 from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
 
@@ -63,6 +65,19 @@ def _view(a: mx.array) -> np.ndarray:
     view = np.asarray(a)
     if view.dtype != np.float32 or view.strides[-1] != 4:
         raise TypeError("not float32 with contiguous rows")
+    return view
+
+
+def _cache_view(a: mx.array) -> np.ndarray:
+    """A zero-copy numpy view of an evaluated cache buffer: float32 as is, a float16 or
+    bfloat16 one as its uint16 bits (numpy has no bfloat16; MLX's view shares the
+    buffer, so the C step's stores land in the cache itself)."""
+    if a.dtype == mx.float32:
+        return _view(a)
+    mx.eval(a)
+    view = np.asarray(a.view(mx.uint16))
+    if not view.flags["C_CONTIGUOUS"]:
+        raise TypeError("a cache buffer that is not contiguous")
     return view
 
 
@@ -152,6 +167,8 @@ class NativeDecoder:
         self.model, self.comm, self.split = model, comm, split
         self.persistent = persistent
         self.library, _ = decode_step.library()
+        # the library's one pool, started once (a later decoder asking as many reuses it)
+        self.threads = self.library.spmd_cp_decode_set_threads(decode_threads())
         self.heads, self.kv_heads = head_counts(model.layers[0].self_attn)
         self.dim = model.embed_tokens["weight"].shape[1]
         self.head_dim = None
@@ -206,7 +223,8 @@ class NativeDecoder:
                      held.vector(input_norm), held.vector(post_norm), input_eps, post_eps,
                      _address(q_norm), _address(k_norm), qk_eps, len(qkv), pieces,
                      held.matrix(o), held.matrix(gate), held.matrix(up),
-                     held.matrix(down), None, None, 0, float(attn.scale))
+                     held.matrix(down), None, None, 0, float(attn.scale),
+                     KV_KINDS["float32"])
 
     def _buffers(self):
         """Every vector a step writes, allocated once, their addresses taken once, and
@@ -273,8 +291,9 @@ class NativeDecoder:
         self.requests = []
 
     def _scores(self, length: int) -> int:
-        """The scores' scratch for ``length`` keys (and RoPE's), grown by doubling."""
-        need = max((self.heads // self.kv_heads) * length, self.heads * self.head_dim)
+        """Attention's scratch for ``length`` keys (spmd_cp_decode_scratch: every head's
+        scores, or RoPE's, and each thread's partials), grown by doubling."""
+        need = self.library.spmd_cp_decode_scratch(self.heads, self.head_dim, length)
         if self.scores.size < need:
             self.scores = np.zeros(max(need, 2 * self.scores.size), np.float32)
         return self.scores.ctypes.data
@@ -285,9 +304,10 @@ class NativeDecoder:
         if self._cache_versions[index] == layer_kv.buffers_version:
             return
         layer = self.layers[index]
-        keys, values = _view(layer_kv.keys), _view(layer_kv.values)
+        keys, values = _cache_view(layer_kv.keys), _cache_view(layer_kv.values)
         layer.keys, layer.values = keys.ctypes.data, values.ctypes.data
         layer.capacity = keys.shape[1]
+        layer.kv_kind = KV_KINDS[str(layer_kv.keys.dtype).removeprefix("mlx.core.")]
         self._cache_versions[index] = layer_kv.buffers_version
 
     def _rotations(self, position: int) -> list:

@@ -9,8 +9,9 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..blas.libraries import default_threads, usable_cpus
 from ..kernels import decode_step
-from ..kernels.decode_step import MAX_GROUP
+from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import on_gpu_path
 from ..runtime.switches import switched_off
 from .layer_parts import LayerParts, describe_feed_forward
@@ -18,10 +19,25 @@ from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
 
 ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
+# The BLAS's thread settings, the first one set: the native step's threads follow them
+THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                   "BLIS_NUM_THREADS")
 
 
 def wanted() -> bool:
     return not switched_off(ENV)
+
+
+def decode_threads() -> int:
+    """Threads of a rank's native decode step: as many as its BLAS may use (the first of
+    THREAD_SETTINGS set to a positive number: the re-exec sets one to the rank's share
+    of the host's cores unless the user did, blas/reexec.py), else that share itself;
+    never more than the CPUs the process may run on."""
+    for name in THREAD_SETTINGS:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), usable_cpus())
+    return default_threads()
 
 
 def availability() -> str:
@@ -34,7 +50,8 @@ def availability() -> str:
     library, why = decode_step.library()
     if library is None:
         return f"not available ({why})"
-    return "on (decode steps as C calls between MPI collectives)"
+    return (f"on (decode steps as C calls between MPI collectives, {decode_threads()} "
+            f"thread(s) a rank; a float32, float16 or bfloat16 KV cache)")
 
 
 def _described(module) -> str:
@@ -51,8 +68,9 @@ def native_obstacle(model: CPModel) -> str | None:
         return f"{ENV}={os.environ[ENV]}"
     if on_gpu_path():
         return "the GPU path"
-    if model.kv_dtype != mx.float32:
-        return "the KV cache is not float32"
+    kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")
+    if kv_dtype not in KV_KINDS:
+        return f"the KV cache is {kv_dtype}"
     if getattr(model.layers, "sharded", False):
         return "layer-sharded weights"
     embedding = model.embed_tokens
@@ -64,6 +82,9 @@ def native_obstacle(model: CPModel) -> str | None:
                 "(Gemma 3), which the native step does not do")
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
+    head_dim = model.layers[0].self_attn.k_proj.weight.shape[0] // model.num_kv_heads
+    if head_dim > MAX_HEAD_DIM:
+        return f"heads of {head_dim} dimensions (at most {MAX_HEAD_DIM})"
     for index, layer in enumerate(model.layers):
         parts = LayerParts.of(layer)
         if not parts.is_swiglu:

@@ -3,8 +3,10 @@
 Layout of a cache directory for N ranks:
 
     rank-0-of-N.safetensors ... rank-(N-1)-of-N.safetensors
-        each rank's K/V shard ("layer.<i>.keys", "layer.<i>.values", (NKV, S_r, d))
-        and its global positions ("positions")
+        each rank's K/V shard ("layer.<i>.keys", "layer.<i>.values", (NKV, S_r, d), in
+        the cache's dtype: --kv-dtype on the CPU path) and its global positions
+        ("positions"); a run with another --kv-dtype converts the shard to its own on
+        load (widening is exact, narrowing rounds to nearest even)
     meta.json
         format, model checksum, N, token ids, the conversation so far, shard sizes and
         the sha256 of every shard file; written last (atomically), so a directory

@@ -12,14 +12,14 @@ from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .weights import LayerStore
 
 
-def build_cp_model(loaded, comm: Comm) -> CPModel:
+def build_cp_model(loaded, comm: Comm, cpu_kv_dtype: str = "float32") -> CPModel:
     """``CPModel`` of a loaded model; layer-sharded when it was loaded as one rank's share
-    (models/partial_load.py)."""
+    (models/partial_load.py). ``cpu_kv_dtype``: the KV cache's on the CPU path."""
     share = getattr(loaded, "share", None)
     inner = loaded.model.model
     # The KV dtype comes from running layer 0 on the GPU path (kv_dtype_for): a sharded
     # load's layers are placeholders, so lazy zeros of its computed form stand in.
-    model = CPModel(loaded.model, first_layer_stand_in(loaded))
+    model = CPModel(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype)
     if share is None:
         return model
     model.layers = LayerStore(list(inner.layers), share, comm)

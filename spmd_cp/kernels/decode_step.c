@@ -24,6 +24,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_features.h"
+#include "exp_polynomial.h"
+#include "kv_half.h"
+#include "thread_pool.h"
+
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
@@ -44,6 +49,9 @@ typedef struct {
 } matrix;
 
 enum { MAX_PIECES = 3, MAX_GROUP = 64 }; /* engine/native_decode.py checks both */
+/* A partial's head: d unnormalized values, then the probabilities' sum and the largest
+ * unscaled score. */
+enum { PARTIAL_EXTRA = 2 };
 
 /* One rank's part of one layer, filled once by engine/native_decode.py (the cache's
  * pointers again whenever it grows). */
@@ -57,18 +65,77 @@ typedef struct {
   matrix qkv[MAX_PIECES];
   matrix o;              /* rows of W_o: this rank's outputs */
   matrix gate, up, down; /* rows of gate and up, the matching columns of down */
-  float *keys, *values;  /* this rank's cache: kv_heads x capacity x head_dim */
+  void *keys, *values;   /* this rank's cache: kv_heads x capacity x head_dim */
   int capacity;
   float scale;
+  int kv_kind; /* the cache's elements: KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16 */
 } layer;
 
-/* c (n) = W x (+ bias): x (1 x k) times W' through cblas_sgemm, as MLX multiplies a
- * row by a weight's transposed view. */
-static void product(const matrix *w, const float *x, float *c) {
-  sgemm(ROW_MAJOR, NO_TRANS, TRANS, 1, w->rows, w->cols, 1.0f, x, w->cols, w->weights,
-        w->ld, 0.0f, c, w->rows);
+/* The structs' layout, for kernels/decode_step.py to check its ctypes copies against:
+ * the offset of `field` in struct `type`, its size for the field "", -1 if unknown. */
+#define LAYOUT_SIZE(type) {#type, "", sizeof(type)}
+#define LAYOUT_FIELD(type, field) {#type, #field, offsetof(type, field)}
+static const struct {
+  const char *type, *field;
+  size_t offset;
+} LAYOUT[] = {
+    LAYOUT_SIZE(matrix),         LAYOUT_FIELD(matrix, weights),  LAYOUT_FIELD(matrix, bias),
+    LAYOUT_FIELD(matrix, rows),  LAYOUT_FIELD(matrix, cols),     LAYOUT_FIELD(matrix, ld),
+    LAYOUT_SIZE(layer),          LAYOUT_FIELD(layer, dim),       LAYOUT_FIELD(layer, heads),
+    LAYOUT_FIELD(layer, kv_heads), LAYOUT_FIELD(layer, head_dim),
+    LAYOUT_FIELD(layer, input_norm), LAYOUT_FIELD(layer, post_norm),
+    LAYOUT_FIELD(layer, input_eps), LAYOUT_FIELD(layer, post_eps),
+    LAYOUT_FIELD(layer, q_norm), LAYOUT_FIELD(layer, k_norm),   LAYOUT_FIELD(layer, qk_eps),
+    LAYOUT_FIELD(layer, qkv_pieces), LAYOUT_FIELD(layer, qkv),   LAYOUT_FIELD(layer, o),
+    LAYOUT_FIELD(layer, gate),   LAYOUT_FIELD(layer, up),        LAYOUT_FIELD(layer, down),
+    LAYOUT_FIELD(layer, keys),   LAYOUT_FIELD(layer, values),    LAYOUT_FIELD(layer, capacity),
+    LAYOUT_FIELD(layer, scale),  LAYOUT_FIELD(layer, kv_kind),
+};
+
+long spmd_cp_decode_layout(const char *type, const char *field) {
+  for (size_t i = 0; i < sizeof LAYOUT / sizeof LAYOUT[0]; i++)
+    if (strcmp(LAYOUT[i].type, type) == 0 && strcmp(LAYOUT[i].field, field) == 0)
+      return (long)LAYOUT[i].offset;
+  return -1;
+}
+
+/* Rows [first, first + count) of c = W x (+ bias): x (1 x k) times those rows of W'
+ * through cblas_sgemm, as MLX multiplies a row by a weight's transposed view (each
+ * row's sum the same however the rows are split). */
+static void product_rows(const matrix *w, const float *x, float *c, int first, int count) {
+  if (count <= 0) return;
+  sgemm(ROW_MAJOR, NO_TRANS, TRANS, 1, count, w->cols, 1.0f, x, w->cols,
+        w->weights + (size_t)first * w->ld, w->ld, 0.0f, c + first, count);
   if (w->bias != NULL)
-    for (int i = 0; i < w->rows; i++) c[i] += w->bias[i];
+    for (int i = first; i < first + count; i++) c[i] += w->bias[i];
+}
+
+/* Products of up to MAX_PRODUCTS matrices with one vector each, their rows split among
+ * the pool's threads in runs of ROW_RUN (whole cache lines of output). */
+enum { MAX_PRODUCTS = MAX_PIECES, ROW_RUN = 16 };
+typedef struct {
+  int count;
+  const matrix *w[MAX_PRODUCTS];
+  const float *x[MAX_PRODUCTS];
+  float *c[MAX_PRODUCTS];
+} products;
+
+static void products_part(void *args, int part, int parts) {
+  const products *job = args;
+  for (int i = 0; i < job->count; i++) {
+    int runs = (job->w[i]->rows + ROW_RUN - 1) / ROW_RUN;
+    int first = runs * part / parts * ROW_RUN, end = runs * (part + 1) / parts * ROW_RUN;
+    end = end < job->w[i]->rows ? end : job->w[i]->rows;
+    product_rows(job->w[i], job->x[i], job->c[i], first, end - first);
+  }
+}
+
+static void run_products(products *job) { run_parallel(products_part, job); }
+
+/* c (n) = W x (+ bias), on the pool. */
+static void product(const matrix *w, const float *x, float *c) {
+  products job = {1, {w}, {x}, {c}};
+  run_products(&job);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, MLX's RMSNorm (sum in double: the mean of
@@ -78,24 +145,6 @@ static void rms_norm(const float *x, const float *weight, float eps, int n, floa
   for (int i = 0; i < n; i++) sum += (double)x[i] * x[i];
   float inverse = 1.0f / sqrtf((float)(sum / n) + eps);
   for (int i = 0; i < n; i++) out[i] = x[i] * inverse * weight[i];
-}
-
-/* attention/exp.py's polynomial (Cephes expf), for x <= 0: within 2 ulp. */
-static const float LOG2E = 1.4426950408889634f, LN2_HI = 0.693359375f,
-                   LN2_LO = -2.12194440e-4f, ROUNDING_SHIFT = 12582912.0f, LOWEST = -88.0f;
-static const float C0 = 5.0000001201e-1f, C1 = 1.6666665459e-1f, C2 = 4.1665795894e-2f,
-                   C3 = 8.3334519073e-3f, C4 = 1.3981999507e-3f, C5 = 1.9875691500e-4f;
-
-static inline float exp_nonpositive(float x) {
-  x = x < LOWEST ? LOWEST : x;
-  float n = (x * LOG2E + ROUNDING_SHIFT) - ROUNDING_SHIFT;
-  float r = (x - n * LN2_HI) - n * LN2_LO;
-  float r2 = r * r;
-  float tail = (C0 + C1 * r) + r2 * (C2 + C3 * r) + (r2 * r2) * (C4 + C5 * r);
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float two_n;
-  memcpy(&two_n, &bits, sizeof two_n);
-  return ((r + 1.0f) + r2 * tail) * two_n;
 }
 
 /* The scalar forms (any CPU), and the AVX2 ones below where the CPU has AVX2 and FMA:
@@ -128,32 +177,14 @@ static void swiglu_plain(const float *gate, const float *up, int n, float *act) 
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef HAVE_X86_VECTORS
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
-
-/* exp_nonpositive on eight lanes, the same steps (no contraction: explicit products). */
-AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(LOWEST), x); /* NaN stays NaN */
-  __m256 shift = _mm256_set1_ps(ROUNDING_SHIFT);
-  __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), shift),
-                           shift);
-  __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                           _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)));
-  __m256 r2 = _mm256_mul_ps(r, r);
-#define LINEAR(A, B) _mm256_add_ps(_mm256_set1_ps(A), _mm256_mul_ps(_mm256_set1_ps(B), r))
-  __m256 tail = _mm256_add_ps(_mm256_add_ps(LINEAR(C0, C1), _mm256_mul_ps(r2, LINEAR(C2, C3))),
-                              _mm256_mul_ps(_mm256_mul_ps(r2, r2), LINEAR(C4, C5)));
-#undef LINEAR
-  __m256 e_r = _mm256_add_ps(_mm256_add_ps(r, _mm256_set1_ps(1.0f)), _mm256_mul_ps(r2, tail));
-  __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e_r, _mm256_castsi256_ps(bits));
-}
+enum { LANES = 8 }; /* floats in an AVX2 register */
 
 /* The sum of v's eight lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
 AVX2 static inline float lanes_sum(__m256 v) {
-  float lane[8];
+  float lane[LANES];
   _mm256_storeu_ps(lane, v);
   return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
@@ -161,7 +192,7 @@ AVX2 static inline float lanes_sum(__m256 v) {
 AVX2 static float softmax_row_avx2(const float *s, int n, float top, float scale, float *p) {
   __m256 sum = _mm256_setzero_ps(), top8 = _mm256_set1_ps(top), scale8 = _mm256_set1_ps(scale);
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + LANES <= n; i += LANES) {
     __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), top8),
                                               scale8));
     _mm256_storeu_ps(p + i, e);
@@ -173,17 +204,17 @@ AVX2 static float softmax_row_avx2(const float *s, int n, float top, float scale
 AVX2 static float row_max_avx2(const float *s, int n) {
   __m256 top8 = _mm256_set1_ps(-INFINITY);
   int i = 0;
-  for (; i + 8 <= n; i += 8) top8 = _mm256_max_ps(_mm256_loadu_ps(s + i), top8);
-  float lane[8], top = row_max_plain(s + i, n - i);
+  for (; i + LANES <= n; i += LANES) top8 = _mm256_max_ps(_mm256_loadu_ps(s + i), top8);
+  float lane[LANES], top = row_max_plain(s + i, n - i);
   _mm256_storeu_ps(lane, top8);
-  for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+  for (int l = 0; l < LANES; l++) top = lane[l] > top ? lane[l] : top;
   return top;
 }
 
 AVX2 static void swiglu_avx2(const float *gate, const float *up, int n, float *act) {
   __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + LANES <= n; i += LANES) {
     __m256 g = _mm256_loadu_ps(gate + i);
     __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign)); /* e^-|g| */
     __m256 negative = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
@@ -195,7 +226,7 @@ AVX2 static void swiglu_avx2(const float *gate, const float *up, int n, float *a
 
 static int avx2_here(void) {
   static int known = -1;
-  if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (known < 0) known = cpu_has_avx2_fma(0);
   return known;
 }
 
@@ -227,10 +258,12 @@ void spmd_cp_decode_qkv(const layer *l, float *h, const float *added, float *nor
                         float *qkv) {
   if (added != NULL) add_into(h, added, l->dim);
   rms_norm(h, l->input_norm, l->input_eps, l->dim, normed);
+  products job = {l->qkv_pieces, {0}, {0}, {0}};
   for (int p = 0; p < l->qkv_pieces; p++) {
-    product(&l->qkv[p], normed, qkv);
+    job.w[p] = &l->qkv[p], job.x[p] = normed, job.c[p] = qkv;
     qkv += l->qkv[p].rows;
   }
+  run_products(&job);
 }
 
 /* RoPE of `count` heads in place: x (count x d) times the (d x d) rotation, as MLX's
@@ -245,11 +278,147 @@ static void norm_heads(float *x, int count, int d, const float *weight, float ep
   for (int h = 0; h < count; h++) rms_norm(x + (size_t)h * d, weight, eps, d, x + (size_t)h * d);
 }
 
+/* KV head g's key and value of one token (d floats each) into cache row `row`. */
+static void store_kv(const layer *l, int g, int row, const float *k, const float *v) {
+  int d = l->head_dim;
+  size_t at = ((size_t)g * l->capacity + row) * d;
+  if (l->kv_kind == KV_FLOAT32) {
+    memcpy((float *)l->keys + at, k, d * sizeof(float));
+    memcpy((float *)l->values + at, v, d * sizeof(float));
+  } else {
+    half_row(k, d, l->kv_kind, (uint16_t *)l->keys + at);
+    half_row(v, d, l->kv_kind, (uint16_t *)l->values + at);
+  }
+}
+
+/* A half-precision cache's scores: query rows q (group x d) times `count` keys, a tile
+ * of keys widened into float32 at a time and multiplied as a float32 cache's keys are
+ * (into scores' rows, `stride` apart). */
+static void half_scores(const layer *l, const uint16_t *keys, const float *q, int count,
+                        float *scores, int stride) {
+  int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+  float widened[KV_TILE_FLOATS];
+  for (int t = 0; t < count; t += tile) {
+    int rows = count - t < tile ? count - t : tile;
+    widen_row(keys + (size_t)t * d, rows * d, l->kv_kind, widened);
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, rows, d, 1.0f, q, d, widened, d, 0.0f,
+          scores + t, stride);
+  }
+}
+
+/* o (group rows, `width` apart) = p (group x count, rows `stride` apart) times `count`
+ * values, a tile widened at a time, its products added to the tiles' before. */
+static void half_values(const layer *l, const uint16_t *values, const float *p, int count,
+                        int stride, float *o, int width) {
+  int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+  float widened[KV_TILE_FLOATS];
+  for (int t = 0; t < count; t += tile) {
+    int rows = count - t < tile ? count - t : tile;
+    widen_row(values + (size_t)t * d, rows * d, l->kv_kind, widened);
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, rows, 1.0f, p + t, stride, widened, d,
+          t == 0 ? 0.0f : 1.0f, o, width);
+  }
+}
+
+/* KV head g's query rows q (group x d) over cache rows [start, start + count): into o
+ * (group rows, `width` apart) the partial or, `normalized`, the output. `scores`: the
+ * head's group rows, `stride` floats apart, of which columns [start, start + count). */
+static void attend_range(const layer *l, int g, const float *q, int start, int count,
+                         int normalized, float *scores, int stride, float *o) {
+  int d = l->head_dim, group = l->heads / l->kv_heads;
+  int width = normalized ? d : d + PARTIAL_EXTRA;
+  if (count == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
+    for (int r = 0; r < group; r++) {
+      memset(o + (size_t)r * width, 0, (d + 1) * sizeof(float));
+      o[(size_t)r * width + d + 1] = -INFINITY;
+    }
+    return;
+  }
+  size_t first = ((size_t)g * l->capacity + start) * d;
+  scores += start;
+  if (l->kv_kind == KV_FLOAT32)
+    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, count, d, 1.0f, q, d,
+          (const float *)l->keys + first, d, 0.0f, scores, stride);
+  else
+    half_scores(l, (const uint16_t *)l->keys + first, q, count, scores, stride);
+  float top[MAX_GROUP], total[MAX_GROUP];
+  for (int r = 0; r < group; r++) {
+    float *row = scores + (size_t)r * stride;
+    top[r] = row_max(row, count);
+    total[r] = softmax_row(row, count, top[r], l->scale, row);
+  }
+  if (l->kv_kind == KV_FLOAT32)
+    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, count, 1.0f, scores, stride,
+          (const float *)l->values + first, d, 0.0f, o, width);
+  else
+    half_values(l, (const uint16_t *)l->values + first, scores, count, stride, o, width);
+  for (int r = 0; r < group; r++) {
+    float *row = o + (size_t)r * width;
+    if (normalized) {
+      for (int i = 0; i < d; i++) row[i] /= total[r];
+    } else {
+      row[d] = total[r], row[d + 1] = top[r];
+    }
+  }
+}
+
+/* The exact merge of `parts` partials (parts x heads x (d + 2), stacked) into out:
+ * each part's sums weighted by exp((max - top) * scale); `normalized`, the values' sum
+ * over the probabilities' (heads x d), else the merged partial (heads x (d + 2)). */
+static void merge_partials(int parts, int heads, int d, float scale, const float *partials,
+                           int normalized, float *out) {
+  size_t width = d + PARTIAL_EXTRA, part_stride = (size_t)heads * width;
+  for (int h = 0; h < heads; h++) {
+    float top = -INFINITY;
+    for (int r = 0; r < parts; r++) {
+      float m = partials[r * part_stride + h * width + d + 1];
+      top = m > top ? m : top;
+    }
+    float *o = out + (size_t)h * (normalized ? (size_t)d : width), total = 0.0f;
+    memset(o, 0, d * sizeof(float));
+    for (int r = 0; r < parts; r++) {
+      const float *part = partials + r * part_stride + h * width;
+      if (part[d + 1] == -INFINITY) continue; /* an empty shard */
+      float weight = exp_nonpositive((part[d + 1] - top) * scale);
+      for (int i = 0; i < d; i++) o[i] += weight * part[i];
+      total += weight * part[d];
+    }
+    if (normalized) {
+      for (int i = 0; i < d; i++) o[i] /= total;
+    } else {
+      o[d] = total, o[d + 1] = top;
+    }
+  }
+}
+
+/* Attention split among the pool's threads by ranges of the cache (each range a
+ * partial of every head, merged after as the ranks' are): a cache's three KV heads
+ * would not split evenly over two threads, its rows do. */
+typedef struct {
+  const layer *l;
+  const float *q;
+  int length;
+  float *scores, *partials; /* heads x length; parts x heads x (d + 2) */
+} attention_job;
+
+static void attention_part(void *args, int part, int parts) {
+  const attention_job *job = args;
+  const layer *l = job->l;
+  int d = l->head_dim, group = l->heads / l->kv_heads;
+  int start = (int)((long long)job->length * part / parts);
+  int end = (int)((long long)job->length * (part + 1) / parts);
+  float *partial = job->partials + (size_t)part * l->heads * (d + PARTIAL_EXTRA);
+  for (int g = 0; g < l->kv_heads; g++)
+    attend_range(l, g, job->q + (size_t)g * group * d, start, end - start, 0,
+                 job->scores + (size_t)g * group * job->length, job->length,
+                 partial + (size_t)g * group * (d + PARTIAL_EXTRA));
+}
+
 /* The layer's attention over this rank's cache for the token whose full q/k/v (after
  * the gather) is `qkv`: q/k norms and RoPE in place, k and v stored at cache row
  * `store_row` (-1: another rank caches this token), then over the first `length`
  * rows: the partial (kv_heads x group x (d + 2)), or with `normalized` the output
- * (heads x d) itself. `scores`: max(group x length, heads x d) floats at least. */
+ * (heads x d) itself. `scores`: spmd_cp_decode_scratch(...) floats. */
 void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, int store_row,
                            int length, int normalized, float *scores, float *out) {
   int d = l->head_dim, heads = l->heads, kv = l->kv_heads, group = heads / kv;
@@ -262,69 +431,32 @@ void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, in
     rotate(q, heads, d, rotation, scores);
     rotate(k, kv, d, rotation, scores);
   }
-  size_t head_stride = (size_t)l->capacity * d;
   if (store_row >= 0)
-    for (int g = 0; g < kv; g++) {
-      memcpy(l->keys + g * head_stride + (size_t)store_row * d, k + (size_t)g * d,
-             d * sizeof(float));
-      memcpy(l->values + g * head_stride + (size_t)store_row * d, v + (size_t)g * d,
-             d * sizeof(float));
-    }
-  int width = normalized ? d : d + 2;
-  for (int g = 0; g < kv; g++) {
-    float *o = out + (size_t)g * group * width;
-    if (length == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
-      for (int r = 0; r < group; r++) {
-        memset(o + (size_t)r * width, 0, (d + 1) * sizeof(float));
-        o[(size_t)r * width + d + 1] = -INFINITY;
-      }
-      continue;
-    }
-    const float *keys = l->keys + g * head_stride, *values = l->values + g * head_stride;
-    sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, length, d, 1.0f, q + (size_t)g * group * d, d,
-          keys, d, 0.0f, scores, length);
-    float top[MAX_GROUP], total[MAX_GROUP];
-    for (int r = 0; r < group; r++) {
-      float *row = scores + (size_t)r * length;
-      top[r] = row_max(row, length);
-      total[r] = softmax_row(row, length, top[r], l->scale, row);
-    }
-    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, length, 1.0f, scores, length, values, d,
-          0.0f, o, width);
-    for (int r = 0; r < group; r++) {
-      float *row = o + (size_t)r * width;
-      if (normalized) {
-        for (int i = 0; i < d; i++) row[i] /= total[r];
-      } else {
-        row[d] = total[r], row[d + 1] = top[r];
-      }
-    }
+    for (int g = 0; g < kv; g++) store_kv(l, g, store_row, k + (size_t)g * d, v + (size_t)g * d);
+  if (pool.threads == 1) { /* one range: the output or partial directly */
+    int width = normalized ? d : d + PARTIAL_EXTRA;
+    for (int g = 0; g < kv; g++)
+      attend_range(l, g, q + (size_t)g * group * d, 0, length, normalized,
+                   scores + (size_t)g * group * length, length, out + (size_t)g * group * width);
+    return;
   }
+  attention_job job = {l, q, length, scores, scores + (size_t)heads * length};
+  run_parallel(attention_part, &job);
+  merge_partials(pool.threads, heads, d, l->scale, job.partials, normalized, out);
+}
+
+/* Floats of the scratch spmd_cp_decode_attend takes over `length` cache rows: every
+ * head's scores, or RoPE's, and a partial of every head per thread. */
+long spmd_cp_decode_scratch(int heads, int head_dim, int length) {
+  long scores = (long)heads * (length > head_dim ? length : head_dim);
+  return scores + (long)pool.threads * heads * (head_dim + PARTIAL_EXTRA);
 }
 
 /* The exact merge of `ranks` partials (ranks x heads x (d + 2), stacked in rank order)
- * into the attention output (heads x d): each rank's sums weighted by
- * exp((max - top) * scale), the values' sum over the probabilities'. */
+ * into the attention output (heads x d). */
 void spmd_cp_decode_merge(int ranks, int heads, int d, float scale, const float *partials,
                           float *out) {
-  size_t width = d + 2, rank_stride = (size_t)heads * width;
-  for (int h = 0; h < heads; h++) {
-    float top = -INFINITY;
-    for (int r = 0; r < ranks; r++) {
-      float m = partials[r * rank_stride + h * width + d + 1];
-      top = m > top ? m : top;
-    }
-    float *o = out + (size_t)h * d, total = 0.0f;
-    memset(o, 0, d * sizeof(float));
-    for (int r = 0; r < ranks; r++) {
-      const float *part = partials + r * rank_stride + h * width;
-      if (part[d + 1] == -INFINITY) continue; /* an empty shard */
-      float weight = exp_nonpositive((part[d + 1] - top) * scale);
-      for (int i = 0; i < d; i++) o[i] += weight * part[i];
-      total += weight * part[d];
-    }
-    for (int i = 0; i < d; i++) o[i] /= total;
-  }
+  merge_partials(ranks, heads, d, scale, partials, 1, out);
 }
 
 /* This rank's outputs of the output projection: its rows of W_o times the attention
@@ -340,8 +472,8 @@ void spmd_cp_decode_mlp(const layer *l, float *h, const float *added, float *scr
   add_into(h, added, l->dim);
   float *normed = scratch, *gate = scratch + l->dim, *up = gate + l->gate.rows;
   rms_norm(h, l->post_norm, l->post_eps, l->dim, normed);
-  product(&l->gate, normed, gate);
-  product(&l->up, normed, up);
+  products gate_up = {2, {&l->gate, &l->up}, {normed, normed}, {gate, up}};
+  run_products(&gate_up);
   swiglu(gate, up, l->gate.rows, gate);
   product(&l->down, gate, part);
 }

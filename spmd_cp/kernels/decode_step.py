@@ -1,8 +1,8 @@
 """The native decode step's C library (decode_step.c): built on first use, its structs.
 
 engine/native_decode.py fills one ``Layer`` per layer of a model and calls the library's
-four functions a layer between its collectives; this module only builds and loads the
-library (runtime/native.py, like the sgemv forward), declares the functions' argument
+four functions a layer between its collectives (on a pool of threads the library starts
+once, ``spmd_cp_decode_set_threads``); this module only builds and loads the library (runtime/native.py, like the sgemv forward), declares the functions' argument
 types, and mirrors decode_step.c's ``matrix`` and ``layer`` structs. The library resolves
 ``cblas_sgemm`` in the process's global scope (the forward or the BLAS that the re-exec
 preloads, blas/reexec.py); where there is none it is not used. Standard library only.
@@ -18,6 +18,9 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 NAME = "spmd-cp-decode-step"  # the built file: <cache>/kernels/<NAME>-<source hash>.so
 MAX_PIECES = 3  # decode_step.c's: q/k/v rows of at most three matrices a rank
 MAX_GROUP = 64  # query heads a KV head, at most (the C side's stack arrays)
+MAX_HEAD_DIM = 512  # kv_half.h's: a half-precision cache row widened on the stack
+# kv_half.h's element kinds of the cache, by MLX dtype name
+KV_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 class Matrix(ctypes.Structure):
@@ -40,7 +43,29 @@ class Layer(ctypes.Structure):
                 ("o", Matrix),
                 ("gate", Matrix), ("up", Matrix), ("down", Matrix),
                 ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
-                ("capacity", ctypes.c_int), ("scale", ctypes.c_float)]
+                ("capacity", ctypes.c_int), ("scale", ctypes.c_float),
+                ("kv_kind", ctypes.c_int)]
+
+
+STRUCTS = {"matrix": Matrix, "layer": Layer}
+
+
+def layout_mismatch(loaded) -> str:
+    """"" where every ctypes struct above has decode_step.c's size and field offsets
+    (the library reports them, spmd_cp_decode_layout), else the first difference: a
+    struct changed on one side only would hand the kernels wrong pointers."""
+    loaded.spmd_cp_decode_layout.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    loaded.spmd_cp_decode_layout.restype = ctypes.c_long
+    for name, struct in STRUCTS.items():
+        fields = [("", ctypes.sizeof(struct))]
+        fields += [(field, getattr(struct, field).offset) for field, _ in struct._fields_]
+        for field, offset in fields:
+            in_c = loaded.spmd_cp_decode_layout(name.encode(), field.encode())
+            if in_c != offset:
+                what = f"{name}.{field}'s offset" if field else f"sizeof({name})"
+                return (f"decode_step.c and decode_step.py disagree: {what} is {in_c} "
+                        f"in C, {offset} in ctypes")
+    return ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,9 +78,16 @@ def library():
         loaded = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as error:
         return None, str(error)
+    mismatch = layout_mismatch(loaded)
+    if mismatch:
+        return None, mismatch
     if not loaded.spmd_cp_decode_ready():
         return None, "no cblas_sgemm in the process's global scope"
     pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    loaded.spmd_cp_decode_set_threads.argtypes = [integer]
+    loaded.spmd_cp_decode_set_threads.restype = integer
+    loaded.spmd_cp_decode_scratch.argtypes = [integer] * 3
+    loaded.spmd_cp_decode_scratch.restype = ctypes.c_long
     signatures = {
         "spmd_cp_decode_qkv": [pointer] * 5,
         "spmd_cp_decode_attend": [pointer, pointer, pointer, integer, integer, integer,

@@ -39,12 +39,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#include "cpu_features.h"
+#ifdef HAVE_X86_VECTORS
 #include <immintrin.h>
-#define HAVE_X86_VECTORS 1
 #endif
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 }; /* CBLAS's enums */
 enum { FEW_ROWS = 4, CACHED_BYTES = 1 << 20 }; /* within a 2 MiB L2 */
 /* The one-pass kernels: at most this many columns (rows), at least this many rows
  * (products) streamed, and accumulator rows at most this wide (on the stack). */
@@ -56,7 +57,7 @@ enum { FEW_COLUMNS = 8, LONG_ROWS = 64, STREAM_ROWS = 8, MAX_WIDTH = 512 };
  * (x86-64-v3: AVX2, FMA; GCC 11 on, before it AVX2 alone): an "arch=haswell" clone is
  * picked only on a CPU that *is* a Haswell, never on an AMD EPYC or a later Intel.
  * Elsewhere the plain code. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(HAVE_X86_VECTORS)
 #if __GNUC__ >= 11
 #define VECTOR_TARGET "arch=x86-64-v3"
 #else
@@ -151,7 +152,9 @@ enum { SHADOW_FUSED = 1, SHADOW_UNFUSED = 0, SHADOW_DIFFERS = -1, SHADOW_UNSUPPO
 enum { GROUP_FLOAT32 = 0, GROUP_FLOAT16 = 1, GROUP_BFLOAT16 = 2, MAX_ROW_GROUPS = 2048 };
 
 /* Bytes of one group parameter stored as `kind`. */
-static inline size_t group_bytes(int kind) { return kind == GROUP_FLOAT32 ? 4 : 2; }
+__attribute__((unused)) static inline size_t group_bytes(int kind) {
+  return kind == GROUP_FLOAT32 ? sizeof(float) : sizeof(uint16_t);
+}
 
 typedef struct {
   const float *weights, *end; /* the float32 matrix (rows x cols, row-major) */
@@ -353,11 +356,7 @@ static int row_matches(const shadow *s, int row, int fused, float *out) {
   return !memcmp(out, s->weights + (size_t)row * s->cols, s->cols * sizeof(float));
 }
 
-static int vectors_usable(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
+static int vectors_usable(void) { return cpu_has_avx2_fma(1); }
 #endif
 
 #ifdef HAVE_X86_VECTORS
@@ -744,7 +743,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
           shadow_product(index, (int)((b - shadows[index].weights) / k), n, alpha, a, beta, c))
         return;
       if (beta == 0.0f) zero(c, n, 1);
-      next_sgemv(ROW_MAJOR, b_plain ? 112 : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
+      next_sgemv(ROW_MAJOR, b_plain ? TRANS : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
                  alpha, b, ldb, a, x_stride, beta, c, 1);
     }
     return;
@@ -774,7 +773,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       const float *a_row = a_plain ? a + (ptrdiff_t)row * lda : a + row;
       float *c_row = c + (ptrdiff_t)row * ldc;
       if (beta == 0.0f) zero(c_row, n, 1);
-      next_sgemv(ROW_MAJOR, b_plain ? 112 : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
+      next_sgemv(ROW_MAJOR, b_plain ? TRANS : NO_TRANS, b_plain ? k : n, b_plain ? n : k,
                  alpha, b, ldb, a_row, a_plain ? 1 : lda, beta, c_row, 1);
     }
     return;

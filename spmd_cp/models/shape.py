@@ -25,14 +25,16 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab: int
-    elem_bytes: int = 4
+    elem_bytes: int = 4  # the activations' element size
+    kv_elem_bytes: int | None = None  # the KV cache's (None: elem_bytes)
     # The sliding window of a model's local layers (attention/window.py), None without.
     # It bounds what a rank receives per layer, not its KV cache: every key is kept.
     window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.num_kv_heads * self.head_dim * self.elem_bytes
+        kv = self.kv_elem_bytes or self.elem_bytes
+        return 2 * self.layers * self.num_kv_heads * self.head_dim * kv
 
 
 def shape_of_config(c: dict) -> ModelShape:

@@ -30,14 +30,26 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def local_headers(source: Path) -> list[Path]:
+    """The headers ``source`` includes from its own folder (``#include "name.h"``): part
+    of what the built file is keyed by, and shipped beside it (pyproject's package data)."""
+    found = []
+    for line in source.read_text().splitlines():
+        words = line.replace('"', " ").split()
+        if len(words) == 2 and words[0] == "#include" and line.count('"') == 2:
+            found.append(source.with_name(words[1]))
+    return found
+
+
 def built_path(source: Path, kind: str, name: str) -> Path:
-    """Where ``source`` built for this platform lives in the cache (keyed by the source,
-    the OS and the machine: a cache shared by x86 and ARM hosts keeps one of each).
+    """Where ``source`` built for this platform lives in the cache (keyed by the source and
+    its headers, the OS and the machine: a cache shared by x86 and ARM hosts keeps one of each).
     Raises RuntimeError when the source is missing (an install that left it out): the
     callers fall back as they do without a compiler."""
     target = f"{sys.platform}-{platform.machine()}".encode()
     try:
         text = source.read_bytes()
+        text += b"".join(header.read_bytes() for header in local_headers(source))
     except OSError as error:
         raise RuntimeError(f"cannot read {source.name} ({error.strerror}): "
                            "reinstall spmd-cp") from error
@@ -60,9 +72,10 @@ def build(source: Path, target: Path) -> Path:
         os.close(handle)
     except OSError as error:  # e.g. a read-only cache directory
         raise RuntimeError(f"cannot write {target.parent}: {error}") from error
-    command = [cc, "-O2", "-shared", "-fPIC", "-o", scratch, str(source)]
+    command = [cc, "-O2", "-shared", "-fPIC", "-I", str(source.parent), "-o", scratch,
+               str(source)]
     if sys.platform.startswith("linux"):
-        command.append("-ldl")  # dlopen/dlsym (in libc itself from glibc 2.34)
+        command += ["-ldl", "-lpthread"]  # dlsym, threads (in libc itself from glibc 2.34)
     try:
         built = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if built.returncode != 0:

@@ -1,0 +1,175 @@
+"""spmd-cp beside llama.cpp on the same GGUF, the same prompt, the same cores.
+
+    python benchmarks/vs_llamacpp.py                        # 3K and 6.5K tokens, 2 rounds
+    python benchmarks/vs_llamacpp.py --contexts 3000 --rounds 3 --tokens 64
+
+llama.cpp runs through llama-cpp-python (``import llama_cpp``; it builds llama.cpp from
+source, about half an hour on 2 cores, so it is no dependency of spmd-cp and this
+benchmark is no test) on the embedded SmolLM2-135M-Instruct Q4_1 GGUF, in a child
+process of its own: the prompt evaluated in batches of 512 tokens (``n_batch``), then
+greedy tokens one at a time, its threads (``n_threads``, ``n_threads_batch``) set to
+match. spmd-cp runs the command users run on the same file:
+
+    OPENBLAS_NUM_THREADS=T mpiexec -n N spmd-cp generate --prompt-file PROMPT \\
+        --no-chat-template --max-tokens 64 --json
+
+Both read the same text without a chat template (the two tokenizers of the one GGUF
+agree on its token count, recorded). Variants per context: llama.cpp on 1 and on 2
+threads, spmd-cp at N = 1 with 1 and 2 threads, and N = 2 with 1 thread each; they
+alternate within every round (A B C D E A B C ...) so drift hits all alike. Reported:
+medians of prefill and decode tok/s, and the ratios to llama.cpp at equal cores (N = 2
+against llama.cpp on 2 threads). Results: benchmarks/results/vs_llamacpp.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+SOURCE_TEXT = bl.RESULTS / "prompts" / "prompt_8160.txt"
+N_BATCH = 512  # llama.cpp's prompt batch (llama-cpp-python's default)
+# (name, system, ranks, threads per rank)
+VARIANTS = [("llama.cpp 1 thread", "llama.cpp", 1, 1),
+            ("llama.cpp 2 threads", "llama.cpp", 1, 2),
+            ("spmd-cp N=1, 1 thread", "spmd-cp", 1, 1),
+            ("spmd-cp N=1, 2 threads", "spmd-cp", 1, 2),
+            ("spmd-cp N=2, 1 thread each", "spmd-cp", 2, 1)]
+# each spmd-cp variant's llama.cpp at equal cores
+BASELINE = {1: "llama.cpp 1 thread", 2: "llama.cpp 2 threads"}
+
+
+def gguf_path() -> str:
+    from spmd_cp.models.gguf import default_model_path
+
+    return default_model_path()
+
+
+def make_prompt(tokens: int, directory: Path) -> tuple[Path, int]:
+    """A prompt file of the source text's first whole words, at most ``tokens`` tokens
+    by spmd-cp's tokenizer of the GGUF (the longest such prefix, by bisection); (its
+    path, its token count)."""
+    from spmd_cp.models.loader import load_model
+
+    tokenizer = load_model(gguf_path()).tokenizer
+    source = SOURCE_TEXT.read_text()
+    ends = [m.start() for m in re.finditer(r"\s+", source)] + [len(source)]
+    low, high = 0, len(ends)  # ends[:low] fit; ends[high:] do not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if len(tokenizer.encode(source[:ends[middle]])) <= tokens:
+            low = middle
+        else:
+            high = middle
+    text = source[:ends[low]]
+    path = directory / f"prompt_{tokens}.txt"
+    path.write_text(text)
+    return path, len(tokenizer.encode(text))
+
+
+def llama_worker(prompt: str, threads: int, tokens: int) -> dict:
+    """(In the child process) llama.cpp's prefill and greedy decode of ``prompt``."""
+    from llama_cpp import Llama
+
+    text = Path(prompt).read_text()
+    llm = Llama(model_path=gguf_path(), n_ctx=0, n_threads=threads, n_threads_batch=threads,
+                n_batch=N_BATCH, verbose=False)
+    ids = llm.tokenize(text.encode(), add_bos=True)
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(ids)
+    token = llm.sample(temp=0.0)
+    prefilled = time.perf_counter()
+    for _ in range(tokens - 1):
+        llm.eval([token])
+        token = llm.sample(temp=0.0)
+    done = time.perf_counter()
+    return {"prompt_tokens": len(ids), "prefill_tok_s": len(ids) / (prefilled - start),
+            "decode_tok_s": (tokens - 1) / (done - prefilled),
+            "llama_cpp_python": __import__("llama_cpp").__version__}
+
+
+def run_variant(variant: tuple, prompt: Path, tokens: int, kv_dtype: str | None) -> dict:
+    name, system, ranks, threads = variant
+    if system == "llama.cpp":
+        cmd = [sys.executable, __file__, "--llama-worker", str(prompt), "--threads",
+               str(threads), "--tokens", str(tokens)]
+        result = bl.run_json(cmd, env=bl.bench_env(threads))
+    else:
+        cmd = bl.mpi_cmd(ranks, bl.SPMD_CP, "generate", "--prompt-file", prompt,
+                         "--no-chat-template", "--max-tokens", tokens, "--json")
+        if kv_dtype:
+            cmd += ["--kv-dtype", kv_dtype]
+        result = bl.run_json(cmd, env=bl.bench_env(threads), cwd=prompt.parent)
+    result["_variant"] = name
+    bl.log(f"{name}: {result['prompt_tokens']} tokens, prefill {result['prefill_tok_s']:.1f} "
+           f"tok/s, decode {result['decode_tok_s']:.2f} tok/s, others "
+           f"{result['_others']:.2f} cores")
+    return result
+
+
+def summary(runs: list[dict]) -> list[list]:
+    medians = {}
+    for name, *_ in VARIANTS:
+        mine = [r for r in runs if r["_variant"] == name]
+        medians[name] = {k: bl.median([r[k] for r in mine])
+                         for k in ("prompt_tokens", "prefill_tok_s", "decode_tok_s")}
+        medians[name]["runs"] = len(mine)
+    rows = []
+    for name, system, ranks, threads in VARIANTS:
+        m, base = medians[name], medians[BASELINE[ranks * threads]]
+        if not m["runs"]:
+            continue
+        ratios = ["-", "-"] if system == "llama.cpp" or not base["runs"] else [
+            f"{m[k] / base[k]:.2f}x" for k in ("prefill_tok_s", "decode_tok_s")]
+        rows.append([name, ranks * threads, m["runs"], int(m["prompt_tokens"]),
+                     bl.fmt(m["prefill_tok_s"], 1), bl.fmt(m["decode_tok_s"], 2), *ratios])
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[3000, 6500])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--kv-dtype", default=None, help="spmd-cp's --kv-dtype (default: its own)")
+    parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
+                        help="which of the variants to run, by their 0-based place in the "
+                             "table (e.g. 0 2 4: the one-thread ones)")
+    parser.add_argument("--llama-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.llama_worker:
+        print(json.dumps(llama_worker(args.llama_worker, args.threads, args.tokens)))
+        return
+    command = "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:])
+    report = [bl.header("spmd-cp beside llama.cpp (same GGUF, prompt and cores)", command)]
+    payload = {"machine": bl.machine(), "command": command, "contexts": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for context in args.contexts:
+            prompt, count = make_prompt(context, Path(scratch))
+            runs = []
+            for _ in range(args.rounds):
+                for i in args.variants:
+                    runs.append(run_variant(VARIANTS[i], prompt, args.tokens, args.kv_dtype))
+                    rows = summary(runs)
+                    payload["contexts"][str(context)] = {"prompt_tokens": count, "runs": runs,
+                                                         "summary": rows}
+                    table = f"### {count}-token prompt, {args.tokens} greedy tokens\n\n" + \
+                        bl.table(["system", "cores", "runs", "prompt tokens", "prefill tok/s",
+                                  "decode tok/s", "prefill vs llama.cpp",
+                                  "decode vs llama.cpp"], rows)
+                    bl.save("vs_llamacpp", payload, "\n\n".join(report + [table]))  # each run
+            report.append(table)
+    print("\n\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
