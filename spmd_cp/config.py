@@ -12,6 +12,8 @@ from dataclasses import MISSING, dataclass, field, fields
 
 DECODE_TP_MODES = ("auto", "on", "off")
 DECODE_COMM_MODES = ("auto", "mlx", "mpi")
+DECODE_STEP_MODES = ("auto", "native", "graph")
+DECODE_REQUEST_MODES = ("persistent", "blocking")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
 
 # Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
@@ -114,6 +116,12 @@ class DecodeConfig(_Settings):
     # auto: the decode step's collectives run inside MLX's graph (runtime/graph_comm.py)
     # where every rank can open MLX's MPI or ring backend, else through mpi4py.
     decode_comm: str = "auto"
+    # auto: the native step (C calls between persistent MPI collectives) where every rank
+    # can run it, else MLX's graph; native: refuse to run without it; graph: MLX's graph.
+    decode_step: str = "auto"
+    # The native step's collectives: persistent MPI requests where the library has them
+    # (else blocking calls), or blocking calls always.
+    decode_requests: str = "persistent"
 
 
 @dataclass(frozen=True)

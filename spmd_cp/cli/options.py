@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_COMM_MODES, DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig,
+from ..config import (DECODE_COMM_MODES, DECODE_STEP_MODES, DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig,
                       RunConfig, SamplingConfig, describe_range, in_range)
 
 
@@ -127,6 +127,10 @@ def decode_options(fn):
                           "backend on this job's MPICH, else its ring backend; "
                           "SPMD_CP_GRAPH_BACKEND picks), through mpi4py (mpi), or mlx where "
                           "every rank can (auto)."),
+        click.option("--decode-step", type=click.Choice(DECODE_STEP_MODES),
+                     default=d("decode_step"), show_default=True,
+                     help="Decode step body: C calls between MPI collectives (native, CPU "
+                          "path), MLX's graph (graph), or native where every rank can (auto)."),
     ])
 
 

@@ -155,9 +155,7 @@ def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = Decod
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     return Engine(build_cp_model(loaded, comm), comm, algo=run.cp_algo,
                   prefill_chunk=run.prefill_chunk,
-                  on_layer=layer_hook(comm.rank, comm.watchdog),
-                  kv_interleave=decode.kv_interleave, decode_merge=decode.decode_merge,
-                  decode_tp=decode.decode_tp, decode_comm=decode.decode_comm)
+                  on_layer=layer_hook(comm.rank, comm.watchdog), decode=decode)
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------

@@ -83,10 +83,12 @@ def split_copy_bytes(model, cp_size: int) -> int:
 
 
 def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_bytes_per_s: float,
-                   collective_s: float, packed: PackedReads | None = None) -> SplitEstimate:
+                   collective_s: float, packed: PackedReads | None = None,
+                   margin: float = 0.0) -> SplitEstimate:
     """Whether the split step pays on these ranks (see the module docstring); ``packed``:
     the share of the matrices read in a packed form, at its measured time instead of at
-    the float32 read rate."""
+    the float32 read rate; ``margin``: the share by which the saving must exceed the
+    cost."""
     if cp_size == 1:
         return SplitEstimate(False, 0.0, 0.0, "one rank: nothing to split")
     if stream_bytes_per_s <= 0:
@@ -95,7 +97,7 @@ def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_byte
     plain = weight_bytes - packed.float32_bytes
     saved = (1 - 1 / cp_size) * (plain / stream_bytes_per_s + packed.seconds)
     cost = (3 * num_layers + 1) * collective_s
-    split = saved > cost
+    split = saved > cost * (1 + margin)
     reads = f"{weight_bytes / 1e6:.0f} MB of matrices at {stream_bytes_per_s / 1e9:.1f} GB/s"
     if packed.float32_bytes:
         reads = (f"{weight_bytes / 1e6:.0f} MB of matrices: {plain / 1e6:.0f} MB at "
@@ -103,5 +105,6 @@ def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_byte
                  f"read packed in {1e3 * packed.seconds:.1f} ms")
     return SplitEstimate(split, saved, cost, (
         f"estimated per step: {1e3 * saved:.1f} ms of weight reads saved, "
-        f"{1e3 * cost:.1f} ms in {3 * num_layers + 1} more collectives "
+        f"{1e3 * cost:.1f} ms in {3 * num_layers + 1} more collectives"
+        f"{f' (+{100 * margin:.0f}% margin)' if margin else ''} "
         f"({reads}; {1e6 * collective_s:.0f} us per collective)"))

@@ -24,7 +24,7 @@ Where it runs: the CPU path, a float32 KV cache and weights (a quantized model's
 dequantized there, its shadows kept), every layer a Llama/Qwen block with plain
 RMSNorms, a RoPE with a matrix form, a SwiGLU MLP and at most 64 query heads per KV
 head, the weights not layer-sharded, a C compiler, and every rank able to; not with
-``--decode-comm mlx`` or ``SPMD_CP_NATIVE_DECODE=0``. Elsewhere decode keeps MLX's step
+``--decode-comm mlx`` or ``--decode-step graph``. Elsewhere decode keeps MLX's step
 (engine/model.py, tp_decode.py). The KV cache stays the engine's (cache.LayerKV): a
 stored token is written into its evaluated buffer in place.
 """
@@ -267,6 +267,15 @@ class NativeDecoder:
             sent += (size - 1) * self.o_part.nbytes  # o's rows
             sent += 2 * (size - 1) * self.mlp_part.nbytes // size  # down's partial sums
         return sent
+
+    @property
+    def requests_kind(self) -> str:
+        """The plan's word for this step's collectives: "persistent" MPI requests,
+        "blocking" calls (asked for, or the library lacks persistent ones), "none"."""
+        if not self.requests:
+            return "none"
+        return "blocking" if any(isinstance(r, _Blocking) for r in self.requests) \
+            else "persistent"
 
     def free(self):
         """Release the persistent requests (idempotent)."""

@@ -1,10 +1,8 @@
-"""Whether a decode step can run natively (native_decode.py) on this rank: the switch,
-the compute path, the model's modules and dtypes, the C library. Checked before any
+"""Whether a decode step can run natively (native_decode.py) on this rank: the compute
+path, the model's modules and dtypes, the C library. Checked before any
 rank commits to the native step, so every rank can take the same way."""
 
 from __future__ import annotations
-
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,22 +10,14 @@ import mlx.nn as nn
 from ..kernels import decode_step
 from ..kernels.decode_step import MAX_GROUP
 from ..runtime.device import on_gpu_path
-from ..runtime.switches import switched_off
 from .model import SWIGLU_MLPS, CPModel
 from .one_token import EXACT_AS_MATRIX
-
-ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
-
-
-def wanted() -> bool:
-    return not switched_off(ENV)
 
 
 def availability() -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
-    model is checked when it runs: float32 Llama/Qwen layers)."""
-    if not wanted():
-        return f"off ({ENV}={os.environ[ENV]})"
+    model is checked when it runs: float32 Llama/Qwen layers; ``--decode-step graph``
+    turns it off)."""
     if on_gpu_path():
         return "not used (the GPU path runs MLX's step)"
     library, why = decode_step.library()
@@ -46,8 +36,6 @@ def native_obstacle(model: CPModel) -> str | None:
     """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
     modules and their dtypes, the C library (the split step's slices are checked as
     ``NativeDecoder`` is built)."""
-    if not wanted():
-        return f"{ENV}={os.environ[ENV]}"
     if on_gpu_path():
         return "the GPU path"
     if model.kv_dtype != mx.float32:
