@@ -76,7 +76,11 @@ def make_prompt(target_tokens: int, directory: Path) -> tuple[Path, str, int]:
 
 
 def decode_choice(stderr: str) -> str:
-    found = re.search(r"decode: (tensor-parallel|replicated) \((.*)\)", stderr or "")
+    """The layout the run decoded with and why: the decode plan's log line (this code),
+    or the older "decode: tensor-parallel|replicated (why)" line (a baseline before it)."""
+    found = re.search(r"decode plan: (split|replicated) layout \((.*?)\); \w+ step", stderr or "")
+    if found is None:
+        found = re.search(r"decode: (tensor-parallel|replicated) \((.*)\)", stderr or "")
     return f"{found.group(1)} ({found.group(2)})" if found else "-"
 
 
