@@ -14,6 +14,7 @@ DECODE_TP_MODES = ("auto", "on", "off")
 DECODE_COMM_MODES = ("auto", "mlx", "mpi")
 DECODE_STEP_MODES = ("auto", "native", "graph")
 DECODE_REQUEST_MODES = ("persistent", "blocking")
+GRAPH_BACKENDS = ("auto", "mpi", "ring")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
 
 # Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
@@ -87,6 +88,12 @@ class RunConfig(_Settings):
     overwrite: bool = False
     # Control-token strings in the user's text become control tokens (else plain text).
     parse_special: bool = False
+    # Decode reads a quantized model's 4/8-bit matrices packed (models/quantized_shadows.py)
+    # on an x86 CPU, else their float32 copies.
+    quantized_decode: bool = True
+    # Attention's exp and the MLPs' SiLU as a compiled polynomial on x86 CPUs
+    # (attention/exp.py), else MLX's own.
+    fast_exp: bool = True
 
 
 @dataclass
@@ -122,6 +129,9 @@ class DecodeConfig(_Settings):
     # The native step's collectives: persistent MPI requests where the library has them
     # (else blocking calls), or blocking calls always.
     decode_requests: str = "persistent"
+    # MLX's backend for graph collectives: auto tries its MPI backend (over this job's MPI
+    # through the ABI adapter) and falls back to its ring backend; mpi or ring force one.
+    graph_backend: str = "auto"
 
 
 @dataclass(frozen=True)

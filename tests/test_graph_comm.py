@@ -14,10 +14,11 @@ import pytest
 from conftest import C_HELPERS_BUILD, TESTS, needs_c_helpers, run_cli, run_ranks
 
 
-def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None) -> list:
+def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None,
+                  backend: str = "auto") -> list:
     out = tmp_path / f"graph-{n}-{mode}.json"
-    run_ranks(n, [sys.executable, str(TESTS / "graph_comm_driver.py"), str(out), mode],
-              timeout=120, env=env)
+    run_ranks(n, [sys.executable, str(TESTS / "graph_comm_driver.py"), str(out), mode,
+                  backend], timeout=120, env=env)
     return json.loads(out.read_text())
 
 
@@ -36,8 +37,8 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_
     sys.path.insert(0, str(TESTS))
     from graph_comm_driver import RESIDUAL, contribution
 
-    records = graph_records(n, tmp_path, env={"SPMD_CP_GRAPH_BACKEND": backend,
-                                              "SPMD_CP_CACHE": str(tmp_path)})
+    records = graph_records(n, tmp_path, env={"SPMD_CP_CACHE": str(tmp_path)},
+                            backend=backend)
     inputs = [contribution(r) for r in range(n)]
     rows = np.concatenate([np.moveaxis(i["rows"], 1, 2) for i in inputs], axis=-1)
     expected = {
@@ -100,9 +101,8 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
     runs = [("on", "mpi", None), ("off", "mpi", None)]
     runs += [(tp, "mlx", backend) for tp in ("on", "off") for backend in backends]
     for tp, comm, backend in runs:
-        env = {"SPMD_CP_GRAPH_BACKEND": backend} if backend else {}
         launch = run_cli(2, ["generate", *prompt, "--decode-tp", tp, "--decode-comm", comm,
-                             "--decode-step", "graph"], env=env)
+                             "--decode-step", "graph", "--graph-backend", backend or "auto"])
         summary = launch.last_json()
         assert summary["decode_step"] == "mlx"
         assert summary["token_ids"] == single, (tp, comm, backend)
@@ -116,8 +116,7 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
             assert {"mpi": "MPI backend", "ring": "ring backend"}[backend] in launch.stderr
 
 
-@pytest.mark.parametrize("variable, value", [("SPMD_CP_GRAPH_BACKEND", "nccl"),
-                                             ("SPMD_CP_SCHED", "fifo"),
+@pytest.mark.parametrize("variable, value", [("SPMD_CP_SCHED", "fifo"),
                                              ("SPMD_CP_HUGE_PAGES", "always"),
                                              ("SPMD_CP_ALLOCATOR", "tcmalloc")])
 def test_a_runtime_variable_with_a_bad_value_is_one_line(tiny_models, variable, value):
@@ -148,8 +147,8 @@ def test_auto_keeps_the_faster_of_graph_and_mpi4py_collectives(tiny_models):
               "--max-tokens", "6", "--json", "--temp", "0"]
     single = run_cli(1, prompt).last_json()["token_ids"]
     # MLX's decode step: the native one takes MPI's collectives without timing the graph's
-    launch = run_cli(4, prompt + ["--decode-step", "graph"],
-                     env={"SPMD_CP_GRAPH_BACKEND": "ring"}, timeout=240)
+    launch = run_cli(4, prompt + ["--decode-step", "graph", "--graph-backend", "ring"],
+                     timeout=240)
     assert launch.last_json()["token_ids"] == single
     said = launch.last_json()["decode_plan"]["reasons"]["transport"]
     timed = re.match(r"(\d+) us per collective through mpi4py against (\d+) us in "

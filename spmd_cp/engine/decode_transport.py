@@ -39,7 +39,7 @@ def choose_transport(comm, config, native: bool, sharded: bool,
         return Transport(comm, "mpi", "replicated steps over layer-sharded weights: each "
                          "collective evaluates the layers before it, so the layers "
                          "received for a step are freed one by one")
-    graph, reason = open_graph_collectives(comm, mode)
+    graph, reason = open_graph_collectives(comm, mode, config.graph_backend)
     mpi_s = None
     if graph is not None and mode == "auto":
         graph, reason, mpi_s = _faster_of(comm, graph, reason, calibrated_collective_s)
