@@ -143,7 +143,7 @@ def test_decode_is_readied_once_apart_only_when_a_decode_step_follows(tiny_model
     summary = run.last_json()
     assert summary["decode_tp"] == "on" and summary["decode_setup_s"] > 0
     assert summary["token_ids"] == reference["token_ids"]
-    # The split step's own memory (o and down columns; the rows are views) is what the
+    # The split step's own memory (down columns; the rows are views) is what the
     # forecast added to the weights, and what model_bytes reports beyond them.
     loaded = load_model(tiny_models["llama"]).model
     copies = split_copy_bytes(loaded.model, 2)

@@ -2,8 +2,9 @@
 
 A decode step reads every weight matrix once: on a CPU (and on a small GPU model) that
 read is most of the step. The split step (tp_decode.py) has each rank read 1/N of every
-matrix and adds three small collectives per layer (the q/k/v Allgather, the Allreduces
-after the attention output and the MLP) plus one Gatherv of the logits. So
+matrix and adds three small collectives per layer (the q/k/v Allgather, the Allgather of
+the attention output's rows, the Allreduce after the MLP) plus one Gatherv of the
+logits. So
 
     saved per step = (1 - 1/N) * W / stream        cost per step = (3 L + 1) * t_coll
 
@@ -68,15 +69,14 @@ def split_matrix_bytes(model) -> int:
 
 def split_copy_bytes(model, cp_size: int) -> int:
     """Bytes the split step copies on the busiest of ``cp_size`` ranks when the weights
-    are replicated: its columns of every layer's o and down projections, and of a small
+    are replicated: its columns of every layer's down projection, and of a small
     model the q/k/v rows of a rank whose rows span several of those matrices (the other
     row slices are views, tp_decode.py). 0 for one rank."""
     if cp_size == 1:
         return 0
     from .tp_decode import joined_qkv_bytes  # MLX graph code; this module stays pure
 
-    modules = [getattr(part, name, None) for layer in model.layers
-               for part, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj"))]
+    modules = [getattr(layer.mlp, "down_proj", None) for layer in model.layers]
     total = sum(v.nbytes for m in modules if m is not None
                 for _, v in tree_flatten(m.parameters()))
     return -(-total // cp_size) + sum(joined_qkv_bytes(layer, cp_size) for layer in model.layers)

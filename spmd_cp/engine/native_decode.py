@@ -187,13 +187,8 @@ class NativeDecoder:
             k_norm, _ = _norm_weight(attn.k_norm)
         held = self.held
         if self.split is not None:
-            piece = self.split.layers[index]
-            # W_o by rows, not the slice's columns: every rank holds the whole merged
-            # attention output, so it reads whole rows (the column copy's half rows took
-            # 0.87 ms a step at N = 2 for half of the 1.12 ms N = 1 spends on all of W_o);
-            # an Allgatherv of the outputs where the columns' partial sums need an Allreduce
-            a, b = split_ranges(self.dim, self.comm.size)[self.comm.rank]
-            qkv, o = piece.qkv_parts, WeightMatrix.of(attn.o_proj).rows(a, b).evaluated(copy=False)
+            piece = self.split.layers[index]  # W_o by rows, an Allgatherv: tp_decode.py
+            qkv, o = piece.qkv_parts, piece.o
             gate, up, down = piece.gate, piece.up, piece.down
         else:
             qkv = [WeightMatrix.of(attn.q_proj), WeightMatrix.of(attn.k_proj),

@@ -6,16 +6,21 @@ already holds all of them. So each rank computes a 1/N slice of every matmul:
 
     qkv:   rows of [Wq; Wk; Wv] (column-parallel)  -> Allgather -> full q, k, v everywhere
     attn:  each rank's KV shard (CP, as before)    -> exact merge across ranks
-    o:     columns of Wo (row-parallel)            -> Allreduce-sum
+    o:     rows of Wo (column-parallel)            -> Allgather of the outputs
     mlp:   rows of Wgate, Wup; columns of Wdown    -> Allreduce-sum
     head:  rows of the vocabulary (vocab-parallel) -> Gatherv of the logits to rank 0
 
-Four small collectives per layer (about (NH + 2 NKV) d + NH (d+1) + 2 D floats) replace
-(N-1)/N of the weight reads: it pays when the link latency times 4 L is well below the
+Three small collectives per layer (about (NH + 2 NKV) d + NH (d+1) + 2 D floats) replace
+(N-1)/N of the weight reads: it pays when the link latency times 3 L is well below the
 time to read (N-1)/N of the weights, which the engine measures (``--decode-tp auto``).
-Quantized weights are sliced packed (weight_slices.py): columns of Wo and Wdown only on
-group boundaries. Results equal the replicated step up to float summation order. The
-layer loop itself is CPModel.forward's, with ``LayerSlice`` as its projections.
+W_o is split by rows, not by columns: every rank holds the whole merged attention output,
+so it reads whole rows, which are views of the loaded matrix (no copy); the columns'
+half rows took 0.87 ms a step at N = 2 in the native step for half of the 1.12 ms N = 1
+spends on all of W_o, and needed a copy of 1/N of W_o on every rank. Both steps (graph
+and native) take this one layout. Quantized weights are sliced packed
+(weight_slices.py): columns of Wdown only on group boundaries. Results equal the
+replicated step up to float summation order. The layer loop itself is
+CPModel.forward's, with ``LayerSlice`` as its projections.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ class LayerPlan:
     up: WeightMatrix
     down: WeightMatrix
     qkv_ranges: list  # per rank: outputs of [Wq; Wk; Wv]
-    o_ranges: list  # per rank: inputs of Wo (whole groups)
+    o_ranges: list  # per rank: outputs (rows) of Wo
     hidden_ranges: list  # per rank: rows of Wgate and Wup = inputs of Wdown (whole groups)
 
     @classmethod
@@ -103,7 +108,7 @@ class LayerPlan:
         o, down = _matrix(attn, "o_proj"), _matrix(mlp, "down_proj")
         return cls(qkv, o, _matrix(mlp, "gate_proj"), _matrix(mlp, "up_proj"), down,
                    _split("q/k/v outputs", sum(m.out_width for m in qkv), size),
-                   _split("o_proj inputs", o.in_width, size, o.in_align),
+                   _split("o_proj outputs", o.out_width, size),
                    _split("down_proj inputs", down.in_width, size, down.in_align))
 
 
@@ -117,8 +122,8 @@ class LayerSlice:
         ``copy_rows``: copy the row slices too (the layer's weights will not stay: q/k/v
         rows joined into one matrix, gate, up), else they are views into the loaded
         matrices (q/k/v as one matmul per matrix touched, unless the rows are few: see
-        ``JOIN_QKV_MAX_BYTES``). The column slices of o and down are copies either way
-        (a view of columns is not a matrix BLAS streams)."""
+        ``JOIN_QKV_MAX_BYTES``). The column slice of down is a copy either way (a view
+        of columns is not a matrix BLAS streams)."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
@@ -129,19 +134,18 @@ class LayerSlice:
         self.qkv_parts = [m.evaluated(copy=join_qkv) for m in parts]
         if join_qkv and len(self.qkv_parts) == 1:
             SHADOWS.register_stacked(self.qkv_parts[0].weight, [m.weight for m in pieces])
-        self.o_inputs = plan.o_ranges[rank]
-        self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
-        SHADOWS.register_columns(self.o.weight, plan.o.weight, *self.o_inputs)
+        self.o_sizes = [b - a for a, b in plan.o_ranges]
+        self.o = plan.o.rows(*plan.o_ranges[rank]).evaluated(copy=copy_rows)
         a, b = plan.hidden_ranges[rank]
         self.gate = plan.gate.rows(a, b).evaluated(copy=copy_rows)
         self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
         self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
         SHADOWS.register_columns(self.down.weight, plan.down.weight, a, b)
-        self.own = [self.o, self.down]
+        self.own = [self.down]
         if join_qkv:
             self.own += self.qkv_parts
         if copy_rows:
-            self.own += [self.gate, self.up]
+            self.own += [self.o, self.gate, self.up]
 
     def qkv(self, x: mx.array):
         qkv = apply_all(self.qkv_parts, x)  # this rank's outputs of [Wq; Wk; Wv]
@@ -150,8 +154,7 @@ class LayerSlice:
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
-        a, b = self.o_inputs
-        return self.comm.allreduce_onto(h, self.o(out[..., a:b]))
+        return h + self.comm.allgather_rows(self.o(out), axis=-1, counts=self.o_sizes)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         act = swiglu(self.gate(x), self.up(x))
