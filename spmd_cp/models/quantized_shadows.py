@@ -16,7 +16,7 @@ q/k/v rows) is registered with a view of the matching part of the packed form
 (``register_columns``, ``register_stacked``): no packed bytes beyond the model's.
 
 Registered arrays are kept for the life of the process: the C side holds their
-addresses. ``SPMD_CP_QUANTIZED_DECODE=0`` turns shadows off (decode reads float32).
+addresses. ``--no-quantized-decode`` turns shadows off (decode reads float32).
 Without the forward preloaded (macOS, a GPU, no C compiler, ``SPMD_CP_GEMV_FORWARD=0``)
 or without AVX2, FMA and F16C nothing registers and nothing changes.
 """

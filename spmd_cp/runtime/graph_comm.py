@@ -20,7 +20,7 @@ Two MLX backends carry them, opened once per process from the MPI communicator:
   uses over Thunderbolt): every rank opens a port and the addresses are exchanged with
   MPI.
 
-``SPMD_CP_GRAPH_BACKEND=mpi|ring`` forces one (``auto``, the default, tries them in
+``--graph-backend mpi|ring`` forces one (``auto``, the default, tries them in
 that order). Prefill keeps mpi4py (large messages, overlapped on a thread).
 
 Every rank must evaluate every collective, in the same order: the decode step's
