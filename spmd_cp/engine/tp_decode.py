@@ -17,12 +17,12 @@ W_o is split by rows, not by columns: every rank holds the whole merged attentio
 so it reads whole rows, which are views of the loaded matrix (no copy); the columns'
 half rows took 0.87 ms a step at N = 2 in the native step for half of the 1.12 ms N = 1
 spends on all of W_o, and needed a copy of 1/N of W_o on every rank. Both steps (graph
-and native) take this one layout: MLX's split step with the columns and an Allreduce
-(the layout before) against the rows, N = 2, SmolLM2-135M Q4_1, a 901-token prompt, 64
-greedy tokens, alternating runs on the 2-core AMD EPYC machine while other jobs loaded
-it (load average 17-26): 1.44 / 1.60 against 1.62 / 0.92 tok/s, not told apart; the
-rows held 20 MB less a rank (model_bytes 722 against 742 MB). Quantized weights are sliced packed
-(weight_slices.py): columns of Wdown only on group boundaries. Results equal the
+and native) take this one layout. MLX's split step with W_o's columns and an Allreduce
+against its rows, N = 2, SmolLM2-135M Q4_1, a 901-token prompt, 64 greedy tokens,
+alternating runs on the 2-core AMD EPYC machine while other jobs loaded it (load average
+17-26; 2026-11-25): 1.44 / 1.60 against 1.62 / 0.92 tok/s, not told apart; the rows
+held 20 MB less a rank (model_bytes 722 against 742 MB). Quantized weights are sliced
+packed (weight_slices.py): columns of Wdown only on group boundaries. Results equal the
 replicated step up to float summation order. The layer loop itself is
 CPModel.forward's, with ``LayerSlice`` as its projections.
 """
