@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_COMM_MODES, DECODE_STEP_MODES, GRAPH_BACKENDS, DECODE_TP_MODES, SHARD_WEIGHTS_MODES, DecodeConfig,
-                      RunConfig, SamplingConfig, describe_range, in_range)
+from ..config import (DECODE_COMM_MODES, DECODE_STEP_MODES, DECODE_TP_MODES, GRAPH_BACKENDS,
+                      SHARD_WEIGHTS_MODES, DecodeConfig, RunConfig, SamplingConfig,
+                      describe_range, in_range)
 
 
 class RangeError(click.BadParameter):

@@ -1,6 +1,6 @@
 """Whether a decode step can run natively (native_decode.py) on this rank: the compute
-path, the model's modules and dtypes, the C library. Checked before any
-rank commits to the native step, so every rank can take the same way."""
+path, the model's modules and dtypes, the C library. Checked before any rank commits to
+the native step, so every rank can take the same way (decode_plan.py)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-
 log = logging.getLogger("spmd_cp")
 
 KERNEL_BITS = (4, 8)  # the bit widths gemv_forward.c's kernel reads
