@@ -154,8 +154,11 @@ def test_decode_is_readied_once_apart_only_when_a_decode_step_follows(tiny_model
     assert reference["memory_forecast"]["weights_bytes"] == replicated
     # one rank: only the native step to build (where it is taken), no collectives
     assert (reference["decode_setup_s"] > 0) == (reference["decode_step"] == "native")
-    assert "decode collectives" not in one_rank.stderr
+    assert reference["decode_plan"]["transport"] == "none"
+    assert reference["decode_plan"]["reasons"]["layout"] == "one rank"
+    assert summary["decode_plan"]["reasons"]["layout"] == "--decode-tp on"
     single = run_cli(2, args + ["--max-tokens", "1"], env=env)
     assert single.last_json()["decode_setup_s"] == 0.0
-    assert "slices" not in single.stderr and "decode collectives" not in single.stderr
+    assert single.last_json()["decode_plan"] is None
+    assert "slices" not in single.stderr and "decode plan" not in single.stderr
     assert single.last_json()["token_ids"] == reference["token_ids"][:1]
