@@ -4,7 +4,8 @@
     python benchmarks/bench_generate.py --ranks 1 2 4 --rounds 2 --tokens 64
     python benchmarks/bench_generate.py --baseline /work/main/.venv/bin/spmd-cp  # + N=2 of it
     python benchmarks/bench_generate.py --baseline OTHER --baseline-ranks 1 2
-    python benchmarks/bench_generate.py --compare-env SPMD_CP_FAST_EXP=0 --baseline-ranks 1 2
+    python benchmarks/bench_generate.py --compare-flags=--no-fast-exp --baseline-ranks 1 2
+    python benchmarks/bench_generate.py --compare-env SPMD_CP_HUGE_PAGES=off --baseline-ranks 1 2
 
 Every run is exactly
 
@@ -25,7 +26,8 @@ Reported per run: prefill tok/s, decode tok/s (the JSON's fields), the decode mo
 over N = 1 and prefill efficiency (prefill tok/s at N over N x that at 1). With
 --baseline, every round also runs another installation's spmd-cp (launched by the
 mpiexec next to it; at N = 2, or the --baseline-ranks), e.g. the code before a change;
-with --compare-env NAME=VALUE, this code again with that variable set. Results:
+with --compare-env NAME=VALUE, this code again with that variable set; with
+--compare-flags "FLAGS", this code again with those generate flags. Results:
 benchmarks/results/generate.json and .md.
 """
 
@@ -76,7 +78,11 @@ def make_prompt(target_tokens: int, directory: Path) -> tuple[Path, str, int]:
 
 
 def decode_choice(stderr: str) -> str:
-    found = re.search(r"decode: (tensor-parallel|replicated) \((.*)\)", stderr or "")
+    """The layout the run decoded with and why: the decode plan's log line (this code),
+    or the older "decode: tensor-parallel|replicated (why)" line (a baseline before it)."""
+    found = re.search(r"decode plan: (split|replicated) layout \((.*?)\); \w+ step", stderr or "")
+    if found is None:
+        found = re.search(r"decode: (tensor-parallel|replicated) \((.*)\)", stderr or "")
     return f"{found.group(1)} ({found.group(2)})" if found else "-"
 
 
@@ -86,9 +92,9 @@ def launcher(spmd_cp: str, ranks: int) -> list:
 
 
 def generate(ranks: int, prompt: Path, tokens: int, env: dict, spmd_cp: str = bl.SPMD_CP,
-             variant: str = "this") -> dict:
+             variant: str = "this", flags: tuple = ()) -> dict:
     cmd = launcher(spmd_cp, ranks) + ["generate", "--prompt-file", str(prompt),
-                                      "--max-tokens", str(tokens), "--json"]
+                                      "--max-tokens", str(tokens), "--json", *flags]
     load = bl.loadavg()[0]
     # From the prompt's folder, not the repository: a baseline started as `python -m
     # spmd_cp` with PYTHONPATH set would import the repository's package from the
@@ -136,7 +142,10 @@ def main():
                         help="the rank counts the baseline (or --compare-env) runs at")
     parser.add_argument("--compare-env", metavar="NAME=VALUE",
                         help="also run this code with one environment variable set, e.g. "
-                             "SPMD_CP_FAST_EXP=0 (instead of --baseline)")
+                             "SPMD_CP_HUGE_PAGES=off (instead of --baseline)")
+    parser.add_argument("--compare-flags", metavar="FLAGS",
+                        help="also run this code with these generate flags, e.g. "
+                             "--no-fast-exp (instead of --baseline)")
     args = parser.parse_args()
     command = "python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:])
     if 1 not in args.ranks:
@@ -148,20 +157,22 @@ def main():
         other = None
         if args.compare_env:
             name, _, value = args.compare_env.partition("=")
-            other = (args.compare_env, bl.SPMD_CP, {**env, name: value})
+            other = (args.compare_env, bl.SPMD_CP, {**env, name: value}, ())
+        elif args.compare_flags:
+            other = (args.compare_flags, bl.SPMD_CP, env, tuple(shlex.split(args.compare_flags)))
         elif args.baseline:
-            other = ("baseline", args.baseline, env)
+            other = ("baseline", args.baseline, env, ())
         configs = []
         for n in args.ranks:
-            configs.append(("this", n, bl.SPMD_CP, env))
+            configs.append(("this", n, bl.SPMD_CP, env, ()))
             if other and n in args.baseline_ranks:
-                configs.append((other[0], n, other[1], other[2]))
-        for _, n, spmd_cp, run_env in configs:  # fills the calibration (and weight) cache
+                configs.append((other[0], n, *other[1:]))
+        for _, n, spmd_cp, run_env, flags in configs:  # fills the calibration (and weight) cache
             bl.run_json(launcher(spmd_cp, n) + ["generate", "--prompt", "Hello",
-                                                "--max-tokens", "2", "--json"],
+                                                "--max-tokens", "2", "--json", *flags],
                         env=run_env, quiet_wait=0, cwd=tmp, timeout=WARM_UP_LIMIT_S)
-        runs = [generate(n, prompt, args.tokens, run_env, spmd_cp, variant)
-                for _ in range(args.rounds) for variant, n, spmd_cp, run_env in configs]
+        runs = [generate(n, prompt, args.tokens, run_env, spmd_cp, variant, flags)
+                for _ in range(args.rounds) for variant, n, spmd_cp, run_env, flags in configs]
     run_rows = [[i // len(configs) + 1, r["_variant"], r["ranks"], f"{r['_load_before']:.2f}",
                  bl.fmt(r["ttft_s"], 1), bl.fmt(r["prefill_tok_s"], 1),
                  bl.fmt(r["decode_tok_s"], 2), r["tokens"], r["algo"], r["_decode_choice"],
@@ -170,11 +181,12 @@ def main():
         bl.header("spmd-cp generate --json, N ranks side by side", command),
         f"started {started}; prompt: {prompt_tokens} tokens (chat template included) "
         f"from {source}; {args.tokens} greedy tokens; OPENBLAS_NUM_THREADS=1; default flags"
-        + (f"; baseline: {args.baseline}" if args.baseline and not args.compare_env else "")
-        + (f"; also with {args.compare_env}" if args.compare_env else ""),
+        + (f"; baseline: {args.baseline}" if other and other[0] == "baseline"
+           else "")
+        + (f"; also with {other[0]}" if other and other[0] != "baseline" else ""),
         bl.table(["code", "ranks", "runs", "prefill tok/s", "decode tok/s", "decode vs N=1",
                   "prefill efficiency", "load avg before each run"],
-                 summarize(runs, [(v, n) for v, n, _, _ in configs])),
+                 summarize(runs, [(v, n) for v, n, *_ in configs])),
         bl.table(["round", "code", "ranks", "load avg before", "TTFT s", "prefill tok/s",
                   "decode tok/s", "tokens", "prefill algo", "--decode-tp auto chose",
                   "others' cores"], run_rows)])

@@ -110,13 +110,15 @@ def lm_head_seconds(model) -> float:
 def work(bench: benchlib.Worker, args):
     import numpy as np
 
+    from spmd_cp.config import DecodeConfig
     from spmd_cp.engine.engine import Engine
 
     comm, model = bench.comm, bench.model
     tps = args.tp if comm.size > 1 else ["off"]
     merges = args.merge if comm.size > 1 else ["allgather"]
-    engines = {(tp, merge): Engine(model, comm, decode_merge=merge, decode_tp=tp,
-                                   decode_comm=args.decode_comm)
+    engines = {(tp, merge): Engine(model, comm, decode=DecodeConfig(
+                                       decode_merge=merge, decode_tp=tp,
+                                       decode_comm=args.decode_comm))
                for tp, merge in itertools.product(tps, merges)}
     caches = {context: synthetic_cache(bench, context) for context in args.context}
     steps = {key: ([], []) for key in itertools.product(args.context, tps, merges)}

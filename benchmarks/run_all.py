@@ -26,10 +26,12 @@ PY = sys.executable
 GENERATE = [PY, HERE / "bench_generate.py", "--ranks", "1", "2", "--tokens", "64"]
 
 
-def knob(variable_off: str, name: str, rounds: str = "3", *extra: str) -> list:
-    """The command users run with the shipped setting and with ``variable_off`` beside it."""
-    return GENERATE + ["--rounds", rounds, *extra, "--compare-env", variable_off,
-                       "--baseline-ranks", "1", "2", "--name", name]
+def knob(other: str, name: str, rounds: str = "3", *extra: str) -> list:
+    """The command users run with the shipped setting and with ``other`` beside it: a
+    start-up variable (NAME=VALUE) or generate flags (starting with --)."""
+    compare = "--compare-flags=" + other if other.startswith("--") else "--compare-env=" + other
+    return GENERATE + ["--rounds", rounds, *extra, compare, "--baseline-ranks", "1", "2",
+                       "--name", name]
 
 
 STEPS = {
@@ -47,14 +49,15 @@ STEPS = {
     "network": [PY, HERE / "bench_network.py", "--rates", "1gbit", "4gbit", "16gbit",
                 "--mix", "2048:0", "--mix", "64:2048", "--rounds", "2"],
     # docs/CPU_SPEED.md, the knobs' measured gains
-    "knob-fast-exp": knob("SPMD_CP_FAST_EXP=0", "generate_fast_exp_off", "2"),
-    "knob-fast-exp-8k": knob("SPMD_CP_FAST_EXP=0", "generate_fast_exp_off_8k", "1",
+    "knob-fast-exp": knob("--no-fast-exp", "generate_fast_exp_off", "2"),
+    "knob-fast-exp-8k": knob("--no-fast-exp", "generate_fast_exp_off_8k", "1",
                              "--prompt-tokens", "7900"),
     "knob-sched": knob("SPMD_CP_SCHED=default", "generate_sched_default"),
     "knob-huge-pages": knob("SPMD_CP_HUGE_PAGES=off", "generate_huge_pages_off"),
     # glibc is the default: the other allocator is the one compared
     "knob-allocator": knob("SPMD_CP_ALLOCATOR=jemalloc", "generate_allocator"),
-    "knob-quantized-decode": knob("SPMD_CP_QUANTIZED_DECODE=0", "generate_quantized_decode_off"),
+    "knob-quantized-decode": knob("--no-quantized-decode", "generate_quantized_decode_off"),
+    "decode-tp-auto": [PY, HERE / "decode_tp_auto.py", "--rounds", "3"],
     "plot": [PY, HERE / "plot.py"],
 }
 

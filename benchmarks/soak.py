@@ -63,7 +63,7 @@ def worker(bench: bl.Worker, args):
     from spmd_cp.engine.generation import generate
 
     comm, tokenizer = bench.comm, bench.loaded.tokenizer
-    engine = Engine(bench.model, comm, algo="auto", decode_tp="auto")
+    engine = Engine(bench.model, comm, algo="auto")  # decode: DecodeConfig()'s auto
     rng = np.random.RandomState(0)
     options = SamplingConfig(max_tokens=args.max_tokens)
     records = []

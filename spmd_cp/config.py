@@ -12,6 +12,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 DECODE_TP_MODES = ("auto", "on", "off")
 DECODE_COMM_MODES = ("auto", "mlx", "mpi")
+DECODE_STEP_MODES = ("auto", "native", "graph")
+DECODE_REQUEST_MODES = ("persistent", "blocking")
+GRAPH_BACKENDS = ("auto", "mpi", "ring")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
 KV_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -89,6 +92,12 @@ class RunConfig(_Settings):
     overwrite: bool = False
     # Control-token strings in the user's text become control tokens (else plain text).
     parse_special: bool = False
+    # Decode reads a quantized model's 4/8-bit matrices packed (models/quantized_shadows.py)
+    # on an x86 CPU, else their float32 copies.
+    quantized_decode: bool = True
+    # Attention's exp and the MLPs' SiLU as a compiled polynomial on x86 CPUs
+    # (attention/exp.py), else MLX's own.
+    fast_exp: bool = True
 
 
 @dataclass
@@ -118,6 +127,15 @@ class DecodeConfig(_Settings):
     # auto: the decode step's collectives run inside MLX's graph (runtime/graph_comm.py)
     # where every rank can open MLX's MPI or ring backend, else through mpi4py.
     decode_comm: str = "auto"
+    # auto: the native step (C calls between persistent MPI collectives) where every rank
+    # can run it, else MLX's graph; native: refuse to run without it; graph: MLX's graph.
+    decode_step: str = "auto"
+    # The native step's collectives: persistent MPI requests where the library has them
+    # (else blocking calls), or blocking calls always.
+    decode_requests: str = "persistent"
+    # MLX's backend for graph collectives: auto tries its MPI backend (over this job's MPI
+    # through the ABI adapter) and falls back to its ring backend; mpi or ring force one.
+    graph_backend: str = "auto"
 
 
 @dataclass(frozen=True)

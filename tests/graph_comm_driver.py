@@ -38,7 +38,8 @@ def main():
 
     comm = Comm(MPI.COMM_WORLD)
     mode = sys.argv[2] if len(sys.argv) > 2 else "auto"
-    graph, reason = open_graph_collectives(comm, mode)
+    backend = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    graph, reason = open_graph_collectives(comm, mode, backend)
     record = {"opened": graph is not None, "reason": reason}
     if graph is not None:
         mine = {name: mx.array(value) for name, value in contribution(comm.rank).items()}

@@ -15,6 +15,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from spmd_cp.config import DecodeConfig
 from spmd_cp.engine.engine import Engine
 from spmd_cp.engine.generation import decode_tokens
 from spmd_cp.models.loader import load_model
@@ -29,10 +30,12 @@ def prompt_ids(length: int, seed: int, vocab: int) -> np.ndarray:
 def run_config(comm, model, config, model_bytes):
     mx.clear_cache()
     mx.reset_peak_memory()
+    decode = DecodeConfig(kv_interleave=config.get("interleave", 1),
+                          decode_merge=config.get("merge", "allgather"),
+                          decode_tp=config.get("tp", "off"), decode_comm=config.get("comm", "mpi"),
+                          decode_step=config.get("step", "auto"))
     engine = Engine(model, comm, algo=config["algo"], prefill_chunk=config["chunk"],
-                    kv_interleave=config.get("interleave", 1),
-                    decode_merge=config.get("merge", "allgather"),
-                    decode_tp=config.get("tp", "off"), decode_comm=config.get("comm", "mpi"))
+                    decode=decode)
     cache = engine.new_cache()
     ids = prompt_ids(config["length"], config["seed"], 49152)
     bytes_before = comm.bytes_sent
@@ -57,7 +60,8 @@ def run_config(comm, model, config, model_bytes):
         "pos": records.pos if records else None,
         "greedy": tokens,
         "algos": sorted(set(engine.algos_used)),
-        "tp_used": engine.decode_tp == "on" and engine.tp_decoder is not None,
+        "tp_used": engine.plan is not None and engine.plan.layout == "split",
+        "decode_plan": engine.plan.as_dict() if engine.plan is not None else None,
         "kv_bytes_prefill": kv_after_prefill,
         "kv_bytes_final": comm.allgather_object(cache.nbytes),
         "shard_sizes": cache.shard_sizes,

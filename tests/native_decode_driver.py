@@ -1,6 +1,6 @@
 """Native decode steps (engine/native_decode.py) against mlx-lm's own forward pass.
 
-    mpiexec -n N python tests/native_decode_driver.py OUT_JSON MODEL [MODEL ...]
+    mpiexec -n N python tests/native_decode_driver.py OUT_JSON [--graph] MODEL [MODEL ...]
 
 For each model and each decode mode (one rank: replicated; several: the split step and
 the replicated one, and for the first model the split step with blocking collectives in
@@ -10,8 +10,9 @@ with the same engine (a second conversation). The reference is mlx-lm's
 unmodified model over the whole sequence at once (float32 weights as loaded; with a
 half-precision cache, mlx-lm's own KVCache holding float16 or bfloat16 keys and values,
 read back into float32 for attention, as spmd-cp's CPU path reads its cache).
+``--graph``: MLX's step (``--decode-step graph``) in place of the native one.
 Writes {"ranks", "results": [{"model", "tp", "persistent", "kv_dtype", "decode_step",
-"error", "argmax_equal"}]}.
+"requests", "error", "argmax_equal"}]}.
 """
 
 import json
@@ -38,25 +39,21 @@ def half_cache(dtype_name: str):
 
 
 def run(comm, model_path: str, loaded, tp: str, persistent: bool = True,
-        kv_dtype: str = "float32") -> dict:
+        kv_dtype: str = "float32", step: str = "auto") -> dict:
+    from spmd_cp.config import DecodeConfig
     from spmd_cp.engine.engine import Engine
     from spmd_cp.engine.model import CPModel
-    from spmd_cp.engine.native_decode import NativeDecoder
 
     rng = np.random.default_rng(7)
     ids = rng.integers(3, 2000, size=PROMPT + STEPS)
-    engine = Engine(CPModel(loaded, cpu_kv_dtype=kv_dtype), comm, algo="pass-kv", decode_tp=tp)
+    # blocking: the collectives a library without persistent ones (MPI 3) gets
+    decode = DecodeConfig(decode_tp=tp, decode_step=step,
+                          decode_requests="persistent" if persistent else "blocking")
+    engine = Engine(CPModel(loaded, cpu_kv_dtype=kv_dtype), comm, algo="pass-kv", decode=decode)
     cache = engine.new_cache()
     logits, _ = engine.prefill(cache, ids[:PROMPT])
-    engine.prepare_decode()
-    split = engine.decode_tp == "on"
-    if not persistent and engine._native.get(split) is not None:
-        # the blocking collectives a library without persistent ones (MPI 3) gets,
-        # built in place of the engine's own step
-        engine._native[split].free()
-        engine._native[split] = NativeDecoder(engine.model, comm,
-                                              engine.tp_decoder if split else None,
-                                              persistent=False)
+    plan = engine.prepare_decode()
+    assert plan.layout == ("split" if tp == "on" else "replicated"), plan
     # the first conversation, then a second one on a fresh cache with the same engine
     # (its native step re-reads the new cache's buffers): both against mlx-lm
     first = decode_against_reference(engine, cache, logits, ids, loaded, kv_dtype)
@@ -67,7 +64,7 @@ def run(comm, model_path: str, loaded, tp: str, persistent: bool = True,
     if comm.rank != 0:
         return {}
     return {"model": model_path, "tp": tp, "persistent": persistent, "kv_dtype": kv_dtype,
-            "decode_step": engine.decode_modes["decode_step"],
+            "decode_step": engine.decode_modes["decode_step"], "requests": plan.requests,
             "error": max(first[0], second[0]), "argmax_equal": first[1] and second[1]}
 
 
@@ -97,14 +94,17 @@ def main(comm, _options):
     from spmd_cp.models.loader import load_model
 
     out_path, *models = sys.argv[1:]
+    step = "auto"
+    if models[0] == "--graph":
+        step, models = "graph", models[1:]
     modes = ["off"] if comm.size == 1 else ["on", "off"]
     results = []
     for path in models:
         loaded = load_model(path).model
-        results += [run(comm, path, loaded, tp) for tp in modes]
-        if comm.size > 1 and path == models[0]:
+        results += [run(comm, path, loaded, tp, step=step) for tp in modes]
+        if comm.size > 1 and path == models[0] and step == "auto":
             results.append(run(comm, path, loaded, "on", persistent=False))
-        if path == models[0]:
+        if path == models[0] and step == "auto":
             results += [run(comm, path, loaded, tp, kv_dtype=kv)
                         for kv in ("float16", "bfloat16") for tp in modes]
     if comm.rank == 0:

@@ -70,10 +70,12 @@ def test_overlapped_decode_loop_equals_the_lockstep_loop(tiny_models):
     from spmd_cp.engine.model import CPModel
 
     loaded = load_model(tiny_models["llama"])
-    # "auto", as the CLI passes it: on one rank it must resolve to "off" at once, not time
-    # every step for the engine's life.
-    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), decode_tp="auto")
-    assert engine.decode_tp == "off"
+    # "auto", as the CLI passes it: on one rank the plan is the replicated layout, made
+    # once, without measuring anything.
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF))
+    plan = engine.prepare_decode()
+    assert (plan.layout, plan.transport, plan.inputs) == ("replicated", "none", {})
+    assert engine.prepare_decode() is plan
     prompt = np.array(loaded.tokenizer.encode(DOCUMENT))
 
     def run(overlap: bool, stop: str | None = None):
@@ -154,6 +156,7 @@ def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
     checkpoint rolled back to undoes a decode step entirely."""
     from mpi4py import MPI
 
+    from spmd_cp.config import DecodeConfig
     from spmd_cp.runtime.comm import Comm
     from spmd_cp.engine.cache import ShardedKVCache
     from spmd_cp.engine.engine import Engine
@@ -161,7 +164,8 @@ def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
     from spmd_cp.models.loader import load_model
 
     loaded = load_model(tiny_models["llama"])
-    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), kv_interleave=3)
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF),
+                    decode=DecodeConfig(kv_interleave=3))
     cache = engine.new_cache()
     engine.prefill(cache, np.array(loaded.tokenizer.encode(DOCUMENT))[:40])
     for token in (5, 6):

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from conftest import run_cli
+from spmd_cp.attention.calibrate import DECODE_SAMPLES, low_quantile
 from spmd_cp.engine.decode_choice import (PackedReads, estimate_split, split_copy_bytes,
                                           split_matrix_bytes)
+from spmd_cp.engine.decode_plan import SPLIT_MARGIN
 from spmd_cp.models.loader import load_model
 
 SMOLLM2_MATRICES = 538_060_032  # bytes; SmolLM2-135M in float32 (docs/BENCHMARKS.md)
@@ -28,6 +30,25 @@ def test_split_pays_where_weight_reads_dominate_and_not_where_collectives_do():
     assert not estimate_split(SMOLLM2_MATRICES, 2, 30, 20e9, 150e-6).split
     assert not estimate_split(SMOLLM2_MATRICES, 1, 30, 5e9, 60e-6).split
     assert not estimate_split(SMOLLM2_MATRICES, 2, 30, 0.0, 60e-6).split  # not measured
+
+
+def test_a_margin_keeps_the_replicated_step_near_the_break_even_and_quantiles_interpolate():
+    """Within the margin of the break-even the replicated layout stays (either decodes
+    about as fast; the split one holds copies); past it the split is taken. The low
+    quantile of samples is the order statistic's linear interpolation (numpy's default)."""
+    import numpy as np
+
+    # 91 collectives of 60 us = 5.46 ms; saved = 0.5 * W / stream
+    near = estimate_split(SMOLLM2_MATRICES, 2, 30, SMOLLM2_MATRICES / 2 / 6e-3, 60e-6)
+    assert near.split  # 6.0 > 5.46 ms
+    assert not estimate_split(SMOLLM2_MATRICES, 2, 30, SMOLLM2_MATRICES / 2 / 6e-3, 60e-6,
+                              margin=0.25).split  # 6.0 < 1.25 * 5.46
+    assert estimate_split(SMOLLM2_MATRICES, 2, 30, SMOLLM2_MATRICES / 2 / 8e-3, 60e-6,
+                          margin=0.25).split
+    samples = [9.0, 1.0, 5.0, 3.0, 100.0, 2.0, 4.0]  # one sample under load: 100
+    for q in (0.0, 0.25, 0.5, 1.0):
+        assert low_quantile(samples, q) == pytest.approx(np.quantile(samples, q))
+    assert low_quantile(samples, 0.25) == 2.5
 
 
 def test_matrices_read_packed_count_at_their_measured_time():
@@ -83,10 +104,20 @@ def test_auto_measures_again_and_replaces_a_stale_calibration(tiny_models, tmp_p
     path.write_text(json.dumps({**record, "collective_s": stale}))
     run = run_cli(2, args + ["--decode-comm", "mpi"], env=env)
     assert "the file is replaced" in run.stderr
-    decision = next(line for line in run.stderr.splitlines() if "decode: " in line
-                    and "(estimated per step" in line)
-    used_us = float(decision.split(" us per collective")[0].rsplit("; ", 1)[1])
-    assert used_us < 1e6 * stale / 2, decision
+    # the plan records what decided: the samples, their low quantile, the margin, the file
+    plan = run.last_json()["decode_plan"]
+    inputs = plan["inputs"]
+    assert inputs["calibration_file"]["collective_s"] == pytest.approx(stale)
+    assert inputs["collective_s"] < stale / 2, inputs
+    samples = inputs["samples"]
+    assert len(samples["collective_s"]) == len(samples["stream_bytes_per_s"]) == DECODE_SAMPLES
+    assert inputs["collective_s"] == pytest.approx(
+        low_quantile(samples["collective_s"], samples["quantile"]))
+    assert inputs["margin"] == SPLIT_MARGIN and inputs["saved_s"] > 0 and inputs["cost_s"] > 0
+    assert plan["layout"] == ("split" if inputs["saved_s"] > inputs["cost_s"] * (1 + SPLIT_MARGIN)
+                              else "replicated")
+    assert plan["reasons"]["layout"].startswith("auto: estimated per step")
+    assert run.last_json()["decode_tp"] == {"split": "on", "replicated": "off"}[plan["layout"]]
     assert json.loads(path.read_text())["collective_s"] < stale / 2
     assert run.last_json()["text"] == reference["text"]
     # In MLX's graph the collectives are timed at the decision as well.
@@ -112,7 +143,7 @@ def test_decode_is_readied_once_apart_only_when_a_decode_step_follows(tiny_model
     summary = run.last_json()
     assert summary["decode_tp"] == "on" and summary["decode_setup_s"] > 0
     assert summary["token_ids"] == reference["token_ids"]
-    # The split step's own memory (o and down columns; the rows are views) is what the
+    # The split step's own memory (down columns; the rows are views) is what the
     # forecast added to the weights, and what model_bytes reports beyond them.
     loaded = load_model(tiny_models["llama"]).model
     copies = split_copy_bytes(loaded.model, 2)
@@ -121,10 +152,13 @@ def test_decode_is_readied_once_apart_only_when_a_decode_step_follows(tiny_model
     assert summary["memory_forecast"]["weights_bytes"] == replicated + copies
     assert max(summary["model_bytes"]) == replicated + copies
     assert reference["memory_forecast"]["weights_bytes"] == replicated
-    # one rank: only the native step to build (where it is taken), no collectives
-    assert (reference["decode_setup_s"] > 0) == (reference["decode_step"] == "native")
-    assert "decode collectives" not in one_rank.stderr
+    # one rank: the plan is made (the step built), with no collectives and no split
+    assert reference["decode_setup_s"] > 0
+    assert reference["decode_plan"]["transport"] == "none"
+    assert reference["decode_plan"]["reasons"]["layout"] == "one rank"
+    assert summary["decode_plan"]["reasons"]["layout"] == "--decode-tp on"
     single = run_cli(2, args + ["--max-tokens", "1"], env=env)
     assert single.last_json()["decode_setup_s"] == 0.0
-    assert "slices" not in single.stderr and "decode collectives" not in single.stderr
+    assert single.last_json()["decode_plan"] is None
+    assert "slices" not in single.stderr and "decode plan" not in single.stderr
     assert single.last_json()["token_ids"] == reference["token_ids"][:1]

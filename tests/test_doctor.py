@@ -119,7 +119,7 @@ def test_head_counts_from_the_gguf_header_match_mx_load(embedded_model, tmp_path
 # -- under mpiexec -------------------------------------------------------------------------
 def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache):
     env = {"SPMD_CP_CACHE": str(cache)}
-    launch = run_cli(2, ["doctor", "--json"], env=env, timeout=120)
+    launch = run_cli(2, ["doctor", "--json"], env=env, timeout=240)
     summary = launch.last_json()
     assert summary["ranks"] == 2 and summary["ok"] and summary["problems"] == []
     with open(embedded_model, "rb") as f:
@@ -145,6 +145,13 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert f"decode collectives in MLX's graph: {graph['reason']}" in launch.stdout
     assert "written to " + calibration["file"] in launch.stdout
     assert "model checksum  " + expected in launch.stdout
+    # The decode plan generate makes with the default flags, whole, with its reasons.
+    plan = summary["decode_plan"]
+    assert plan["layout"] in ("split", "replicated") and plan["transport"] in ("mpi", "mlx")
+    assert set(plan["reasons"]) == {"layout", "step", "transport"}
+    assert plan["reasons"]["layout"].startswith("auto: estimated per step"), plan
+    assert len(plan["inputs"]["samples"]["collective_s"]) > 1
+    assert f"decode plan for this model (default flags): {plan['layout']} layout" in launch.stdout
     # Every thread of every rank under Linux's batch policy (runtime/scheduling.py).
     assert summary["scheduling"] == ["batch", "batch"]
     assert "scheduling      batch" in launch.stdout

@@ -14,10 +14,11 @@ import pytest
 from conftest import C_HELPERS_BUILD, TESTS, needs_c_helpers, run_cli, run_ranks
 
 
-def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None) -> list:
+def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None,
+                  backend: str = "auto") -> list:
     out = tmp_path / f"graph-{n}-{mode}.json"
-    run_ranks(n, [sys.executable, str(TESTS / "graph_comm_driver.py"), str(out), mode],
-              timeout=120, env=env)
+    run_ranks(n, [sys.executable, str(TESTS / "graph_comm_driver.py"), str(out), mode,
+                  backend], timeout=120, env=env)
     return json.loads(out.read_text())
 
 
@@ -36,8 +37,8 @@ def test_graph_collectives_equal_numpy_on_every_rank(n, backend, described, tmp_
     sys.path.insert(0, str(TESTS))
     from graph_comm_driver import RESIDUAL, contribution
 
-    records = graph_records(n, tmp_path, env={"SPMD_CP_GRAPH_BACKEND": backend,
-                                              "SPMD_CP_CACHE": str(tmp_path)})
+    records = graph_records(n, tmp_path, env={"SPMD_CP_CACHE": str(tmp_path)},
+                            backend=backend)
     inputs = [contribution(r) for r in range(n)]
     rows = np.concatenate([np.moveaxis(i["rows"], 1, 2) for i in inputs], axis=-1)
     expected = {
@@ -89,9 +90,9 @@ def test_graph_collectives_stay_closed_where_asked_or_on_the_gpu_path(tmp_path):
 
 def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_rank(
         tmp_path, tiny_models):
-    """MLX's decode step (SPMD_CP_NATIVE_DECODE=0: the native step has no graph):
+    """MLX's decode step (--decode-step graph: the native step has no graph):
     greedy tokens with the split step and with the replicated one, collectives in the
-    graph or through MPI, equal one rank's; the log says which collectives ran."""
+    graph or through MPI, equal one rank's; the decode plan says which collectives ran."""
     model = tiny_models["llama"]
     prompt = ["--model", model, "--prompt", "the quick brown fox " * 40, "--max-tokens", "12",
               "--json", "--temp", "0"]
@@ -100,21 +101,22 @@ def test_decode_through_graph_collectives_gives_the_tokens_of_mpi_and_of_one_ran
     runs = [("on", "mpi", None), ("off", "mpi", None)]
     runs += [(tp, "mlx", backend) for tp in ("on", "off") for backend in backends]
     for tp, comm, backend in runs:
-        env = {"SPMD_CP_NATIVE_DECODE": "0"}
-        if backend:
-            env["SPMD_CP_GRAPH_BACKEND"] = backend
-        launch = run_cli(2, ["generate", *prompt, "--decode-tp", tp, "--decode-comm", comm],
-                         env=env)
-        assert launch.last_json()["decode_step"] == "mlx"
-        assert launch.last_json()["token_ids"] == single, (tp, comm, backend)
-        said = {"mpi": "MPI (--decode-comm mpi)", "mlx": "in MLX's graph (MLX"}[comm]
-        assert f"decode collectives: {said}" in launch.stderr
+        launch = run_cli(2, ["generate", *prompt, "--decode-tp", tp, "--decode-comm", comm,
+                             "--decode-step", "graph", "--graph-backend", backend or "auto"])
+        summary = launch.last_json()
+        assert summary["decode_step"] == "mlx"
+        assert summary["token_ids"] == single, (tp, comm, backend)
+        plan = summary["decode_plan"]
+        assert (plan["step"], plan["transport"], plan["layout"]) == (
+            "graph", comm, {"on": "split", "off": "replicated"}[tp]), plan
+        said = {"mpi": "--decode-comm mpi", "mlx": "MLX"}[comm]
+        assert plan["reasons"]["transport"].startswith(said), plan
+        assert plan["reasons"]["step"] == "rank 0: --decode-step graph", plan
         if backend:
             assert {"mpi": "MPI backend", "ring": "ring backend"}[backend] in launch.stderr
 
 
-@pytest.mark.parametrize("variable, value", [("SPMD_CP_GRAPH_BACKEND", "nccl"),
-                                             ("SPMD_CP_SCHED", "fifo"),
+@pytest.mark.parametrize("variable, value", [("SPMD_CP_SCHED", "fifo"),
                                              ("SPMD_CP_HUGE_PAGES", "always"),
                                              ("SPMD_CP_ALLOCATOR", "tcmalloc")])
 def test_a_runtime_variable_with_a_bad_value_is_one_line(tiny_models, variable, value):
@@ -145,15 +147,14 @@ def test_auto_keeps_the_faster_of_graph_and_mpi4py_collectives(tiny_models):
               "--max-tokens", "6", "--json", "--temp", "0"]
     single = run_cli(1, prompt).last_json()["token_ids"]
     # MLX's decode step: the native one takes MPI's collectives without timing the graph's
-    launch = run_cli(4, prompt, env={"SPMD_CP_GRAPH_BACKEND": "ring",
-                                     "SPMD_CP_NATIVE_DECODE": "0"}, timeout=240)
+    launch = run_cli(4, prompt + ["--decode-step", "graph", "--graph-backend", "ring"],
+                     timeout=240)
     assert launch.last_json()["token_ids"] == single
-    said = [line for line in launch.stderr.splitlines() if "decode collectives:" in line]
-    assert said, launch.stderr
-    timed = re.search(r"MPI \((\d+) us per collective through mpi4py against (\d+) us in "
-                      r"MLX's graph \(MLX ring backend", said[0])
+    said = launch.last_json()["decode_plan"]["reasons"]["transport"]
+    timed = re.match(r"(\d+) us per collective through mpi4py against (\d+) us in "
+                     r"MLX's graph \(MLX ring backend", said)
     if timed:
-        assert int(timed.group(1)) <= int(timed.group(2)), said[0]  # rounded to us
+        assert int(timed.group(1)) <= int(timed.group(2)), said  # rounded to us
         assert launch.last_json()["decode_comm"] == "mpi"
     else:
-        assert "in MLX's graph (MLX ring backend" in said[0], said[0]
+        assert said.startswith("MLX ring backend"), said

@@ -293,7 +293,7 @@ def test_settings_the_sampler_refuses_fail_the_generation_not_the_process(tiny_m
     from spmd_cp.runtime.comm import Comm
 
     loaded = load_model(tiny_models["llama"])
-    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), decode_tp="off")
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF))
     cache = engine.new_cache()
     prompt = np.array(loaded.tokenizer.encode(DOCUMENT))
     bad = SamplingConfig(max_tokens=3, temp=0.7, top_k=10**6)

@@ -59,3 +59,26 @@ def test_the_base_imports_no_layer():
     for name in BASE:
         layers = [n for _, n in imported_layers(PACKAGE / f"{name}.py") if n in LAYERS]
         assert not layers, (name, layers)
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def test_modules_and_functions_stay_small():
+    """No module under spmd_cp/ over 400 lines, no function (or method) over 60: a module
+    reads as one concern, a function as one step (decorators and docstring included)."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(PACKAGE.parent)
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                length = node.end_lineno - first + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)

@@ -2,7 +2,7 @@
 
 The C calls against float64 numpy on one random layer; whole steps on real ranks against
 mlx-lm's unmodified forward pass over the whole sequence; and MLX's own step, which the
-GPU path, layer-sharded weights and ``SPMD_CP_NATIVE_DECODE=0`` keep, against the same
+GPU path, layer-sharded weights and ``--decode-step graph`` keep, against the same
 reference."""
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def test_decode_step_calls_equal_numpy(cc, tmp_path):
     assert all(error < 2e-6 for error in errors.values()), errors
 
 
-def driver_results(n: int, models: list[str], tmp_path, **env) -> list[dict]:
+def driver_results(n: int, models: list[str], tmp_path, graph: bool = False) -> list[dict]:
     out = tmp_path / f"native-{n}.json"
-    run_ranks(n, DRIVER + [str(out), *models], timeout=300, env=env)
+    run_ranks(n, DRIVER + [str(out), *(["--graph"] if graph else []), *models], timeout=300)
     data = json.loads(out.read_text())
     assert data["ranks"] == n
     return data["results"]
@@ -123,22 +123,24 @@ def test_native_steps_equal_mlx_lm_forward(n, tiny_models, tiny_variant_models, 
         ["bfloat16"] * modes + ["float16"] * modes
     for result in results:
         assert result["decode_step"] == "native", result
+        assert result["requests"] == ("none" if n == 1 else
+                                      "persistent" if result["persistent"] else "blocking")
         tolerance = TOLERANCE if result["kv_dtype"] == "float32" else HALF_TOLERANCE
         assert result["error"] < tolerance and result["argmax_equal"], result
 
 
 def test_mlx_step_kept_on_request_equals_mlx_lm_forward(tiny_models, tmp_path):
-    """SPMD_CP_NATIVE_DECODE=0: MLX's step (split and replicated), to the same reference."""
-    results = driver_results(2, [tiny_models["qwen3"]], tmp_path, SPMD_CP_NATIVE_DECODE="0")
+    """--decode-step graph: MLX's step (split and replicated), to the same reference."""
+    results = driver_results(2, [tiny_models["qwen3"]], tmp_path, graph=True)
     for result in results:
         assert result["decode_step"] == "mlx", result
         assert result["error"] < TOLERANCE and result["argmax_equal"], result
 
 
-def test_what_keeps_mlx_step_is_named(tiny_models, monkeypatch):
+def test_what_keeps_mlx_step_is_named(tiny_models):
     """native_obstacle names what the native step does not cover, checked before any
-    rank commits to it: 4-bit layers kept packed (--keep-quantized), bfloat16 weights,
-    the variable; a plain float32 model has none but, in this process (no BLAS preloaded
+    rank commits to it: 4-bit layers kept packed (--keep-quantized), bfloat16 weights;
+    a plain float32 model has none but, in this process (no BLAS preloaded
     by the re-exec), the missing cblas_sgemm."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -159,8 +161,6 @@ def test_what_keeps_mlx_step_is_named(tiny_models, monkeypatch):
         "the embedding is a Embedding of bfloat16"
     plain = obstacle()
     assert plain is None or "cblas_sgemm" in plain or "failed" in plain, plain
-    monkeypatch.setenv("SPMD_CP_NATIVE_DECODE", "0")
-    assert obstacle() == "SPMD_CP_NATIVE_DECODE=0"
 
 
 def test_half_precision_cache_saves_its_dtype_and_loads_converted():

@@ -113,17 +113,18 @@ def test_impossible_cuts_are_refused_with_the_reason():
 
 
 def test_embedded_model_slicing_obstacles(embedded_model):
-    """The embedded GGUF kept quantized (4-bit layers, 8-bit embedding) splits over 2..18
-    ranks; over 19 its o_proj's 18 groups of 32 inputs cannot be shared, and that is said."""
+    """The embedded GGUF kept quantized (4-bit layers, 8-bit embedding) splits over 2..48
+    ranks (W_o by rows: any row count); over 49 its down_proj's 48 groups of 32 inputs
+    cannot be shared, and that is said."""
     from spmd_cp.engine.model import CPModel
     from spmd_cp.engine.tp_decode import describe_weights, slicing_obstacle
     from spmd_cp.models.loader import load_model
 
     model = CPModel(load_model(embedded_model, keep_quantized=True).model)
     assert describe_weights(model.layers[0], model) == "4/8-bit quantized"
-    assert slicing_obstacle(model, 2) is None and slicing_obstacle(model, 18) is None
-    assert slicing_obstacle(model, 19) == (
-        "layer 0: o_proj inputs: 18 groups of 32 cannot be split into 19 parts")
+    assert slicing_obstacle(model, 2) is None and slicing_obstacle(model, 48) is None
+    assert slicing_obstacle(model, 49) == (
+        "layer 0: down_proj inputs: 48 groups of 32 cannot be split into 49 parts")
 
 
 def test_quantized_tensor_parallel_decode_equals_one_rank(tmp_path):

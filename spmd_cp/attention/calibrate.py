@@ -163,19 +163,25 @@ def measure_stream(comm: Comm, nbytes=64 << 20, repeats=3) -> float:
 
     In the form decode multiplies one row by a weight on this device
     (engine/weight_slices.times_transposed: W @ x on the CPU, x @ W.T elsewhere)."""
+    return max(stream_samples(comm, nbytes, repeats))
+
+
+def stream_samples(comm: Comm, nbytes=64 << 20, samples=3) -> list[float]:
+    """``samples`` timings of ``measure_stream``'s product on one matrix: each the
+    slowest rank's bytes/s (the ranks start together)."""
     cols = 1024
     weight = mx.ones((nbytes // (4 * cols), cols))  # values do not change the read rate
     x = mx.ones((1, cols))
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     product = (lambda: weight @ x.reshape(-1, 1)) if on_cpu else (lambda: x @ weight.T)
     mx.eval(weight, x, product())
-    best = float("inf")
-    comm.barrier()
-    for _ in range(repeats):
+    rates = []
+    for _ in range(samples):
+        comm.barrier()
         start = time.perf_counter()
         mx.eval(product())
-        best = min(best, time.perf_counter() - start)
-    return min(comm.allgather_object(weight.nbytes / best))
+        rates.append(weight.nbytes / (time.perf_counter() - start))
+    return [min(rank) for rank in zip(*comm.allgather_object(rates))]
 
 
 def measure_collective(comm: Comm, width=1024, repeats=20) -> float:
@@ -282,15 +288,54 @@ def calibrate(comm: Comm, recalibrate: bool = False) -> LinkAndCompute:
     return measured
 
 
-def recheck_decode_figures(comm: Comm, measured: LinkAndCompute) -> LinkAndCompute:
+# --decode-tp auto's figures at the decision: this many samples of each, and the low
+# quantile of them that decides (a moment's load on a shared machine lifts some samples,
+# never lowers them; the quantile, not the minimum, so that one lucky sample does not
+# decide either).
+DECODE_SAMPLES = 9
+DECODE_QUANTILE = 0.25
+
+
+def low_quantile(samples: list[float], q: float = DECODE_QUANTILE) -> float:
+    """The ``q`` quantile of ``samples`` (linear between the order statistics)."""
+    ordered = sorted(samples)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (at - low) * (ordered[high] - ordered[low])
+
+
+def sample_stream(comm: Comm, samples: int = DECODE_SAMPLES, nbytes=64 << 20) -> list[float]:
+    """``samples`` weight read rates (bytes/s), each the slowest rank's, every rank at
+    once (``measure_stream``'s product)."""
+    return stream_samples(comm, nbytes, samples)
+
+
+def sample_collective(comm: Comm, samples: int = DECODE_SAMPLES, width=1024,
+                      repeats: int = 4) -> list[float]:
+    """``samples`` costs of one small collective (seconds), each the best of ``repeats``
+    on a rank and the slowest rank's of those."""
+    if comm.size == 1:
+        return [0.0]
+    return [measure_collective(comm, width, repeats) for _ in range(samples)]
+
+
+def recheck_decode_figures(comm: Comm, measured: LinkAndCompute,
+                           samples: dict | None = None) -> LinkAndCompute:
     """Collective: ``measured`` with the weight read rate and the collective cost
-    measured again now (each a best of several, so a moment's load does not decide),
-    the file replaced when either is more than ``STALE_FACTOR`` off. Every rank gets
-    the same figures."""
+    measured again now, ``DECODE_SAMPLES`` times each, their ``DECODE_QUANTILE``
+    (the high quantile of the rates: a loaded machine reads slower) deciding; the file
+    replaced when either is more than ``STALE_FACTOR`` off. Every rank gets the same
+    figures. ``samples``, if given, receives the samples (the decode plan records them)."""
     path = calibration_file(comm)  # collective: every rank, before rank 0 alone writes
     with uncounted(comm):
-        stream = measure_stream(comm, repeats=4)
-        collective = measure_collective(comm)
+        streams = sample_stream(comm)
+        collectives = sample_collective(comm)
+    stream = low_quantile(streams, 1 - DECODE_QUANTILE)
+    collective = low_quantile(collectives)
+    if samples is not None:
+        samples.update(stream_bytes_per_s=streams, collective_s=collectives,
+                       quantile=DECODE_QUANTILE)
     fresh = dataclasses.replace(measured, stream_bytes_per_s=stream, collective_s=collective)
     off = [name for name, old, new in (("weight read rate", measured.stream_bytes_per_s, stream),
                                        ("collective", measured.collective_s, collective))
@@ -298,7 +343,8 @@ def recheck_decode_figures(comm: Comm, measured: LinkAndCompute) -> LinkAndCompu
     if off and comm.rank == 0:
         log.info("calibration: the cached %s differed from what the ranks measure now by "
                  "over %gx (collective %.0f us, was %.0f us; weight reads %.1f GB/s, were "
-                 "%.1f GB/s): the file is replaced", " and ".join(off), STALE_FACTOR, 1e6 * collective,
-                 1e6 * measured.collective_s, stream / 1e9, measured.stream_bytes_per_s / 1e9)
+                 "%.1f GB/s): the file is replaced", " and ".join(off), STALE_FACTOR,
+                 1e6 * collective, 1e6 * measured.collective_s, stream / 1e9,
+                 measured.stream_bytes_per_s / 1e9)
         write_calibration(path, fresh)
     return fresh

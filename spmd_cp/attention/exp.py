@@ -32,7 +32,8 @@ its kernels (runtime/device.compiled_kernels_work), and on GPUs and
 non-x86 CPUs (MLX's Arm build has vector ``exp``), ``mx.exp`` is kept. A call on fewer
 than ``MIN_ELEMENTS`` elements (a softmax: ``SOFTMAX_MIN_ELEMENTS``) keeps ``mx.exp`` too:
 the compiled form is six graph nodes, which cost more than they save on a short row.
-``SPMD_CP_FAST_EXP=0`` keeps MLX's ``exp`` (and mlx-lm's SiLU) everywhere.
+``--no-fast-exp`` (``use_polynomial_exp(False)``) keeps MLX's ``exp`` (and mlx-lm's
+SiLU) everywhere.
 """
 
 from __future__ import annotations
@@ -48,9 +49,7 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from ..kernels.header_constants import defines
 from ..runtime.device import compiled_kernels_work
-from ..runtime.switches import switched_off
-
-ENV = "SPMD_CP_FAST_EXP"  # "0", "off", "no" or "false": MLX's exp everywhere
+_WANTED = {"polynomial": True}  # --fast-exp (RunConfig.fast_exp), set once by the command
 # Below this many elements the six nodes of the compiled form cost more than the
 # per-element saving (7.8 ns; a node costs 5-8 us on the CPU path).
 MIN_ELEMENTS = 8192
@@ -145,10 +144,18 @@ def polynomial_exp(x: mx.array, compiled: bool = True) -> mx.array:
     return e_r * bits.view(mx.float32)
 
 
+def use_polynomial_exp(wanted: bool):
+    """Whether the compiled polynomial may be taken (``--fast-exp``): set by a command
+    before any attention runs."""
+    if _WANTED["polynomial"] != wanted:
+        _WANTED["polynomial"] = wanted
+        polynomial_exp_enabled.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def polynomial_exp_enabled() -> bool:
     """Whether this process computes attention's ``exp`` by the compiled polynomial."""
-    if switched_off(ENV):
+    if not _WANTED["polynomial"]:
         return False
     if os.environ.get("MLX_DISABLE_COMPILE"):  # mx.compile would run the ops one by one
         return False

@@ -161,6 +161,8 @@ def doctor_command(comm, options: dict, outcome: dict):
     measured, calibration = run_calibration(comm, flags["recalibrate"])
     decode_collectives = graph_collectives_report(comm)
     problems = find_mismatches(reports)
+    plan = None if problems or report["model_error"] else decode_plan_report(
+        comm, report["model_path"])
     outcome["exit_code"] = EXIT_MISMATCH if problems else 0
     if comm.rank != 0:
         return
@@ -176,7 +178,7 @@ def doctor_command(comm, options: dict, outcome: dict):
                "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
                **{key: [r[key] for r in reports] for key in reports[0]},
                "calibration": calibration, "decode_collectives": decode_collectives,
-               "auto": crossover, "weights": weights}
+               "auto": crossover, "weights": weights, "decode_plan": plan}
     print_report(summary)
     if flags["as_json"]:
         print(json.dumps(summary), flush=True)
@@ -255,6 +257,20 @@ def graph_collectives_report(comm) -> dict | None:
     with uncounted(comm):
         latency = graph.latency() if graph is not None else None
     return {"opened": graph is not None, "reason": reason, "latency_s": latency}
+
+
+def decode_plan_report(comm, model_path: str) -> dict:
+    """Collective: the decode plan `generate` makes on these ranks for this model with
+    the default flags (engine/decode_plan.py), whole: the model is loaded for it."""
+    from ..attention.calibrate import uncounted
+    from ..config import RunConfig
+    from ..models.loader import load_model
+    from .steps import make_engine
+
+    loaded = load_model(model_path)
+    with uncounted(comm):
+        plan = make_engine(comm, loaded, RunConfig(model_path=model_path)).prepare_decode()
+    return plan.as_dict()
 
 
 def stale_calibration(reports: list[dict], measured) -> list[str]:

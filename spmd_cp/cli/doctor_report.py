@@ -59,6 +59,12 @@ def calibration_lines(s: dict) -> list[str]:
     out.append(f"  (--cp-algo auto reads it whenever {n} rank{'s' if n != 1 else ''} run on "
                f"{'these hosts' if len(hosts) > 1 else 'this host'})")
     out += describe_weight_layout(s["weights"], n)
+    plan = s.get("decode_plan")
+    if plan is not None:
+        out.append(f"decode plan for this model (default flags): {plan['layout']} layout, "
+                   f"{plan['step']} step, {plan['transport']} collectives, "
+                   f"{plan['requests']} requests, {plan['merge']} merge")
+        out += [f"  {choice}: {why}" for choice, why in plan["reasons"].items()]
     a = s["auto"]
     if a is not None:
         out.append("")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_COMM_MODES, DECODE_TP_MODES, KV_DTYPES, SHARD_WEIGHTS_MODES,
-                      DecodeConfig, RunConfig, SamplingConfig, describe_range, in_range)
+from ..config import (DECODE_COMM_MODES, DECODE_STEP_MODES, DECODE_TP_MODES, GRAPH_BACKENDS,
+                      KV_DTYPES, SHARD_WEIGHTS_MODES, DecodeConfig, RunConfig, SamplingConfig,
+                      describe_range, in_range)
 
 
 class RangeError(click.BadParameter):
@@ -57,6 +58,13 @@ def common_options(fn):
                      help="Refuse prompts longer than this (default: the model's limit)."),
         click.option("--keep-quantized", is_flag=True,
                      help="Keep quantized weights (default on CPU: dequantize to float32, much faster)."),
+        click.option("--quantized-decode/--no-quantized-decode", default=d("quantized_decode"),
+                     show_default=True,
+                     help="Decode reads a quantized model's 4/8-bit matrices packed (x86 CPUs "
+                          "with AVX2/FMA/F16C), else their float32 copies."),
+        click.option("--fast-exp/--no-fast-exp", default=d("fast_exp"), show_default=True,
+                     help="Attention's exp and the MLP's SiLU as a compiled polynomial (x86 "
+                          "CPU path), else MLX's own."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line."),
         click.option("--memory-limit", default=d("memory_limit"), metavar="SIZE",
                      help="Refuse jobs whose forecast of resident memory exceeds this per "
@@ -130,8 +138,17 @@ def decode_options(fn):
                      default=d("decode_comm"), show_default=True,
                      help="Decode's collectives: inside MLX's graph (mlx: over MLX's MPI "
                           "backend on this job's MPICH, else its ring backend; "
-                          "SPMD_CP_GRAPH_BACKEND picks), through mpi4py (mpi), or mlx where "
+                          "--graph-backend picks), through mpi4py (mpi), or mlx where "
                           "every rank can (auto)."),
+        click.option("--graph-backend", type=click.Choice(GRAPH_BACKENDS),
+                     default=d("graph_backend"), show_default=True,
+                     help="MLX's backend for decode's graph collectives: its MPI backend "
+                          "(mpi), its ring backend (ring), or MPI where every rank can build "
+                          "the ABI adapter, else the ring (auto)."),
+        click.option("--decode-step", type=click.Choice(DECODE_STEP_MODES),
+                     default=d("decode_step"), show_default=True,
+                     help="Decode step body: C calls between MPI collectives (native, CPU "
+                          "path), MLX's graph (graph), or native where every rank can (auto)."),
     ])
 
 

@@ -40,7 +40,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()
-    warmup_s = warm_up(engine)
+    warmup_s = warm_up(engine, decode=False)  # no decode step follows
     mx.reset_peak_memory()
     start = time.perf_counter()
     _, records = engine.prefill(cache, ids, score=True)

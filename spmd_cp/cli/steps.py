@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from ..attention.exp import use_polynomial_exp
 from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
@@ -28,7 +29,7 @@ from ..models import hub
 from ..models.checksum import model_checksum, model_files
 from ..models.loader import check_model_path, default_model_path, load_model
 from ..models.partial_load import load_rank_share
-from ..runtime import allocator, huge_pages, mpi_abi, scheduling, spmd
+from ..runtime import allocator, huge_pages, scheduling, spmd
 from ..runtime.comm import Comm
 from ..runtime.device import compiled_kernels_work
 from ..runtime.faults import layer_hook
@@ -93,8 +94,6 @@ def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
     """
     spmd.require_same(comm, "package versions", spmd.software_versions())
     require_same_path(comm)
-    spmd.require_same(comm, mpi_abi.BACKEND_VARIABLE,
-                      spmd.everywhere(comm, mpi_abi.requested_backend))
     spmd.everywhere(comm, scheduling.requested)
     spmd.everywhere(comm, huge_pages.requested)
     spmd.everywhere(comm, allocator.requested)
@@ -125,7 +124,9 @@ def model_location(comm: Comm, spec: str | None) -> str:
 
 def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):
     """Load the model ``check_model`` accepted, on every rank. ``decode``: decode steps
-    will follow (a quantized model's packed matrices are then kept for them)."""
+    will follow (a quantized model's packed matrices are then kept for them, unless
+    ``--no-quantized-decode``)."""
+    decode = decode and run.quantized_decode
     start = time.perf_counter()
     if spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
         log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",
@@ -153,11 +154,10 @@ def resolve_model(comm: Comm, run: RunConfig, decode: bool = True):
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
+    use_polynomial_exp(run.fast_exp)
     return Engine(build_cp_model(loaded, comm, run.kv_dtype), comm, algo=run.cp_algo,
                   prefill_chunk=run.prefill_chunk,
-                  on_layer=layer_hook(comm.rank, comm.watchdog),
-                  kv_interleave=decode.kv_interleave, decode_merge=decode.decode_merge,
-                  decode_tp=decode.decode_tp, decode_comm=decode.decode_comm)
+                  on_layer=layer_hook(comm.rank, comm.watchdog), decode=decode)
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------

@@ -2,8 +2,9 @@
 
 A decode step reads every weight matrix once: on a CPU (and on a small GPU model) that
 read is most of the step. The split step (tp_decode.py) has each rank read 1/N of every
-matrix and adds three small collectives per layer (the q/k/v Allgather, the Allreduces
-after the attention output and the MLP) plus one Gatherv of the logits. So
+matrix and adds three small collectives per layer (the q/k/v Allgather, the Allgather of
+the attention output's rows, the Allreduce after the MLP) plus one Gatherv of the
+logits. So
 
     saved per step = (1 - 1/N) * W / stream        cost per step = (3 L + 1) * t_coll
 
@@ -77,10 +78,9 @@ def split_matrix_bytes(model) -> int:
 
 def split_copy_bytes(model, cp_size: int) -> int:
     """Bytes the split step copies on the busiest of ``cp_size`` ranks when the weights
-    are replicated: its columns of every layer's o and down projections (of a mixture,
-    its share of every expert), and of a small model the q/k/v rows of a rank whose rows
-    span several of those matrices (the other row slices are views, tp_decode.py). 0 for
-    one rank."""
+    are replicated: its columns of every layer's down projection (of a mixture, its share
+    of every expert), and of a small model the q/k/v rows of a rank whose rows span several
+    of those matrices (the other row slices are views, tp_decode.py). 0 for one rank."""
     if cp_size == 1:
         return 0
     from .expert_slices import expert_bytes
@@ -88,7 +88,7 @@ def split_copy_bytes(model, cp_size: int) -> int:
     from .tp_decode import joined_qkv_bytes  # MLX graph code; this module stays pure
 
     parts = [LayerParts.of(layer) for layer in model.layers]
-    modules = [m for p in parts for m in (p.o, p.down) if m is not None]
+    modules = [p.down for p in parts if p.down is not None]
     total = sum(v.nbytes for m in modules for _, v in tree_flatten(m.parameters()))
     total += sum(expert_bytes(p.feed_forward) for p in parts
                  if not p.is_swiglu and hasattr(p.feed_forward, "switch_mlp"))
@@ -96,10 +96,12 @@ def split_copy_bytes(model, cp_size: int) -> int:
 
 
 def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_bytes_per_s: float,
-                   collective_s: float, packed: PackedReads | None = None) -> SplitEstimate:
+                   collective_s: float, packed: PackedReads | None = None,
+                   margin: float = 0.0) -> SplitEstimate:
     """Whether the split step pays on these ranks (see the module docstring); ``packed``:
     the share of the matrices read in a packed form, at its measured time instead of at
-    the float32 read rate."""
+    the float32 read rate; ``margin``: the share by which the saving must exceed the
+    cost."""
     if cp_size == 1:
         return SplitEstimate(False, 0.0, 0.0, "one rank: nothing to split")
     if stream_bytes_per_s <= 0:
@@ -108,7 +110,7 @@ def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_byte
     plain = weight_bytes - packed.float32_bytes
     saved = (1 - 1 / cp_size) * (plain / stream_bytes_per_s + packed.seconds)
     cost = (3 * num_layers + 1) * collective_s
-    split = saved > cost
+    split = saved > cost * (1 + margin)
     reads = f"{weight_bytes / 1e6:.0f} MB of matrices at {stream_bytes_per_s / 1e9:.1f} GB/s"
     if packed.float32_bytes:
         reads = (f"{weight_bytes / 1e6:.0f} MB of matrices: {plain / 1e6:.0f} MB at "
@@ -116,5 +118,6 @@ def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_byte
                  f"read packed in {1e3 * packed.seconds:.1f} ms")
     return SplitEstimate(split, saved, cost, (
         f"estimated per step: {1e3 * saved:.1f} ms of weight reads saved, "
-        f"{1e3 * cost:.1f} ms in {3 * num_layers + 1} more collectives "
+        f"{1e3 * cost:.1f} ms in {3 * num_layers + 1} more collectives"
+        f"{f' (+{100 * margin:.0f}% margin)' if margin else ''} "
         f"({reads}; {1e6 * collective_s:.0f} us per collective)"))

@@ -26,7 +26,7 @@ dequantized there, its shadows kept), every layer a Llama/Qwen/Phi-3 block (a fu
 q|k|v or gate|up read as views of its rows) with plain RMSNorms, a RoPE with a matrix
 form, a SwiGLU MLP (not a mixture of experts) and at most 64 query heads per KV head,
 the weights not layer-sharded, a C compiler, and every rank able to; not with
-``--decode-comm mlx`` or ``SPMD_CP_NATIVE_DECODE=0``. Elsewhere decode keeps MLX's step
+``--decode-comm mlx`` or ``--decode-step graph``. Elsewhere decode keeps MLX's step
 (engine/model.py, tp_decode.py). The KV cache stays the engine's (cache.LayerKV): a
 stored token is written into its evaluated buffer in place.
 """
@@ -205,13 +205,8 @@ class NativeDecoder:
             k_norm, _ = _norm_weight(attn.k_norm)
         held = self.held
         if self.split is not None:
-            piece = self.split.layers[index]
-            # W_o by rows, not the slice's columns: every rank holds the whole merged
-            # attention output, so it reads whole rows (the column copy's half rows took
-            # 0.87 ms a step at N = 2 for half of the 1.12 ms N = 1 spends on all of W_o);
-            # an Allgatherv of the outputs where the columns' partial sums need an Allreduce
-            a, b = split_ranges(self.dim, self.comm.size)[self.comm.rank]
-            qkv, o = piece.qkv_parts, WeightMatrix.of(attn.o_proj).rows(a, b).evaluated(copy=False)
+            piece = self.split.layers[index]  # W_o by rows, an Allgatherv: tp_decode.py
+            qkv, o = piece.qkv_parts, piece.o
             gate, up, down = piece.gate, piece.up, piece.down
         else:
             qkv, o = parts.qkv_matrices(), WeightMatrix.of(parts.o)
@@ -283,6 +278,15 @@ class NativeDecoder:
             sent += (size - 1) * self.o_part.nbytes  # o's rows
             sent += 2 * (size - 1) * self.mlp_part.nbytes // size  # down's partial sums
         return sent
+
+    @property
+    def requests_kind(self) -> str:
+        """The plan's word for this step's collectives: "persistent" MPI requests,
+        "blocking" calls (asked for, or the library lacks persistent ones), "none"."""
+        if not self.requests:
+            return "none"
+        return "blocking" if any(isinstance(r, _Blocking) for r in self.requests) \
+            else "persistent"
 
     def free(self):
         """Release the persistent requests (idempotent)."""

@@ -1,6 +1,6 @@
-"""Whether a decode step can run natively (native_decode.py) on this rank: the switch,
-the compute path, the model's modules and dtypes, the C library. Checked before any
-rank commits to the native step, so every rank can take the same way."""
+"""Whether a decode step can run natively (native_decode.py) on this rank: the compute
+path, the model's modules and dtypes, the C library. Checked before any rank commits to
+the native step, so every rank can take the same way (decode_plan.py)."""
 
 from __future__ import annotations
 
@@ -13,19 +13,13 @@ from ..blas.libraries import default_threads, usable_cpus
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import on_gpu_path
-from ..runtime.switches import switched_off
 from .layer_parts import LayerParts, describe_feed_forward
 from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
 
-ENV = "SPMD_CP_NATIVE_DECODE"  # "0", "off", "no" or "false": MLX's decode step
 # The BLAS's thread settings, the first one set: the native step's threads follow them
 THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                    "BLIS_NUM_THREADS")
-
-
-def wanted() -> bool:
-    return not switched_off(ENV)
 
 
 def decode_threads() -> int:
@@ -42,9 +36,8 @@ def decode_threads() -> int:
 
 def availability() -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
-    model is checked when it runs: float32 Llama/Qwen/Phi-3 layers)."""
-    if not wanted():
-        return f"off ({ENV}={os.environ[ENV]})"
+    model is checked when it runs: float32 or half-precision-cache Llama/Qwen/Phi-3
+    layers; ``--decode-step graph`` turns it off)."""
     if on_gpu_path():
         return "not used (the GPU path runs MLX's step)"
     library, why = decode_step.library()
@@ -64,8 +57,6 @@ def native_obstacle(model: CPModel) -> str | None:
     """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
     modules and their dtypes, the C library (the split step's slices are checked as
     ``NativeDecoder`` is built)."""
-    if not wanted():
-        return f"{ENV}={os.environ[ENV]}"
     if on_gpu_path():
         return "the GPU path"
     kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")

@@ -39,21 +39,25 @@ def startup_fields(engine: Engine, warmup_s: float) -> dict:
             "kv_dtype": dtype}
 
 
-def warm_up(engine: Engine, enabled: bool | None = None) -> float:
-    """Seconds spent compiling: a tiny prefill and one decode step through the same
-    attention and dtype as the real work, on a throwaway cache (on every rank: the
-    collectives run too). None: only on the GPU path. Communication bytes are not counted.
-    """
+def warm_up(engine: Engine, enabled: bool | None = None, decode: bool = True) -> float:
+    """Seconds spent compiling: a tiny prefill and, where ``decode``, one decode step
+    through the same attention, dtype and decode plan as the real work (the plan is made
+    here, once, and the run keeps it), on a throwaway cache (on every rank: the
+    collectives run too). ``enabled`` None: only on the GPU path. Communication bytes are
+    not counted."""
     if not (on_gpu_path() if enabled is None else enabled):
         return 0.0
     comm = engine.comm
     start = time.perf_counter()
     # A twin engine: the real one keeps its algorithm log, probes and calibration state.
     twin = Engine(engine.model, comm, algo="pass-kv" if engine.algo == "auto" else engine.algo,
-                  decode_merge=engine.decode_merge)
+                  decode=engine.decode)
     with uncounted(comm):
         cache = twin.new_cache()
         twin.prefill(cache, np.zeros(WARMUP_TOKENS_PER_RANK * comm.size, np.int64))
-        twin.decode_step(cache, 0)
+        if decode:
+            engine.prepare_decode()
+            twin.adopt_plan(engine)
+            twin.decode_step(cache, 0)
         comm.barrier()
     return time.perf_counter() - start

@@ -6,17 +6,26 @@ already holds all of them. So each rank computes a 1/N slice of every matmul:
 
     qkv:   rows of [Wq; Wk; Wv] (column-parallel)  -> Allgather -> full q, k, v everywhere
     attn:  each rank's KV shard (CP, as before)    -> exact merge across ranks
-    o:     columns of Wo (row-parallel)            -> Allreduce-sum
+    o:     rows of Wo (column-parallel)            -> Allgather of the outputs
     mlp:   rows of Wgate, Wup; columns of Wdown    -> Allreduce-sum
            (a mixture of experts: the same cut of every expert, expert_slices.py)
     head:  rows of the vocabulary (vocab-parallel) -> Gatherv of the logits to rank 0
 
-Four small collectives per layer (about (NH + 2 NKV) d + NH (d+1) + 2 D floats) replace
-(N-1)/N of the weight reads: it pays when the link latency times 4 L is well below the
+Three small collectives per layer (about (NH + 2 NKV) d + NH (d+1) + 2 D floats) replace
+(N-1)/N of the weight reads: it pays when the link latency times 3 L is well below the
 time to read (N-1)/N of the weights, which the engine measures (``--decode-tp auto``).
-Quantized weights are sliced packed (weight_slices.py): columns of Wo and Wdown only on
-group boundaries. Results equal the replicated step up to float summation order. The
-layer loop itself is CPModel.forward's, with ``LayerSlice`` as its projections.
+W_o is split by rows, not by columns: every rank holds the whole merged attention output,
+so it reads whole rows, which are views of the loaded matrix (no copy); the columns'
+half rows took 0.87 ms a step at N = 2 in the native step for half of the 1.12 ms N = 1
+spends on all of W_o, and needed a copy of 1/N of W_o on every rank. Both steps (graph
+and native) take this one layout. MLX's split step with W_o's columns and an Allreduce
+against its rows, N = 2, SmolLM2-135M Q4_1, a 901-token prompt, 64 greedy tokens,
+alternating runs on the 2-core AMD EPYC machine while other jobs loaded it (load average
+17-26; 2026-11-25): 1.44 / 1.60 against 1.62 / 0.92 tok/s, not told apart; the rows
+held 20 MB less a rank (model_bytes 722 against 742 MB). Quantized weights are sliced
+packed (weight_slices.py): columns of Wdown only on group boundaries. Results equal the
+replicated step up to float summation order. The layer loop itself is
+CPModel.forward's, with ``LayerSlice`` as its projections.
 """
 
 from __future__ import annotations
@@ -93,7 +102,7 @@ class LayerPlan:
     up: WeightMatrix | None
     down: WeightMatrix | None
     qkv_ranges: list  # per rank: outputs of [Wq; Wk; Wv]
-    o_ranges: list  # per rank: inputs of Wo (whole groups)
+    o_ranges: list  # per rank: outputs (rows) of Wo
     hidden_ranges: list  # per rank: rows of Wgate and Wup = inputs of Wdown (whole groups),
     # or of every expert's (expert_slices.py)
     mixture: nn.Module | None = None
@@ -105,7 +114,7 @@ class LayerPlan:
         qkv = [_matrix(m) for m in parts.qkv]
         o = _matrix(parts.o)
         shares = (_split("q/k/v outputs", sum(m.out_width for m in qkv), size),
-                  _split("o_proj inputs", o.in_width, size, o.in_align))
+                  _split("o_proj outputs", o.out_width, size))
         if not parts.is_swiglu:
             mixture = parts.feed_forward
             reason = experts_obstacle(mixture)
@@ -129,8 +138,8 @@ class LayerSlice:
         ``copy_rows``: copy the row slices too (the layer's weights will not stay: q/k/v
         rows joined into one matrix, gate, up), else they are views into the loaded
         matrices (q/k/v as one matmul per matrix touched, unless the rows are few: see
-        ``JOIN_QKV_MAX_BYTES``). The column slices of o and down are copies either way
-        (a view of columns is not a matrix BLAS streams)."""
+        ``JOIN_QKV_MAX_BYTES``). The column slice of down is a copy either way (a view
+        of columns is not a matrix BLAS streams)."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
         self.comm = comm
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
@@ -141,12 +150,11 @@ class LayerSlice:
         self.qkv_parts = [m.evaluated(copy=join_qkv) for m in parts]
         if join_qkv and len(self.qkv_parts) == 1:
             SHADOWS.register_stacked(self.qkv_parts[0].weight, [m.weight for m in pieces])
-        self.o_inputs = plan.o_ranges[rank]
-        self.o = plan.o.columns(*self.o_inputs, keep_bias=rank == 0).materialized()
-        SHADOWS.register_columns(self.o.weight, plan.o.weight, *self.o_inputs)
-        self.own = [self.o]
-        if join_qkv:
-            self.own += self.qkv_parts
+        self.o_sizes = [b - a for a, b in plan.o_ranges]
+        self.o = plan.o.rows(*plan.o_ranges[rank]).evaluated(copy=copy_rows)
+        self.own = list(self.qkv_parts) if join_qkv else []
+        if copy_rows:
+            self.own.append(self.o)
         a, b = plan.hidden_ranges[rank]
         if plan.mixture is not None:  # this rank's hidden units of every expert
             self.mixture = expert_slice(plan.mixture, a, b)
@@ -168,8 +176,7 @@ class LayerSlice:
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
-        a, b = self.o_inputs
-        return self.comm.allreduce_onto(h, self.o(out[..., a:b]))
+        return h + self.comm.allgather_rows(self.o(out), axis=-1, counts=self.o_sizes)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         if self.mixture is not None:  # mlx-lm's module: router whole, experts sliced

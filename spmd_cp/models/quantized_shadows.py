@@ -16,7 +16,7 @@ q/k/v rows) is registered with a view of the matching part of the packed form
 (``register_columns``, ``register_stacked``): no packed bytes beyond the model's.
 
 Registered arrays are kept for the life of the process: the C side holds their
-addresses. ``SPMD_CP_QUANTIZED_DECODE=0`` turns shadows off (decode reads float32).
+addresses. ``--no-quantized-decode`` turns shadows off (decode reads float32).
 Without the forward preloaded (macOS, a GPU, no C compiler, ``SPMD_CP_GEMV_FORWARD=0``)
 or without AVX2, FMA and F16C nothing registers and nothing changes.
 """
@@ -26,18 +26,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from ..runtime.switches import switched_off
-
 log = logging.getLogger("spmd_cp")
 
-ENV = "SPMD_CP_QUANTIZED_DECODE"
 KERNEL_BITS = (4, 8)  # the bit widths gemv_forward.c's kernel reads
 # spmd_cp_shadow_register's answers (gemv_forward.c)
 FUSED, UNFUSED, DIFFERS, UNSUPPORTED, FULL, OVERLAPS = 1, 0, -1, -2, -3, -4
@@ -100,10 +96,6 @@ class Packed:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
 
-def wanted() -> bool:
-    return not switched_off(ENV)
-
-
 @functools.lru_cache(maxsize=1)
 def _library():
     """The preloaded forward's registration entry points where registrations can succeed
@@ -126,15 +118,14 @@ def _library():
 
 
 def available() -> bool:
-    """Whether load_model will register shadows for a quantized file's matrices (wanted,
-    on the CPU, with the forward preloaded on a CPU it runs on)."""
-    return wanted() and mx.default_device() == mx.cpu and _library() is not None
+    """Whether load_model can register shadows for a quantized file's matrices (on the
+    CPU, with the forward preloaded on a CPU it runs on; ``--no-quantized-decode`` asks
+    it not to)."""
+    return mx.default_device() == mx.cpu and _library() is not None
 
 
 def availability() -> str:
     """One line for doctor: whether decode reads quantized models' packed weights here."""
-    if not wanted():
-        return f"off ({ENV}={os.environ[ENV]})"
     if mx.default_device() != mx.cpu:
         return "not used (the GPU computes quantized weights as they are)"
     if _library() is None:
@@ -280,7 +271,7 @@ def register_model(model, packed: dict) -> int:
     Packed}); the number registered. Logs what was refused, once."""
     from mlx.utils import tree_flatten
 
-    if not packed or not wanted():
+    if not packed:
         return 0
     registered = 0
     for name, array in tree_flatten(model.parameters()):

@@ -20,7 +20,7 @@ Two MLX backends carry them, opened once per process from the MPI communicator:
   uses over Thunderbolt): every rank opens a port and the addresses are exchanged with
   MPI.
 
-``SPMD_CP_GRAPH_BACKEND=mpi|ring`` forces one (``auto``, the default, tries them in
+``--graph-backend mpi|ring`` forces one (``auto``, the default, tries them in
 that order). Prefill keeps mpi4py (large messages, overlapped on a thread).
 
 Every rank must evaluate every collective, in the same order: the decode step's
@@ -205,25 +205,26 @@ def _free_port(address: str) -> int:
         return probe.getsockname()[1]
 
 
-def open_graph_collectives(comm, mode: str = "auto") -> tuple[GraphCollectives | None, str]:
+def open_graph_collectives(comm, mode: str = "auto",
+                           backend: str = "auto") -> tuple[GraphCollectives | None, str]:
     """Collective (every rank calls it): graph collectives over ``comm``'s ranks, or None
     and why not. ``mode`` "mpi" never opens them; "mlx" and "auto" open them where every
     rank can (all or none: a collective needs every rank), over MLX's MPI backend where
-    every rank can take it, else over its ring backend."""
+    every rank can take it, else over its ring backend. ``backend`` (--graph-backend):
+    "mpi" forces the adapter (none where it cannot open), "ring" skips it."""
     if mode == "mpi":
         return None, "--decode-comm mpi"
     obstacle = first_reason(comm, graph_obstacle(comm))
     if obstacle:
         return None, obstacle
-    backend = mpi_abi.requested_backend()
-    why_not_mpi = f"{mpi_abi.BACKEND_VARIABLE}=ring"
+    why_not_mpi = "--graph-backend ring"
     if backend != "ring":
         group, why_not_mpi = _open_mpi(comm)
         if group is not None:
             return (GraphCollectives(group, comm, "mpi"),
                     "MLX's MPI backend over MPICH (ABI adapter)")
         if backend == "mpi":
-            return None, f"{mpi_abi.BACKEND_VARIABLE}=mpi: {why_not_mpi}"
+            return None, f"--graph-backend mpi: {why_not_mpi}"
     group, why_not_ring = _open_ring(comm)
     if group is None:
         return None, why_not_ring

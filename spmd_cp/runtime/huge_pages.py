@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
+from .switches import startup_setting
 
 ENV = "SPMD_CP_HUGE_PAGES"  # "on" (default) or "off"
 CHOICES = ("on", "off")
@@ -48,10 +49,7 @@ GLIBC_WITH_HUGETLB = (2, 35)  # the first glibc that knows the tunable (older on
 
 def requested() -> str:
     """``SPMD_CP_HUGE_PAGES``: "on" (also when unset) or "off"."""
-    value = os.environ.get(ENV, "").strip().lower() or "on"
-    if value not in CHOICES:
-        raise UserError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    return startup_setting(ENV, CHOICES, "on")
 
 
 def _tunables(value: str) -> dict:

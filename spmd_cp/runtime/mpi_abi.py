@@ -18,26 +18,13 @@ and runtime/graph_comm.py falls back to the ring backend.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
-from ..errors import UserError
 from . import native
 
 SOURCE = Path(__file__).with_name("mpi_abi_adapter.c")
 
-# Where the adapter is asked for: "mpi" forces it (an error where it cannot open),
-# "ring" skips it, "auto" (default) tries it and falls back to the ring backend.
-BACKEND_VARIABLE = "SPMD_CP_GRAPH_BACKEND"
-
 _bound: dict = {}  # the duplicate communicator the adapter serves, once per process
-
-
-def requested_backend() -> str:
-    value = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"
-    if value not in ("auto", "mpi", "ring"):
-        raise UserError(f"{BACKEND_VARIABLE}={value!r}: expected auto, mpi or ring")
-    return value
 
 
 def _predefined(MPI, duplicate) -> list:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
+from .switches import startup_setting
 
 ENV = "SPMD_CP_SCHED"  # "batch" (default) or "default"
 CHOICES = ("batch", "default")
@@ -29,10 +30,7 @@ POLICY_NAMES = {getattr(os, name): name[6:].lower()
 
 def requested() -> str:
     """``SPMD_CP_SCHED``: "batch" (also when unset) or "default"."""
-    value = os.environ.get(ENV, "").strip().lower() or "batch"
-    if value not in CHOICES:
-        raise UserError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    return startup_setting(ENV, CHOICES, "batch")
 
 
 def _threads() -> list[int]:
