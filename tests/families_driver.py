@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from spmd_cp.config import DecodeConfig
 from spmd_cp.engine.engine import Engine
 from spmd_cp.engine.generation import decode_tokens
 from spmd_cp.engine.model import CPModel
@@ -38,7 +39,7 @@ def greedy(engine, cache, logits) -> list[int]:
 
 
 def run_algo(comm, model, algo: str, chunk: int) -> dict:
-    engine = Engine(model, comm, algo=algo, prefill_chunk=chunk, decode_tp="off")
+    engine = Engine(model, comm, algo=algo, prefill_chunk=chunk, decode=DecodeConfig(decode_tp="off"))
     cache = engine.new_cache()
     logits, records = engine.prefill(cache, prompt_ids(LENGTH, 1), score=True)
     tokens = greedy(engine, cache, logits)
@@ -50,19 +51,19 @@ def run_saved_cache(comm, model, checksum: str, directory: str) -> list[int]:
     """Prefill part of the prompt, save the cache, load it into a new engine, prefill the
     rest and continue greedily."""
     ids = prompt_ids(LENGTH, 1)
-    engine = Engine(model, comm, algo="pass-kv", decode_tp="off")
+    engine = Engine(model, comm, algo="pass-kv", decode=DecodeConfig(decode_tp="off"))
     cache = engine.new_cache()
     engine.prefill(cache, ids[:CACHED])
     save_cache(comm, cache, directory, checksum, conversation={})
     meta = comm.bcast_object(read_meta(directory) if comm.rank == 0 else None)
-    again = Engine(model, comm, algo="pass-q", decode_tp="off")
+    again = Engine(model, comm, algo="pass-q", decode=DecodeConfig(decode_tp="off"))
     loaded = load_cache(comm, directory, meta, checksum, model.num_layers, model.kv_dtype)
     logits, _ = again.prefill(loaded, ids[CACHED:])
     return greedy(again, loaded, logits)
 
 
 def run_split_decode(comm, model) -> dict:
-    engine = Engine(model, comm, algo="pass-kv", decode_tp="on")
+    engine = Engine(model, comm, algo="pass-kv", decode=DecodeConfig(decode_tp="on"))
     cache = engine.new_cache()
     logits, records = engine.prefill(cache, prompt_ids(TP_LENGTH, 2), score=True)
     tokens = greedy(engine, cache, logits)

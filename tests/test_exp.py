@@ -142,11 +142,12 @@ def test_decode_row_over_many_keys_matches_a_dense_softmax():
     np.testing.assert_allclose(np.array(lse), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def _enabled_in_child(env_changes: dict) -> str:
-    """``polynomial_exp_enabled()`` in a fresh process with the environment changed."""
+def _enabled_in_child(env_changes: dict, wanted: bool = True) -> str:
+    """``polynomial_exp_enabled()`` in a fresh process with the environment changed, after
+    ``use_polynomial_exp(wanted)`` (what ``--fast-exp`` / ``--no-fast-exp`` call)."""
     env = {**os.environ, **env_changes}
-    code = ("from spmd_cp.attention.exp import polynomial_exp_enabled as e; "
-            "print(e())")
+    code = ("from spmd_cp.attention.exp import polynomial_exp_enabled as e, "
+            f"use_polynomial_exp as u; u({wanted}); print(e())")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120, check=True).stdout.strip()
 
@@ -155,7 +156,7 @@ def _enabled_in_child(env_changes: dict) -> str:
                     reason="the polynomial is for x86 CPUs where MLX's compiler (g++) exists")
 def test_polynomial_is_used_here_unless_opted_out_or_mlx_cannot_compile(tmp_path):
     assert _enabled_in_child({}) == "True"
-    assert _enabled_in_child({exp_module.ENV: "0"}) == "False"
+    assert _enabled_in_child({}, wanted=False) == "False"  # --no-fast-exp
     # Without g++ MLX runs compiled functions op by op: MLX's exp is kept.
     python_dir = tmp_path / "bin"
     python_dir.mkdir()
