@@ -133,7 +133,7 @@ def test_decode_steps_and_split_at_two_ranks(family_models, quantized_moe, launc
                                        err_msg=f"{family} {weights}")
             assert run["greedy"] == tokens, (family, weights)
             assert run["tp_used"], (family, weights)
-    assert "decode: replicated" not in log, log
+    assert "replicated layout (the weights cannot be split" not in log, log
     steps = {family: runs["algos"]["pass-kv/0"]["decode_step"]
              for family, runs in results.items()}
     from conftest import C_HELPERS_BUILD
@@ -141,8 +141,8 @@ def test_decode_steps_and_split_at_two_ranks(family_models, quantized_moe, launc
     if C_HELPERS_BUILD:
         assert steps == {"phi3": "native", "phi3-longrope": "mlx", "qwen3_moe": "mlx",
                          "mixtral": "mlx", "qwen3_moe-4bit": "mlx"}, steps
-        assert "decode step: MLX's graph (rank 0: layer 0: its RoPE is a SuScaledRoPE)" in log
-        assert "decode step: MLX's graph (rank 0: layer 0: its MLP is a mixture of 4 experts " \
+        assert "graph step (rank 0: layer 0: its RoPE is a SuScaledRoPE)" in log
+        assert "graph step (rank 0: layer 0: its MLP is a mixture of 4 experts " \
                "(2 a token), which the native step does not compute)" in log
 
 

@@ -146,7 +146,7 @@ def test_split_decode_from_sharded_weights_equals_one_rank(tiny_models, text_fil
     assert got["token_ids"] == expected["token_ids"] == plain["token_ids"]
     assert (got["decode_tp"], plain["decode_tp"]) == ("on", "off")
     assert "from the layer-sharded store" in split.stderr
-    assert "decode: replicated (layer-sharded weights" in replicated.stderr
+    assert "decode plan: replicated layout (layer-sharded weights" in replicated.stderr
     assert sum(got["comm_bytes"]) < sum(plain["comm_bytes"]) / 2
     assert all(g > p for g, p in zip(got["model_bytes"], plain["model_bytes"]))
 

@@ -135,7 +135,7 @@ def test_quantized_tensor_parallel_decode_equals_one_rank(tmp_path):
     single = run_cli(1, ["generate", *prompt]).last_json()
     split = run_cli(2, ["generate", *prompt, "--decode-tp", "on"])
     assert "tensor-parallel slices of the 4/8-bit quantized weights over 2 ranks" in split.stderr
-    assert "decode: replicated" not in split.stderr
+    assert "decode plan: replicated layout" not in split.stderr
     result = split.last_json()
     assert result["tokens"] == single["tokens"] == 12
     assert result["text"] == single["text"]

@@ -73,7 +73,7 @@ def native_obstacle(model: CPModel) -> str | None:
                 "(Gemma 3), which the native step does not do")
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
-    head_dim = model.layers[0].self_attn.k_proj.weight.shape[0] // model.num_kv_heads
+    head_dim = LayerParts.of(model.layers[0]).qkv_widths[1] // model.num_kv_heads  # k's width
     if head_dim > MAX_HEAD_DIM:
         return f"heads of {head_dim} dimensions (at most {MAX_HEAD_DIM})"
     for index, layer in enumerate(model.layers):

@@ -239,15 +239,6 @@ class LayerShell:
         self.self_attn = attn
 
 
-def supports_tensor_parallel(model: CPModel, comm: Comm) -> bool:
-    """Whether decode can split the weights over ``comm``; says why not (rank 0's log)."""
-    reason = slicing_obstacle(model, comm.size)
-    if reason is not None and comm.rank == 0:
-        log.info("decode: replicated (the weights cannot be split over %d ranks: %s)",
-                 comm.size, reason)
-    return reason is None
-
-
 def describe_weights(layer, model: CPModel) -> str:
     """'float32', '4-bit quantized' or '4/8-bit quantized': what the slices are cut from
     (``layer``: one layer's modules as they were when cut)."""
