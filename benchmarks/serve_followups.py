@@ -43,18 +43,24 @@ def free_port() -> int:
 
 def start_server(ranks: int, port: int):
     """(the `spmd-cp serve` process group, an OpenAI client of it) once it answers."""
-    import openai
-
     server = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "spmd-cp"),
                                "serve", "--port", str(port), "-q"], env=ENV,
                               stderr=subprocess.DEVNULL, start_new_session=True)
+    return server, client_when_up(server, port)
+
+
+def client_when_up(server: subprocess.Popen, port: int):
+    """An OpenAI client of the `spmd-cp serve` started as ``server`` once it answers (the
+    server's process group is killed where it does not within 300 s)."""
+    import openai
+
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
                            max_retries=0, timeout=600)
     deadline = time.monotonic() + 300
     while True:
         try:
             client.models.list()
-            return server, client
+            return client
         except openai.APIError:
             if time.monotonic() > deadline or server.poll() is not None:
                 os.killpg(server.pid, signal.SIGKILL)

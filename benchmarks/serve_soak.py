@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
-from serve_followups import BIN, ENV, free_port  # noqa: E402
+from serve_followups import BIN, ENV, client_when_up, free_port  # noqa: E402
 
 TOPICS = ["cats", "rivers", "bridges", "volcanoes", "violins", "glaciers", "comets"]
 MB = 1 << 20
@@ -36,24 +36,11 @@ MB = 1 << 20
 
 def start_server(ranks: int, port: int, log_path: Path):
     """The `spmd-cp serve` process group and an OpenAI client, once it answers."""
-    import openai
-
     with open(log_path, "wb") as log:
         server = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "spmd-cp"),
                                    "serve", "--port", str(port)], env=ENV, stderr=log,
                                   stdout=log, start_new_session=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                           max_retries=0, timeout=600)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            client.models.list()
-            return server, client
-        except openai.APIError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                os.killpg(server.pid, signal.SIGKILL)
-                raise
-            time.sleep(0.5)
+    return server, client_when_up(server, port)
 
 
 def health(port: int) -> dict:
