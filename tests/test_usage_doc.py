@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from spmd_cp.cli import cli
+from spmd_cp.cli.commands import cli
 
 USAGE = Path(__file__).resolve().parent.parent / "docs" / "USAGE.md"
 

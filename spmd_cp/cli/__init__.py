@@ -9,8 +9,9 @@ Every rank runs this same entry point:
 Rank 0 reads and tokenizes the prompt, samples, and alone writes to stdout; every rank
 holds the whole model (or, with --shard-weights, layers i mod N and 1/N of the
 vocabulary) and 1/N of the KV cache. One module per command (generate, score,
-batch, serve, doctor); the steps they share are in steps.py. Importing this package must not
-initialise MPI: main() may still re-execute the process with a faster BLAS.
+batch, serve, doctor), gathered into one click group in commands.py; the steps they share
+are in steps.py. Importing this package loads neither MLX nor MPI: main() may still
+re-execute the process with a faster BLAS, so it imports the commands only after that.
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ import click
 
 from .. import blas
 from ..runtime.scheduling import use_batch_scheduling
-from .batch import batch
-from .doctor import doctor
-from .generate import generate
-from .options import RangeError
-from .score import score
-from .serve import serve
 
 
 def main():
@@ -34,6 +29,11 @@ def main():
     use_batch_scheduling()
     # Before MPI_Init: possibly re-exec with an optimized BLAS.
     blas.ensure_fast_blas()
+    # The commands import MLX and mlx-lm (transformers: about 2 s), so only now, in the
+    # process that stays.
+    from .commands import cli
+    from .options import RangeError
+
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
@@ -57,31 +57,6 @@ def _launcher_rank() -> int:
             return int(os.environ[name])
     return 0
 
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def cli():
-    """Exact context-parallel long-context LLM inference for MLX models, under MPI."""
-
-
-@cli.command("trace-summary")
-@click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
-def trace_summary(trace_file):
-    """Each rank's compute and wait shares in a --trace file, and the slowest rank."""
-    from ..runtime.trace import summarize
-
-    try:
-        summary = summarize(trace_file)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        # ValueError covers bad JSON and bad UTF-8 (a binary or truncated file).
-        what = error.strerror if isinstance(error, OSError) else type(error).__name__
-        raise click.ClickException(
-            f"{trace_file} is not a readable spmd-cp trace ({what}); write one with "
-            f"--trace FILE") from None
-    click.echo(summary)
-
-
-for command in (generate, score, batch, serve, doctor):
-    cli.add_command(command)
 
 if __name__ == "__main__":
     main()
