@@ -14,14 +14,21 @@ Every decode step records which step ran it (native or MLX's graph).
 import json
 import sys
 
-import numpy as np
+from spmd_cp.blas import ensure_fast_blas
 
-from spmd_cp.config import DecodeConfig
-from spmd_cp.engine.engine import Engine
-from spmd_cp.engine.generation import decode_tokens
-from spmd_cp.engine.model import CPModel
-from spmd_cp.engine.prompt_cache import load_cache, read_meta, save_cache
-from spmd_cp.models.loader import load_model
+if __name__ == "__main__":
+    # As the CLI does: re-exec with an optimized BLAS before MPI_Init, and before the
+    # heavy imports below, which the re-executed process would otherwise pay twice.
+    ensure_fast_blas()
+
+import numpy as np  # noqa: E402
+
+from spmd_cp.config import DecodeConfig  # noqa: E402
+from spmd_cp.engine.engine import Engine  # noqa: E402
+from spmd_cp.engine.generation import decode_tokens  # noqa: E402
+from spmd_cp.engine.model import CPModel  # noqa: E402
+from spmd_cp.engine.prompt_cache import load_cache, read_meta, save_cache  # noqa: E402
+from spmd_cp.models.loader import load_model  # noqa: E402
 
 ALGOS = ["allgather-kv", "pass-kv", "pass-q", "auto"]
 LENGTH, CHUNK, DECODE, CACHED = 29, 7, 4, 17  # CACHED: prompt tokens the saved cache holds
@@ -104,9 +111,6 @@ def main(comm, _options):
 
 
 if __name__ == "__main__":
-    from spmd_cp.blas import ensure_fast_blas
-
-    ensure_fast_blas()  # as the CLI does: re-exec with an optimized BLAS before MPI_Init
     from spmd_cp.runtime import spmd
 
     sys.exit(spmd.run_main(main, {}))

@@ -12,15 +12,22 @@ the weights.
 import json
 import sys
 
-import mlx.core as mx
-import numpy as np
+from spmd_cp.blas import ensure_fast_blas
 
-from spmd_cp.config import DecodeConfig
-from spmd_cp.engine.engine import Engine
-from spmd_cp.engine.generation import decode_tokens
-from spmd_cp.models.loader import load_model
-from spmd_cp.engine.model import CPModel
-from spmd_cp.models.quantized_shadows import SHADOWS
+if __name__ == "__main__":
+    # As the CLI does: re-exec with an optimized BLAS before MPI_Init, and before the
+    # heavy imports below, which the re-executed process would otherwise pay twice.
+    ensure_fast_blas()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from spmd_cp.config import DecodeConfig  # noqa: E402
+from spmd_cp.engine.engine import Engine  # noqa: E402
+from spmd_cp.engine.generation import decode_tokens  # noqa: E402
+from spmd_cp.models.loader import load_model  # noqa: E402
+from spmd_cp.engine.model import CPModel  # noqa: E402
+from spmd_cp.models.quantized_shadows import SHADOWS  # noqa: E402
 
 
 def prompt_ids(length: int, seed: int, vocab: int) -> np.ndarray:
@@ -88,9 +95,6 @@ def main(comm, _options):
 
 
 if __name__ == "__main__":
-    from spmd_cp.blas import ensure_fast_blas
-
-    ensure_fast_blas()  # as the CLI does: re-exec with an optimized BLAS before MPI_Init
     from spmd_cp.runtime import spmd
 
     # As every command runs: a watchdog bounds each blocking call, and any rank's
