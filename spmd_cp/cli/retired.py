@@ -26,13 +26,15 @@ def _choice(*values: str):
     return parse
 
 
-# variable: (the RunConfig field it set, its value -> the field's, the flag of a value)
+# variable: (the RunConfig field it set, its value -> the field's, the flag, the flag
+# that gives a value)
 RETIRED = {
-    "SPMD_CP_PATH": ("device", _choice("gpu", "cpu"), "--device {}".format),
-    "SPMD_CP_ATTENTION": ("attention_kernel", _choice("fused", "tiled"),
+    "SPMD_CP_PATH": ("device", _choice("gpu", "cpu"), "--device", "--device {}".format),
+    "SPMD_CP_ATTENTION": ("attention_kernel", _choice("fused", "tiled"), "--attention-kernel",
                           "--attention-kernel {}".format),
-    # As before: "0" (or another "off" word) turns the cache off, anything else leaves it on.
-    "SPMD_CP_WEIGHT_CACHE": ("weight_cache", lambda raw: raw not in OFF,
+    # "0" turned the cache off (so do "off", "no", "false", as for the start-up
+    # switches); anything else leaves it on.
+    "SPMD_CP_WEIGHT_CACHE": ("weight_cache", lambda raw: raw not in OFF, "--no-weight-cache",
                              lambda on: "--weight-cache" if on else "--no-weight-cache"),
 }
 
@@ -42,18 +44,18 @@ def honour_retired(run: RunConfig, speaks: bool) -> RunConfig:
     where its flag is at its default; ``speaks``: print the deprecation lines (rank 0).
     A value the variable never took is a UserError naming the flag."""
     changes = {}
-    for name, (field, parse, flag) in RETIRED.items():
+    for name, (field, parse, flag, giving) in RETIRED.items():
         raw = retired_setting(name)
         if raw is None:
             continue
         try:
             value = parse(raw)
         except ValueError as error:
-            raise UserError(f"{name}={raw!r}: {error} (deprecated: the flag is "
-                            f"{flag('VALUE')})") from None
+            raise UserError(f"{name}={raw!r}: {error} (the variable is deprecated: use "
+                            f"{flag})") from None
         if speaks:
             print(f"spmd-cp: warning: {name} is deprecated and the next release will not "
-                  f"read it: use {flag(value)}", file=sys.stderr, flush=True)
+                  f"read it: use {giving(value)}", file=sys.stderr, flush=True)
         if getattr(run, field) == RunConfig.default(field):
             changes[field] = value
     return dataclasses.replace(run, **changes)
