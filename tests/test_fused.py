@@ -160,7 +160,7 @@ def test_half_precision_partials_are_as_close_as_mlx_lm_attention():
 
 def test_policy_follows_the_backend_unless_overridden():
     from spmd_cp.errors import UserError
-    from spmd_cp.runtime.device import Compute, backend_name
+    from spmd_cp.runtime.device import BackendInfo, Compute, backend_name
 
     on_gpu = backend_name() != "cpu"  # (CI has no GPU)
     assert Compute.resolve() == Compute("gpu" if on_gpu else "cpu", on_gpu)
@@ -169,7 +169,5 @@ def test_policy_follows_the_backend_unless_overridden():
     assert Compute.resolve("cpu", "fused") == Compute("cpu", True)
     with pytest.raises(UserError, match="'tpu'"):
         Compute.resolve("tpu")
-    from spmd_cp.runtime import device
-
-    info = device.BackendInfo("cpu", "Device(cpu, 0)", "cpu").as_dict()
+    info = BackendInfo("cpu", "Device(cpu, 0)", "cpu").as_dict()
     assert info == {"backend": "cpu", "device": "Device(cpu, 0)", "compute_path": "cpu"}

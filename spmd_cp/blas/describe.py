@@ -10,7 +10,7 @@ import os
 import sys
 
 from ..kernels.gemv_forward import ENV_SKIPPED, is_forward_library
-from ..runtime.switches import startup_value, thread_setting
+from ..runtime.switches import startup_value, thread_count
 from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
                         candidate_paths, preloaded_libraries)
 
@@ -141,8 +141,7 @@ def _threads_and_name(path: str | None, kind: str, mapped: list[str]) -> tuple[i
     if kind == "reference":
         threads = 1
     elif threads is None:
-        setting = thread_setting(THREAD_VARS.get(kind, ()))
-        threads = setting[1] if setting else None
+        threads = thread_count(THREAD_VARS.get(kind, ()))
     name = _NAMES.get(kind, "unknown BLAS")
     if parallel:
         name += f" {version} ({parallel})" if version else f" ({parallel})"

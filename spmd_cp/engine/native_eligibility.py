@@ -14,7 +14,7 @@ from ..config import DecodeConfig
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import Compute
-from ..runtime.switches import thread_setting
+from ..runtime.switches import thread_count
 from .layer_parts import LayerParts, describe_feed_forward
 from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
@@ -29,8 +29,8 @@ def decode_threads() -> int:
     THREAD_SETTINGS set to a positive number: the re-exec sets one to the rank's share
     of the host's cores unless the user did, blas/reexec.py), else that share itself;
     never more than the CPUs the process may run on."""
-    setting = thread_setting(THREAD_SETTINGS)
-    return min(setting[1], usable_cpus()) if setting else default_threads()
+    threads = thread_count(THREAD_SETTINGS)
+    return min(threads, usable_cpus()) if threads else default_threads()
 
 
 def availability(compute: Compute) -> str:

@@ -1,8 +1,8 @@
 """The environment variables a rank reads, read one way: only what must be known before
-the process re-executes or before MLX and MPI load (the BLAS and its matrix-vector
-forward, the allocator, huge pages, the scheduling policy; docs/USAGE.md's table). Every
-other behaviour is a flag of the typed configuration (spmd_cp/config.py); the three
-behaviour variables that became flags are read here too, for one more release
+the process re-executes or before MLX and MPI load (the BLAS, its threads and its
+matrix-vector forward, the allocator, huge pages, the scheduling policy; docs/USAGE.md's
+table). Every other behaviour is a flag of the typed configuration (spmd_cp/config.py);
+the three behaviour variables that became flags are read here too, for one more release
 (cli/retired.py). Standard library only: these are read before MLX loads."""
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ def switched_off(name: str) -> bool:
 
 
 def startup_value(name: str) -> str:
-    """The variable ``name`` as set, stripped ("" where unset): for the settings that
-    take a path besides their words (``SPMD_CP_BLAS``, ``SPMD_CP_ALLOCATOR``)."""
+    """The variable ``name`` as set, stripped, its case kept ("" where unset): for the
+    settings that take a path besides their words (``SPMD_CP_BLAS``,
+    ``SPMD_CP_ALLOCATOR``) and the BLAS's thread counts."""
     return os.environ.get(name, "").strip()
 
 
-def thread_setting(names: tuple) -> tuple[str, int] | None:
-    """The first of the BLAS thread variables ``names`` set to a positive number, and
-    that number; None where none is."""
+def thread_count(names: tuple) -> int | None:
+    """The first of the BLAS thread variables ``names`` set to a positive number, that
+    number; None where none is."""
     for name in names:
         value = startup_value(name)
         if value.isdigit() and int(value) > 0:
-            return name, int(value)
+            return int(value)
     return None
 
 
