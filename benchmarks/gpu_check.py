@@ -5,7 +5,7 @@
 
 Made for a GPU machine that is lent for a few minutes (benchmarks/gpu/README.md shows how
 to set one up), it also runs anywhere MLX runs (the test suite runs it on the CPU at tiny
-sizes with SPMD_CP_PATH=gpu, so the flow cannot rot while no GPU is at hand).
+sizes with --device gpu, so the flow cannot rot while no GPU is at hand).
 
 1. Models: a random-weight Llama of the given shape in bfloat16, and a 4-bit copy of it
    (mlx-lm's quantize_model, group size 64), in MLX format with --tokenizer's files.
@@ -206,8 +206,8 @@ class Check:
         os.replace(tmp, self.out / "gpu_check.md")
 
 
-def spmd_cp(ranks: int, *args) -> list:
-    return bl.mpi_cmd(ranks, bl.SPMD_CP, *args, "--keep-quantized")
+def spmd_cp(device: str, ranks: int, *args) -> list:
+    return bl.mpi_cmd(ranks, bl.SPMD_CP, *args, "--keep-quantized", "--device", device)
 
 
 def speed(check: Check, models: dict, size: int, prompt: Path):
@@ -217,9 +217,9 @@ def speed(check: Check, models: dict, size: int, prompt: Path):
     runs = {"mlx-lm": [sys.executable, __file__, "--mlx-lm-child", "--model", model,
                        "--prompt-file", prompt, "--max-tokens", args.max_tokens]}
     for n in (1, 2):
-        runs[f"spmd-cp N={n}"] = spmd_cp(n, "generate", "--model", model, "--prompt-file",
-                                         prompt, "--json", "--no-chat-template",
-                                         "--max-tokens", args.max_tokens)
+        runs[f"spmd-cp N={n}"] = spmd_cp(args.device, n, "generate", "--model", model,
+                                         "--prompt-file", prompt, "--json",
+                                         "--no-chat-template", "--max-tokens", args.max_tokens)
     row = {"size": size, "model": "bf16"}
     for name, cmd in runs.items():
         if not check.in_time(f"speed {size} {name}"):
@@ -267,8 +267,8 @@ def exactness(check: Check, models: dict, document: Path):
             out = work / f"{name}_n{n}_{algo}.jsonl"
             r = check.run(
                 f"score {name} N={n} --cp-algo {algo}",
-                spmd_cp(n, "score", "--model", model, "--text-file", document, "--output",
-                        out, "--overwrite", "--cp-algo", algo, "--json"))
+                spmd_cp(check.args.device, n, "score", "--model", model, "--text-file",
+                        document, "--output", out, "--overwrite", "--cp-algo", algo, "--json"))
             if r is not None:
                 scores[(n, algo)] = read_scores(out)
         reference, r = None, None
@@ -369,6 +369,8 @@ def main():
     parser.add_argument("--deadline", type=float, default=360,
                         help="start no step after this many seconds")
     parser.add_argument("--run-timeout", type=float, default=150, help="per process, s")
+    parser.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
+                        help="spmd-cp's --device (gpu: the GPU path, on a CPU too)")
     parser.add_argument("--mlx-lm-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--prompt-file", help=argparse.SUPPRESS)

@@ -17,6 +17,8 @@ DECODE_REQUEST_MODES = ("persistent", "blocking")
 GRAPH_BACKENDS = ("auto", "mpi", "ring")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
 KV_DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "gpu", "cpu")
+ATTENTION_KERNELS = ("auto", "fused", "tiled")
 
 # Allowed values of the sampling settings as (lowest, highest); None: unbounded. The one
 # declaration both the generate/batch flags and batch's job lines are checked against.
@@ -98,6 +100,17 @@ class RunConfig(_Settings):
     # Attention's exp and the MLPs' SiLU as a compiled polynomial on x86 CPUs
     # (attention/exp.py), else MLX's own.
     fast_exp: bool = True
+    # The compute path (runtime/device.py): gpu keeps the model's dtype for the KV cache
+    # and messages and attends through MLX's fused kernel, cpu a tiled float32 attention;
+    # auto: from MLX's default device. Forcing one tests the other path's exactness.
+    device: str = "auto"
+    # The attention kernel alone: fused (MLX's) or tiled (float32 blocks, float32 ring
+    # partials); auto: fused on the GPU path, tiled on the CPU path.
+    attention_kernel: str = "auto"
+    # A GGUF's dequantized float32 weights kept on disk between runs (models/loader.py):
+    # saves the dequantization, costs 4 bytes a parameter of disk.
+    weight_cache: bool = True
+    fault: str | None = None  # test-only fault injection (runtime/faults.py; a hidden flag)
 
 
 @dataclass

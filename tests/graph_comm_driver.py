@@ -1,6 +1,6 @@
 """Real ranks run runtime.graph_comm's collectives inside MLX's graph.
 
-    mpiexec -n N python tests/graph_comm_driver.py OUT_JSON [auto|mlx|mpi]
+    mpiexec -n N python tests/graph_comm_driver.py OUT_JSON [auto|mlx|mpi] [BACKEND] [DEVICE]
 
 Every rank contributes arrays of its own rank-dependent values and uneven lengths, runs
 each collective lazily and evaluates the results at once; rank 0 writes what every rank
@@ -34,12 +34,14 @@ def main():
     from mpi4py import MPI
 
     from spmd_cp.runtime.comm import Comm
+    from spmd_cp.runtime.device import Compute
     from spmd_cp.runtime.graph_comm import open_graph_collectives
 
     comm = Comm(MPI.COMM_WORLD)
     mode = sys.argv[2] if len(sys.argv) > 2 else "auto"
     backend = sys.argv[3] if len(sys.argv) > 3 else "auto"
-    graph, reason = open_graph_collectives(comm, mode, backend)
+    device = sys.argv[4] if len(sys.argv) > 4 else "auto"  # as --device
+    graph, reason = open_graph_collectives(comm, mode, backend, Compute.resolve(device))
     record = {"opened": graph is not None, "reason": reason}
     if graph is not None:
         mine = {name: mx.array(value) for name, value in contribution(comm.rank).items()}

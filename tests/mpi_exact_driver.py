@@ -1,12 +1,12 @@
 """Runs many CP configurations in one MPI launch (loading the model once), for the tests.
 
-    mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON
+    mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON [DEVICE]
 
 Each config: {"algo", "chunk", "length", "decode", "seed"[, "score": true, "merge":
 "allgather", "interleave": 1, "tp": "off", "comm": "mpi"]}. For each,
 rank 0 records the logprob of every prompt token (when scoring), the greedy
 continuation, and per-rank KV bytes, prefill communication bytes and peak memory beyond
-the weights.
+the weights. ``DEVICE``: the compute path, as ``--device`` (default auto).
 """
 
 import json
@@ -82,12 +82,15 @@ def run_config(comm, model, config, model_bytes):
 def main(comm, _options):
     from mlx.utils import tree_flatten
 
+    from spmd_cp.runtime.device import Compute
+
     model_path, configs_json, out_path = sys.argv[1:4]
+    compute = Compute.resolve(sys.argv[4] if len(sys.argv) > 4 else "auto")
     loaded = load_model(model_path).model
     # the weights held: the parameters and the packed forms decode reads (a quantized
     # GGUF's shadows, models/quantized_shadows.py)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters())) + SHADOWS.nbytes
-    model = CPModel(loaded)
+    model = CPModel(loaded, compute=compute)
     results = [run_config(comm, model, c, model_bytes) for c in json.loads(configs_json)]
     if comm.rank == 0:
         with open(out_path, "w") as f:

@@ -1,6 +1,6 @@
 """Failure behaviour on real MPI jobs: every fault ends the whole job, fast, saying where.
 
-Faults are injected with the test-only SPMD_CP_FAULT switch (spmd_cp/faults.py) at a
+Faults are injected with the test-only hidden flag --fault (spmd_cp/runtime/faults.py) at a
 given rank, phase and layer; times are measured from the moment the fault fires.
 """
 
@@ -28,7 +28,7 @@ def launch_with_fault(n: int, args: list[str], fault: str | None, timeout: float
     """
     env = {**os.environ, **RANK_ENV}
     if fault:
-        env["SPMD_CP_FAULT"] = fault
+        args = [*args, "--fault", fault]
     proc = subprocess.Popen([MPIEXEC, "-n", str(n), *SPMD_CP, *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     lines, fired = [], []

@@ -158,21 +158,16 @@ def test_half_precision_partials_are_as_close_as_mlx_lm_attention():
     assert np.abs(np.array(out) - ref_out).max() <= mlx_lm_error + 2 ** -8
 
 
-def test_policy_follows_the_backend_unless_overridden(monkeypatch):
+def test_policy_follows_the_backend_unless_overridden():
     from spmd_cp.errors import UserError
-    from spmd_cp.runtime import device
+    from spmd_cp.runtime.device import BackendInfo, Compute, backend_name
 
-    monkeypatch.delenv(device.PATH_ENV, raising=False)
-    monkeypatch.delenv(device.ATTENTION_ENV, raising=False)
-    on_gpu = device.backend_name() != "cpu"  # (CI has no GPU)
-    assert device.compute_path() == ("gpu" if on_gpu else "cpu")
-    assert device.use_fused_attention() == on_gpu
-    monkeypatch.setenv(device.PATH_ENV, "gpu")
-    assert device.on_gpu_path() and device.use_fused_attention()
-    monkeypatch.setenv(device.ATTENTION_ENV, "tiled")
-    assert device.on_gpu_path() and not device.use_fused_attention()
-    monkeypatch.setenv(device.PATH_ENV, "tpu")
-    with pytest.raises(UserError, match="SPMD_CP_PATH"):
-        device.compute_path()
-    info = device.BackendInfo("cpu", "Device(cpu, 0)", "cpu").as_dict()
+    on_gpu = backend_name() != "cpu"  # (CI has no GPU)
+    assert Compute.resolve() == Compute("gpu" if on_gpu else "cpu", on_gpu)
+    assert Compute.resolve("gpu") == Compute("gpu", True)
+    assert Compute.resolve("gpu", "tiled") == Compute("gpu", False)
+    assert Compute.resolve("cpu", "fused") == Compute("cpu", True)
+    with pytest.raises(UserError, match="'tpu'"):
+        Compute.resolve("tpu")
+    info = BackendInfo("cpu", "Device(cpu, 0)", "cpu").as_dict()
     assert info == {"backend": "cpu", "device": "Device(cpu, 0)", "compute_path": "cpu"}

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's flow on the CPU at tiny sizes (SPMD_CP_PATH=gpu: the
+"""benchmarks/gpu_check.py's flow on the CPU at tiny sizes (--device gpu: the
 GPU path's fused attention and model-dtype cache), so that the check a lent GPU runs in
 its few minutes cannot be broken while no GPU is at hand. Its figures are checked for
 what the CPU can promise: the paths that merge nothing equal mlx-lm's forward. Its
@@ -23,9 +23,10 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 @pytest.fixture(scope="module")
 def check(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu_check")
-    env = {**os.environ, **RANK_ENV, "SPMD_CP_PATH": "gpu"}
+    env = {**os.environ, **RANK_ENV}
     cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--sizes", "96", "--exact-tokens",
-           "64", "--max-tokens", "3", "--exact-models", "bf16", "--out", str(out), "--run-timeout", "120"]
+           "64", "--max-tokens", "3", "--exact-models", "bf16", "--out", str(out),
+           "--run-timeout", "120", "--device", "gpu"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500)
     except subprocess.TimeoutExpired as error:

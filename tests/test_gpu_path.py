@@ -1,5 +1,5 @@
 """The GPU path (fused attention, model-dtype KV cache and messages) run on the CPU with
-SPMD_CP_PATH=gpu, through real MPI ranks, against mlx-lm's unmodified forward.
+--device gpu, through real MPI ranks, against mlx-lm's unmodified forward.
 
 On the CPU, MLX's attention "kernel" is a fallback that computes half-precision scores
 in half precision (a GPU's fused kernel keeps them in float32), so a half-precision
@@ -22,7 +22,7 @@ import pytest
 from conftest import TESTS, run_cli, run_ranks
 from test_cp_exact import ALGOS, check_against_reference, configs_for, lengths_for
 
-GPU_PATH = {"SPMD_CP_PATH": "gpu"}
+GPU_PATH = ["--device", "gpu"]
 RING_ALGOS = ("pass-kv", "pass-q", "allgather-kv")
 
 
@@ -35,7 +35,7 @@ def test_fused_attention_matches_mlx_lm(n, tiny_models, tmp_path):
     for path in tiny_models.values():
         out = tmp_path / "results.json"
         run_ranks(n, [sys.executable, str(TESTS / "mpi_exact_driver.py"), path,
-                      json.dumps(configs), str(out)], timeout=400, env=GPU_PATH)
+                      json.dumps(configs), str(out), "gpu"], timeout=400)
         check_against_reference(json.loads(out.read_text())["results"], path, n)
 
 
@@ -107,15 +107,15 @@ def q4_scores(half_models, document, tmp_path_factory):
     def scores(n: int, algo: str):
         if (n, algo) not in done:
             done[n, algo] = score(n, half_models["q4"], document,
-                                  folder / f"{n}-{algo}.jsonl", algo, GPU_PATH)
+                                  folder / f"{n}-{algo}.jsonl", algo)
         return done[n, algo]
     return scores
 
 
-def score(n: int, model: str, document: Path, out: Path, algo: str, env: dict):
+def score(n: int, model: str, document: Path, out: Path, algo: str):
     summary = run_cli(n, ["score", "--model", model, "--keep-quantized", "--text-file",
-                          str(document), "--output", str(out), "--cp-algo", algo, "--json"],
-                      env=env).last_json()
+                          str(document), "--output", str(out), "--cp-algo", algo, "--json",
+                          *GPU_PATH]).last_json()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return (summary, np.array([r["token"] for r in records]),
             np.array([r["logprob"] for r in records]))
@@ -137,7 +137,7 @@ def test_bf16_model_keeps_a_bf16_cache_and_mlx_lm_precision(n, half_models, docu
     per_token = 2 * 3 * 2 * 16 * 2  # K and V, 3 layers, 2 KV heads, head dim 16, 2 bytes
     for algo in RING_ALGOS if n > 1 else ("pass-kv",):
         summary, tokens, logprob = score(n, half_models["bf16"], document,
-                                         tmp_path / f"{algo}.jsonl", algo, GPU_PATH)
+                                         tmp_path / f"{algo}.jsonl", algo)
         where = f"N={n} {algo}"
         np.testing.assert_array_equal(tokens, ids[1:], err_msg=where)
         assert summary["kv_dtype"] == "bfloat16" and summary["compute_path"] == "gpu"
@@ -179,7 +179,7 @@ def test_layer_sharded_quantized_weights_on_the_gpu_path(half_models, document, 
     assert_within_half_precision(sharded, half, full, False, "sharded N=2")
     answers = [run_cli(2, ["generate", "--model", model, "--keep-quantized", "--prompt-file",
                            str(document), "--no-chat-template", "--max-tokens", "5", "--json",
-                           "--shard-weights", flag], env=GPU_PATH).last_json()["token_ids"]
+                           "--shard-weights", flag, *GPU_PATH]).last_json()["token_ids"]
                for flag in ("off", "on")]
     assert answers[0] == answers[1]
 
@@ -188,24 +188,26 @@ def run_sharded_score(model: str, document: Path, tmp_path: Path):
     out = tmp_path / "sharded.jsonl"
     summary = run_cli(2, ["score", "--model", model, "--keep-quantized", "--text-file",
                           str(document), "--output", str(out), "--cp-algo", "pass-kv",
-                          "--json", "--shard-weights", "on"], env=GPU_PATH).last_json()
+                          "--json", "--shard-weights", "on", *GPU_PATH]).last_json()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return (summary, np.array([r["token"] for r in records]),
             np.array([r["logprob"] for r in records]))
 
 
-def test_kv_dtype_and_forecast_follow_the_path(half_models, monkeypatch):
+def test_kv_dtype_and_forecast_follow_the_path(half_models):
     import mlx.core as mx
 
     from spmd_cp.engine.forecast import forecast_rank_bytes
     from spmd_cp.engine.model import kv_dtype_for, kv_model_shape
     from spmd_cp.models.loader import load_model
+    from spmd_cp.runtime.device import Compute
 
     loaded = load_model(half_models["bf16"], keep_quantized=True)
     forecasts = {}
     for path, dtype in (("cpu", mx.float32), ("gpu", mx.bfloat16)):
-        monkeypatch.setenv("SPMD_CP_PATH", path)
-        assert kv_dtype_for(loaded.model) == dtype
-        forecasts[path] = forecast_rank_bytes(kv_model_shape(loaded), 0, 4096, 4096, 2)
+        compute = Compute.resolve(path)
+        assert kv_dtype_for(loaded.model, compute=compute) == dtype
+        forecasts[path] = forecast_rank_bytes(kv_model_shape(loaded, compute=compute), 0,
+                                              4096, 4096, 2)
     assert forecasts["gpu"].kv * 2 == forecasts["cpu"].kv
     assert forecasts["gpu"].kv == (4096 // 2 + 1) * 2 * 3 * 2 * 16 * 2

@@ -15,10 +15,10 @@ from conftest import C_HELPERS_BUILD, TESTS, needs_c_helpers, run_cli, run_ranks
 
 
 def graph_records(n: int, tmp_path, mode: str = "auto", env: dict | None = None,
-                  backend: str = "auto") -> list:
+                  backend: str = "auto", device: str = "auto") -> list:
     out = tmp_path / f"graph-{n}-{mode}.json"
     run_ranks(n, [sys.executable, str(TESTS / "graph_comm_driver.py"), str(out), mode,
-                  backend], timeout=120, env=env)
+                  backend, device], timeout=120, env=env)
     return json.loads(out.read_text())
 
 
@@ -84,7 +84,7 @@ def test_graph_collectives_stay_closed_where_asked_or_on_the_gpu_path(tmp_path):
     MPI, and says why on every rank."""
     assert all(not r["opened"] and r["reason"] == "--decode-comm mpi"
                for r in graph_records(2, tmp_path, "mpi"))
-    gpu = graph_records(2, tmp_path, "auto", env={"SPMD_CP_PATH": "gpu"})
+    gpu = graph_records(2, tmp_path, "auto", device="gpu")
     assert all(not r["opened"] and "GPU path" in r["reason"] for r in gpu)
 
 
@@ -129,8 +129,8 @@ def test_a_runtime_variable_with_a_bad_value_is_one_line(tiny_models, variable, 
 
 def test_decode_comm_mlx_where_it_cannot_open_is_one_line(tmp_path, tiny_models):
     launch = run_cli(2, ["generate", "--model", tiny_models["llama"], "--prompt", "hello",
-                         "--max-tokens", "2", "--decode-comm", "mlx"],
-                     env={"SPMD_CP_PATH": "gpu"}, check=False)
+                         "--max-tokens", "2", "--decode-comm", "mlx", "--device", "gpu"],
+                     check=False)
     assert launch.returncode == 2, launch.stderr
     errors = [line for line in launch.stderr.splitlines() if "error" in line]
     assert errors and "--decode-comm mlx" in errors[0] and "GPU path" in errors[0]

@@ -23,3 +23,8 @@ def test_float32_weight_copy_is_written_reused_and_survives_damage(embedded_mode
     np.testing.assert_array_equal(np.array(third["model.norm.weight"]),
                                   np.array(first["model.norm.weight"]))
     assert copies[0].stat().st_size > 500e6  # rewritten
+    copies[0].unlink()  # --no-weight-cache: dequantized again, nothing written
+    fourth = dict(tree_flatten(load_model(embedded_model, weight_cache=False).model.parameters()))
+    np.testing.assert_array_equal(np.array(fourth["model.layers.7.self_attn.q_proj.weight"]),
+                                  np.array(first["model.layers.7.self_attn.q_proj.weight"]))
+    assert not list((tmp_path / "weights").iterdir())

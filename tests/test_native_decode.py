@@ -139,21 +139,32 @@ def test_mlx_step_kept_on_request_equals_mlx_lm_forward(tiny_models, tmp_path):
 
 def test_what_keeps_mlx_step_is_named(tiny_models):
     """native_obstacle names what the native step does not cover, checked before any
-    rank commits to it: 4-bit layers kept packed (--keep-quantized), bfloat16 weights;
-    a plain float32 model has none but, in this process (no BLAS preloaded
-    by the re-exec), the missing cblas_sgemm."""
+    rank commits to it: 4-bit layers kept packed (--keep-quantized), bfloat16 weights,
+    the GPU path; a plain float32 model has none but, in this process (no BLAS preloaded
+    by the re-exec), the missing cblas_sgemm. The settings' part of the same rules,
+    checked before any model loads, names the flags and the path the same way."""
     import mlx.core as mx
     import mlx.nn as nn
 
+    from spmd_cp.config import DecodeConfig
     from spmd_cp.engine.model import CPModel
-    from spmd_cp.engine.native_eligibility import native_obstacle
+    from spmd_cp.engine.native_eligibility import native_obstacle, upfront_obstacle
     from spmd_cp.models.loader import load_model
+    from spmd_cp.runtime.device import Compute
 
-    def obstacle(transform=None):
+    def obstacle(transform=None, compute=None):
         model = load_model(tiny_models["llama"]).model
         if transform:
             transform(model)
-        return native_obstacle(CPModel(model))
+        return native_obstacle(CPModel(model, compute=compute))
+
+    native, gpu = DecodeConfig(decode_step="native"), Compute("gpu", True)
+    assert obstacle(compute=gpu) == upfront_obstacle(native, gpu, "float32", False) == \
+        "the GPU path"
+    assert upfront_obstacle(native, Compute("cpu", False), "float32", True) == \
+        "layer-sharded weights"
+    assert upfront_obstacle(DecodeConfig(decode_step="native", decode_comm="mlx"), gpu,
+                            "float32", False) == "--decode-comm mlx"
 
     assert obstacle(lambda m: nn.quantize(m.model.layers[1], group_size=32, bits=4)) == \
         "layer 1: q_proj is a QuantizedLinear of uint32"

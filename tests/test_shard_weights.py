@@ -24,7 +24,7 @@ TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 # The same math at the same N is not always bitwise the same: OpenBLAS on an AMD EPYC
 # summed one of 80 rows of a sliced LM head 1 ulp apart from the whole head's product.
 ROUNDING = dict(rtol=1e-6, atol=0)
-ENV = {"SPMD_CP_WEIGHT_CACHE": "0"}
+NO_WEIGHT_CACHE = ["--no-weight-cache"]
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +37,15 @@ def text_file(tmp_path_factory):
 def score(n, model, text_file, tmp_path, *flags):
     out = tmp_path / f"score-{n}-{len(list(tmp_path.iterdir()))}.jsonl"
     launch = run_cli(n, ["score", "--model", model, "--text-file", text_file, "--output",
-                         str(out), "--json", *flags], env=ENV)
+                         str(out), "--json", *NO_WEIGHT_CACHE, *flags])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return launch.last_json(), rows
 
 
 def generate(n, model, text_file, *flags, check=True):
     return run_cli(n, ["generate", "--model", model, "--prompt-file", text_file,
-                       "--no-chat-template", "--max-tokens", "6", "--json", *flags],
-                   env=ENV, check=check)
+                       "--no-chat-template", "--max-tokens", "6", "--json", *NO_WEIGHT_CACHE,
+                       *flags], check=check)
 
 
 @pytest.mark.parametrize("kind, n", [("llama", 2), ("qwen3", 3)])  # tied, untied LM head
@@ -196,8 +196,8 @@ def test_doctor_reports_the_sharded_layout_the_run_holds(tiny_models, text_file,
     """doctor's weight figures, from the file headers, against real runs: replicated equals
     one rank's loaded model_bytes; sharded bounds what each rank of a sharded run held."""
     model = tiny_models["qwen3"]
-    env = {**ENV, "SPMD_CP_CACHE": str(tmp_path)}
-    launch = run_cli(2, ["doctor", "--model", model, "--json"], env=env, timeout=120)
+    launch = run_cli(2, ["doctor", "--model", model, "--json", *NO_WEIGHT_CACHE],
+                     env={"SPMD_CP_CACHE": str(tmp_path)}, timeout=120)
     weights = launch.last_json()["weights"]
     replicated = generate(1, model, text_file).last_json()["model_bytes"][0]
     assert weights["replicated_bytes"] == replicated

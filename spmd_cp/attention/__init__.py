@@ -21,10 +21,11 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
     Args:
         new_positions: every rank's positions of this call's new tokens.
         cache: the sharded cache, already holding those positions.
-        model: a CPModel (head counts for the auto choice).
+        model: a CPModel (head counts for the auto choice; its attention kernel).
         measured: LinkAndCompute for ``auto`` (None: decide on head counts alone).
     """
     reason = "requested"
+    fused = model.compute.fused
     if algo == "auto":
         new_tokens = sum(p.size for p in new_positions)
         head_dim = getattr(model.layers[0].self_attn, "head_dim", None) or 64
@@ -32,12 +33,12 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
                                            model.num_heads, model.num_kv_heads,
                                            model.elem_bytes, measured, head_dim)
     if algo == "pass-kv":
-        return (pass_kv_attention(comm, cache.rank_positions, query_positions=new_positions),
-                algo, reason)
+        return (pass_kv_attention(comm, cache.rank_positions, fused,
+                                  query_positions=new_positions), algo, reason)
     if algo == "pass-q":
-        return pass_q_attention(comm, new_positions), algo, reason
+        return pass_q_attention(comm, new_positions, fused), algo, reason
     if algo == "allgather-kv":
-        return allgather_kv_attention(comm, cache.rank_positions), algo, reason
+        return allgather_kv_attention(comm, cache.rank_positions, fused), algo, reason
     raise ValueError(f"unknown --cp-algo {algo!r} (choose from {', '.join(PREFILL_ALGOS)})")
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from ..runtime.device import on_gpu_path, use_fused_attention
+from ..runtime.device import Compute
 from .block import (SCORE_TILE_ELEMENTS, block_attention, decode_partial_packed,
                     merge_packed_sums, merge_stacked, merge_stacked_columns, pack_partial,
                     unpack_partial, window_start)
@@ -30,10 +30,11 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
     """Prefill attention that gathers the whole layer's K/V on every rank.
 
     ``rank_positions``: every rank's cached positions (the cache's), which fix the order
-    of the gathered keys. ``fused``: None follows runtime.device.use_fused_attention.
+    of the gathered keys. ``fused``: MLX's fused attention (None: the default
+    runtime.device.Compute's choice).
     """
     all_pos = np.concatenate(rank_positions)
-    fused = use_fused_attention() if fused is None else fused
+    fused = Compute.resolve().fused if fused is None else fused
 
     def attend(q, keys, values, q_pos, k_pos, scale, window=None):
         all_keys = comm.allgather_rows(keys, axis=1)
@@ -66,21 +67,22 @@ def fused_decode_max_keys(num_heads: int) -> int:
     return FUSED_DECODE_MAX_KEYS
 
 
-def decode_attention(comm: Comm, merge: str = "allgather", fused: bool | None = None):
+def decode_attention(comm: Comm, merge: str = "allgather", compute: Compute | None = None):
     """Attention of one replicated query over the sharded cache, merged across ranks.
 
     ``allgather``: one Allgather of every rank's (out, lse), then the local exact merge.
     ``allreduce`` (Tree Attention, arXiv 2408.04093): an Allreduce of the max lse, then an
     Allreduce-sum of the rescaled outputs and their weights: two smaller collectives
     whose size does not grow with N. Its sums stay float32 whatever the KV dtype.
-    ``fused``: None follows runtime.device.use_fused_attention. ``comm``: a Comm, or
+    ``compute``: the model's path and attention kernel (runtime/device.Compute; None:
+    the default's). ``comm``: a Comm, or
     graph collectives (runtime/graph_comm.py) that leave the merge inside MLX's graph.
     A sliding-window layer's query attends to the suffix of each shard inside its
     window (a rank caches its positions in increasing order), an empty one on most
     ranks; the partials merged are the same size.
     """
-    fused = use_fused_attention() if fused is None else fused
-    compiled_merge = not on_gpu_path()  # asked once a step, not once a layer
+    compute = compute or Compute.resolve()
+    fused, compiled_merge = compute.fused, not compute.gpu
     newest = {}  # the shard's newest position, found once a step: every layer's is the same
 
     def newest_key(k_pos: np.ndarray) -> int:

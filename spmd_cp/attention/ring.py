@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.comm import Comm
-from ..runtime.device import use_fused_attention
+from ..runtime.device import Compute
 from .block import (block_attention, lse_width, merge_partials, merge_stacked, pack_partial,
                     unpack_partial)
 from .fused import fused_output, fused_partial
@@ -36,9 +36,10 @@ from .window import window_kv_attention
 
 
 def _partial_attention(fused: bool | None):
-    """The (out, lse) function of one block: fused on the GPU path (None: the policy)."""
+    """The (out, lse) function of one block: MLX's fused attention or the tiled blocks
+    (None: the default runtime.device.Compute's choice)."""
     if fused is None:
-        fused = use_fused_attention()
+        fused = Compute.resolve().fused
     return fused_partial if fused else block_attention
 
 

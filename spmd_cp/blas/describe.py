@@ -10,6 +10,7 @@ import os
 import sys
 
 from ..kernels.gemv_forward import ENV_SKIPPED, is_forward_library
+from ..runtime.switches import startup_value, thread_count
 from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
                         candidate_paths, preloaded_libraries)
 
@@ -140,8 +141,7 @@ def _threads_and_name(path: str | None, kind: str, mapped: list[str]) -> tuple[i
     if kind == "reference":
         threads = 1
     elif threads is None:
-        var = next((v for v in THREAD_VARS.get(kind, ()) if os.environ.get(v)), None)
-        threads = int(os.environ[var]) if var and os.environ[var].isdigit() else None
+        threads = thread_count(THREAD_VARS.get(kind, ()))
     name = _NAMES.get(kind, "unknown BLAS")
     if parallel:
         name += f" {version} ({parallel})" if version else f" ({parallel})"
@@ -162,8 +162,8 @@ def _summary_line(kind: str, name: str, path: str | None, threads: int | None,
             return line + f" (no sgemv forward: {skipped})"
         return line
     if kind == "reference":
-        if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:
-            why = f"slow: {ENV_CHOICE}={os.environ[ENV_CHOICE]}"
+        if startup_value(ENV_CHOICE).lower() in OPT_OUT:
+            why = f"slow: {ENV_CHOICE}={startup_value(ENV_CHOICE)}"
         elif candidate_paths():
             why = f"slow: spmd_cp.blas.ensure_fast_blas() would preload {candidate_paths()[0]}"
         else:

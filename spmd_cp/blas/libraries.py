@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 from ..runtime.library_paths import library_dirs
+from ..runtime.switches import startup_value
 
 ENV_CHOICE = "SPMD_CP_BLAS"  # unset/"auto", "reference", a family name, or a library path
 ENV_GUARD = "SPMD_CP_BLAS_REEXEC"  # pid of the process that re-executed itself
@@ -153,7 +154,7 @@ def thread_env(path: str, threads: int) -> dict:
     """The variables to set for `threads` BLAS threads, or {} if the user set any already."""
     kind = blas_kind(path)
     names = THREAD_VARS.get(kind, ())
-    if not names or any(os.environ.get(v) for v in names):
+    if not names or any(startup_value(v) for v in names):
         return {}
     env = {names[0]: str(threads)}
     if "openmp" in os.path.realpath(path) or os.path.basename(path).startswith("libopenblaso"):

@@ -12,6 +12,7 @@ import os
 import sys
 
 from ..runtime import allocator, huge_pages
+from ..runtime.switches import startup_value
 from ..kernels.gemv_forward import ENV_SKIPPED, forward_library, wanted
 from .libraries import (ENV_CHOICE, ENV_GUARD, FAST_KINDS, OPT_OUT, blas_kind, default_threads,
                         exports_cblas, find_fast_blas, mlx_bundles_fast_blas,
@@ -44,7 +45,7 @@ def _warn(msg: str) -> None:
 
 def _resolve_choice() -> str | None:
     """The library SPMD_CP_BLAS asks for (or the best one found); None if none is usable."""
-    choice = os.environ.get(ENV_CHOICE, "").strip()
+    choice = startup_value(ENV_CHOICE)
     if choice in ("", "auto"):
         return find_fast_blas()
     if choice in FAST_KINDS:
@@ -89,7 +90,7 @@ def ensure_fast_blas(argv: list[str] | None = None) -> str:
     """
     if not sys.platform.startswith("linux"):
         return "not-linux"
-    if os.environ.get(ENV_CHOICE, "").strip().lower() in OPT_OUT:
+    if startup_value(ENV_CHOICE).lower() in OPT_OUT:
         return "opt-out"
     if os.environ.get(ENV_GUARD) == str(os.getpid()):
         return "active"  # we are the re-executed process

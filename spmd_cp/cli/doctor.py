@@ -15,6 +15,7 @@ on some rank, or a version differs), 2 for bad arguments. docs/DOCTOR.md explain
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -29,6 +30,7 @@ from ..models.checksum import model_checksum
 from ..models.gguf_header import head_counts
 from .doctor_checks import EXIT_MISMATCH, SLOW_RANK_FACTOR, find_mismatches, find_warnings
 from .doctor_report import print_report
+from .options import device_options
 from ..errors import UserError  # standard library only: importing this module (cli.py does,
 # before the BLAS re-exec) must not load MLX or MPI
 
@@ -78,8 +80,9 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def local_report() -> dict:
-    """This rank's host, versions and BLAS (no model, no communication)."""
+def local_report(compute) -> dict:
+    """This rank's host, versions and BLAS (no model, no communication); ``compute``: the
+    run's path (runtime/device.Compute)."""
     import mlx.core as mx
     import mpi4py
     from mpi4py import MPI
@@ -103,7 +106,7 @@ def local_report() -> dict:
         "mpi4py": mpi4py.__version__,
         "spmd_cp": _version("spmd-cp"),
         "mpi_library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
-        **BackendInfo.current().as_dict(),  # backend, device (with the GPU's name), path
+        **BackendInfo.of(compute).as_dict(),  # backend, device (with the GPU's name), path
         "cpus": usable_cpus(),
         "blas": blas["name"],
         "blas_kind": blas["kind"],
@@ -117,7 +120,7 @@ def local_report() -> dict:
         "allocator": allocator(),
         "huge_pages": huge_pages(),
         "quantized_decode": quantized_shadows.availability(),
-        "native_decode": native_eligibility.availability(),
+        "native_decode": native_eligibility.availability(compute),
     }
 
 
@@ -129,6 +132,7 @@ def local_report() -> dict:
 @click.option("--recalibrate", is_flag=True,
               help="Measure link and compute again and replace the cached calibration.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+@device_options
 def doctor(**options):
     """Check that all ranks agree (versions, model checksum) and measure link and compute."""
     from ..runtime import spmd
@@ -145,24 +149,31 @@ def doctor(**options):
 def doctor_command(comm, options: dict, outcome: dict):
     """The body of `spmd-cp doctor` on every rank; sets ``outcome["exit_code"]``."""
     from ..attention.calibrate import measure_attention_flops
+    from ..config import RunConfig, from_options
+    from ..runtime import spmd
+    from .retired import honour_retired
+    from .steps import compute_of
 
     # Rank 0's flags rule: in an MPMD launch ranks may have been given different ones, and
     # every rank must take part in the same collectives.
-    flags = comm.bcast_object({"recalibrate": options["recalibrate"],
-                               "as_json": options["as_json"]})
-    report = local_report()
+    flags = comm.bcast_object({"recalibrate": options.pop("recalibrate"),
+                               "as_json": options.pop("as_json")})
+    (run,) = from_options(options, RunConfig)
+    run = spmd.everywhere(comm, honour_retired, run, comm.rank == 0)
+    compute = compute_of(run)
+    report = local_report(compute)
     hosts = comm.allgather_object(report["host"])
-    report.update(check_model(comm, options["model_path"], hosts, report["host"]))
+    report.update(check_model(comm, run.model_path, hosts, report["host"]))
     # Every rank's attention speed now, under the load the ranks put on their hosts together:
     # the best of 6 calls after the warm-ups (a fresh process on jemalloc's huge pages
     # ramps up over its first four; docs/CPU_SPEED.md, "The allocator").
     report["attention_flops"] = measure_attention_flops(repeats=6)
     reports = comm.allgather_object(report)
     measured, calibration = run_calibration(comm, flags["recalibrate"])
-    decode_collectives = graph_collectives_report(comm)
+    decode_collectives = graph_collectives_report(comm, compute)
     problems = find_mismatches(reports)
     plan = None if problems or report["model_error"] else decode_plan_report(
-        comm, report["model_path"])
+        comm, dataclasses.replace(run, model_path=report["model_path"]))
     outcome["exit_code"] = EXIT_MISMATCH if problems else 0
     if comm.rank != 0:
         return
@@ -172,7 +183,8 @@ def doctor_command(comm, options: dict, outcome: dict):
         warnings.extend(stale_calibration(reports, measured))
     weights = None
     if reports[0]["model_error"] is None:
-        crossover = describe_auto(reports[0]["model_path"], comm.size, measured, warnings)
+        crossover = describe_auto(reports[0]["model_path"], comm.size, measured, warnings,
+                                  compute)
         weights = describe_weights(reports[0]["model_path"], comm.size, warnings)
     summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
                "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
@@ -245,7 +257,7 @@ def run_calibration(comm, recalibrate: bool):
     return measured, calibration
 
 
-def graph_collectives_report(comm) -> dict | None:
+def graph_collectives_report(comm, compute) -> dict | None:
     """Collective: which MLX backend decode's in-graph collectives take on these ranks
     (`--decode-comm auto`), or why none, and one collective's time through it."""
     from ..attention.calibrate import uncounted
@@ -253,23 +265,23 @@ def graph_collectives_report(comm) -> dict | None:
 
     if comm.size == 1:
         return None
-    graph, reason = open_graph_collectives(comm, "auto")
+    graph, reason = open_graph_collectives(comm, "auto", compute=compute)
     with uncounted(comm):
         latency = graph.latency() if graph is not None else None
     return {"opened": graph is not None, "reason": reason, "latency_s": latency}
 
 
-def decode_plan_report(comm, model_path: str) -> dict:
-    """Collective: the decode plan `generate` makes on these ranks for this model with
-    the default flags (engine/decode_plan.py), whole: the model is loaded for it."""
+def decode_plan_report(comm, run) -> dict:
+    """Collective: the decode plan `generate` makes on these ranks for ``run.model_path``
+    with the default decode flags (engine/decode_plan.py), whole: the model is loaded
+    for it."""
     from ..attention.calibrate import uncounted
-    from ..config import RunConfig
     from ..models.loader import load_model
     from .steps import make_engine
 
-    loaded = load_model(model_path)
+    loaded = load_model(run.model_path, weight_cache=run.weight_cache)
     with uncounted(comm):
-        plan = make_engine(comm, loaded, RunConfig(model_path=model_path)).prepare_decode()
+        plan = make_engine(comm, loaded, run).prepare_decode()
     return plan.as_dict()
 
 
@@ -282,14 +294,12 @@ def stale_calibration(reports: list[dict], measured) -> list[str]:
             f"from today's ({today / 1e9:.2f} G): run `spmd-cp doctor --recalibrate`"]
 
 
-def describe_auto(model_path: str, cp_size: int, measured, warnings: list[str]):
+def describe_auto(model_path: str, cp_size: int, measured, warnings: list[str], compute):
     """Where --cp-algo auto switches for this model (None, with a warning, if its header
     cannot be read)."""
-    from ..runtime.device import on_gpu_path
-
     # K/V element size on the wire (engine.model.kv_dtype_for, without loading the
     # model): float32 on the CPU path, the model's half precision on the GPU path.
-    elem_bytes = 2 if on_gpu_path() else 4
+    elem_bytes = 2 if compute.gpu else 4
     try:
         heads = head_counts(model_path)
     except (OSError, ValueError, KeyError, TypeError) as failure:

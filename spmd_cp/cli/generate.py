@@ -50,7 +50,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     from .stream import AnswerStream
 
     prompt_text, meta = spmd.on_root(comm, validate, run, args)
-    path, checksum = steps.check_model(comm, run)
+    path, checksum = steps.check_model(comm, run, decode)
     if meta is not None:
         spmd.on_root(comm, refuse_other_model, meta, args.load_cache, checksum)
     loaded = steps.load_checked_model(comm, run, path)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import click
 
-from ..config import (DECODE_COMM_MODES, DECODE_STEP_MODES, DECODE_TP_MODES, GRAPH_BACKENDS,
-                      KV_DTYPES, SHARD_WEIGHTS_MODES, DecodeConfig, RunConfig, SamplingConfig,
+from ..config import (ATTENTION_KERNELS, DECODE_COMM_MODES, DECODE_STEP_MODES,
+                      DECODE_TP_MODES, DEVICES, GRAPH_BACKENDS, KV_DTYPES,
+                      SHARD_WEIGHTS_MODES, DecodeConfig, RunConfig, SamplingConfig,
                       describe_range, in_range)
 
 
@@ -39,11 +40,34 @@ def _apply(fn, options):
     return fn
 
 
+def device_options(fn):
+    """How the model is loaded and computed (RunConfig): every command that loads one,
+    doctor included."""
+    d = RunConfig.default
+    return _apply(fn, [
+        click.option("--device", type=click.Choice(DEVICES), default=d("device"),
+                     show_default=True,
+                     help="Compute path: gpu (MLX's fused attention, the KV cache and "
+                          "messages in the model's dtype) or cpu (tiled float32 attention); "
+                          "auto: from MLX's default device. Every rank must take the same."),
+        click.option("--attention-kernel", type=click.Choice(ATTENTION_KERNELS),
+                     default=d("attention_kernel"), show_default=True,
+                     help="Attention alone: MLX's fused kernel or the tiled float32 blocks "
+                          "(auto: fused on the GPU path)."),
+        click.option("--weight-cache/--no-weight-cache", default=d("weight_cache"),
+                     show_default=True,
+                     help="Keep a GGUF's dequantized float32 weights under "
+                          "$SPMD_CP_CACHE/weights (4 bytes a parameter of disk; saves the "
+                          "dequantization, seconds per rank and run)."),
+    ])
+
+
 def common_options(fn):
     """Flags shared by every command that runs the model (RunConfig)."""
     from ..attention import PREFILL_ALGOS
 
     d = RunConfig.default
+    fn = device_options(fn)
     return _apply(fn, [
         click.option("--model", "model_path", default=d("model_path"), metavar="PATH|ORG/NAME",
                      help="GGUF file, MLX/HF model directory, or a Hugging Face repo id "
@@ -95,6 +119,8 @@ def common_options(fn):
         click.option("-v", "--verbose", is_flag=True, help="Log from every rank, not only rank 0."),
         click.option("-q", "--quiet", is_flag=True,
                      help="No info logs (errors and warnings still print)."),
+        click.option("--fault", default=d("fault"), hidden=True, metavar="SPEC",
+                     help="Test-only: inject a fault (spmd_cp/runtime/faults.py)."),
     ])
 
 

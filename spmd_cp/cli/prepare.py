@@ -96,7 +96,7 @@ class Preparer:
         from ..config import sampling_problem
         from ..engine.generation import token_sampler
         from ..runtime.resident import outside_mlx_bytes
-        from .steps import forecast_algo, new_conversation, prompt_parts_for
+        from .steps import compute_of, forecast_algo, new_conversation, prompt_parts_for
         from .tokens import encode
 
         # The same text generate builds (chat template, stripped user turn), the user's
@@ -121,7 +121,8 @@ class Preparer:
         # The memory forecast generate checks, per job: one huge job must not take the
         # whole batch down with it.
         try:
-            check_fits(kv_model_shape(self.loaded, self.run.kv_dtype), self.weights_bytes,
+            check_fits(kv_model_shape(self.loaded, self.run.kv_dtype, compute_of(self.run)),
+                       self.weights_bytes,
                        int(ids.size) + self.sampling(job, int(ids.size)).max_tokens,
                        min(self.run.prefill_chunk or int(ids.size), int(ids.size)), self.ranks,
                        self.memory_limit, forecast_algo(self.run),

@@ -36,7 +36,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     from . import steps
 
     text = spmd.on_root(comm, validate, run, args)
-    loaded = steps.resolve_model(comm, run, decode=False)  # no decode step: no shadows
+    loaded = steps.resolve_model(comm, run)  # no decode step: no shadows
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()

@@ -74,7 +74,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     catch_signals(comm, state)
     try:
         metas = spmd.on_root(comm, read_preloads, args)
-        path, checksum = steps.check_model(comm, run)
+        path, checksum = steps.check_model(comm, run, decode)
         for directory, meta in zip(args.preload, metas):
             spmd.on_root(comm, refuse_other_model, meta, directory, checksum)
         loaded = steps.load_checked_model(comm, run, path)

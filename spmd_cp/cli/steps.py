@@ -21,6 +21,7 @@ from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
 from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
 from ..engine.model import kv_model_shape
+from ..engine.native_eligibility import native_obstacle, upfront_obstacle
 from ..models.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model, weight_bytes
 from ..engine.startup import require_same_path
@@ -31,10 +32,11 @@ from ..models.loader import check_model_path, default_model_path, load_model
 from ..models.partial_load import load_rank_share
 from ..runtime import allocator, huge_pages, scheduling, spmd
 from ..runtime.comm import Comm
-from ..runtime.device import compiled_kernels_work
+from ..runtime.device import Compute, compiled_kernels_work
 from ..runtime.faults import layer_hook
 from ..runtime.resident import outside_mlx_bytes, resident_peak_bytes
 from .outputs import Output
+from .retired import honour_retired
 from .sharding import wants_sharding, weight_plan
 
 log = spmd.log
@@ -46,7 +48,7 @@ def run_spmd(body, run: RunConfig, *settings) -> int:
     def main(comm, _):
         if run.quiet:
             log.setLevel(logging.WARNING)
-        body(comm, run, *settings)
+        body(comm, spmd.everywhere(comm, honour_retired, run, comm.rank == 0), *settings)
 
     # run_main itself reads only these two settings.
     return spmd.run_main(main, {"verbose": run.verbose, "trace": run.trace})
@@ -87,18 +89,30 @@ def model_inputs(run: RunConfig) -> dict[str, list]:
 
 
 # -- the model (every rank) ------------------------------------------------------------
-def check_model(comm: Comm, run: RunConfig) -> tuple[str, str]:
+def compute_of(run: RunConfig) -> Compute:
+    """The run's compute path and attention kernel (runtime/device.py), from its flags."""
+    return Compute.resolve(run.device, run.attention_kernel)
+
+
+def check_model(comm: Comm, run: RunConfig,
+                decode: DecodeConfig | None = None) -> tuple[str, str]:
     """(path, sha256) of the model, the same on every rank, before anything is loaded.
 
     Each rank checks its own copy (it may be missing or differ on one host).
+    ``decode``: the decode flags, where decode steps follow (``--decode-step native``
+    is refused here where the settings alone rule it out).
     """
     spmd.require_same(comm, "package versions", spmd.software_versions())
-    require_same_path(comm)
+    require_same_path(comm, compute_of(run))
     spmd.everywhere(comm, scheduling.requested)
     spmd.everywhere(comm, huge_pages.requested)
     spmd.everywhere(comm, allocator.requested)
     path = model_location(comm, run.model_path)
     spmd.everywhere(comm, check_model_path, path)
+    if decode is not None and decode.decode_step == "native":
+        sharded = spmd.on_root(comm, wants_sharding, run, path, comm.size, run.quantized_decode)
+        spmd.everywhere(comm, lambda: refuse_native_decode(upfront_obstacle(
+            decode, compute_of(run), run.kv_dtype, sharded)))
     checksum = spmd.everywhere(comm, model_checksum, path)
     spmd.require_same(comm, "model file checksum", checksum)
     return path, checksum
@@ -134,7 +148,8 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
         loaded = spmd.everywhere(comm, load_rank_share, path, comm.rank, comm.size,
                                  run.keep_quantized)
     else:
-        loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized, decode)
+        loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized, decode,
+                                 run.weight_cache)
     # From here on every rank is in lockstep: a long wait means a peer is gone.
     spmd.hot_phase(comm, run.comm_timeout)
     allocator.release_free_memory()  # the load's copies, before the forecast measures
@@ -146,18 +161,30 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
     return loaded
 
 
-def resolve_model(comm: Comm, run: RunConfig, decode: bool = True):
-    """Check the model on every rank, then load it."""
-    path, _ = check_model(comm, run)
-    return load_checked_model(comm, run, path, decode)
+def resolve_model(comm: Comm, run: RunConfig, decode: DecodeConfig | None = None):
+    """Check the model on every rank, then load it. ``decode``: the decode flags where
+    decode steps follow (None: none do, as in ``score``)."""
+    path, _ = check_model(comm, run, decode)
+    return load_checked_model(comm, run, path, decode is not None)
+
+
+def refuse_native_decode(obstacle: str | None):
+    """``--decode-step native`` where this rank cannot run it: one line naming why."""
+    if obstacle:
+        raise UserError(f"--decode-step native: {obstacle}")
 
 
 def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
+    """The engine over the loaded model; with ``--decode-step native``, refused here,
+    before any prompt is prefilled, where any rank's model rules the native step out
+    (the same rules the decode plan applies)."""
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     use_polynomial_exp(run.fast_exp)
-    return Engine(build_cp_model(loaded, comm, run.kv_dtype), comm, algo=run.cp_algo,
-                  prefill_chunk=run.prefill_chunk,
-                  on_layer=layer_hook(comm.rank, comm.watchdog), decode=decode)
+    model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run))
+    if decode.decode_step == "native":
+        refuse_native_decode(spmd.first_reason(comm, native_obstacle(model)))
+    return Engine(model, comm, algo=run.cp_algo, prefill_chunk=run.prefill_chunk,
+                  on_layer=layer_hook(comm.rank, comm.watchdog, run.fault), decode=decode)
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------
@@ -206,10 +233,10 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     if split_decode and getattr(loaded, "share", None) is None:
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)
-    need = check_fits(kv_model_shape(loaded, run.kv_dtype), weights, total_tokens,
-                      min(run.prefill_chunk or new_tokens, new_tokens), comm.size, limit,
-                      forecast_algo(run),
-                      score, process_bytes=outside_mlx_bytes())
+    need = check_fits(kv_model_shape(loaded, run.kv_dtype, compute_of(run)), weights,
+                      total_tokens, min(run.prefill_chunk or new_tokens, new_tokens),
+                      comm.size, limit, forecast_algo(run), score,
+                      process_bytes=outside_mlx_bytes())
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
              "allowed", need.total / 2**30, need.kv / 2**30, need.process / 2**30,
              limit / 2**30)

@@ -35,7 +35,7 @@ from .decode_choice import PackedReads, estimate_split, split_matrix_bytes, spli
 from .decode_transport import choose_transport
 from .graph_step import GraphStep
 from .native_decode import NativeDecoder
-from .native_eligibility import native_obstacle
+from .native_eligibility import flag_obstacle, native_obstacle
 from .tp_decode import TensorParallelDecoder, is_layer_sharded, slicing_obstacle
 
 log = logging.getLogger("spmd_cp")
@@ -89,7 +89,7 @@ def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective
     sharded = is_layer_sharded(model)
     transport = choose_transport(comm, config, native_why is None,
                                  sharded and config.decode_tp != "on",
-                                 loaded_collective_s or (lambda: None))
+                                 loaded_collective_s or (lambda: None), model.compute)
     reasons["transport"] = transport.reason
     split = _layout(model, comm, config, transport, calibrated, reasons, inputs)
     step, requests = None, "none"
@@ -115,12 +115,7 @@ def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective
 
 def _native_obstacle(model, comm, config: DecodeConfig) -> str | None:
     """Why any rank cannot take the native step (the same answer on every rank)."""
-    reason = native_obstacle(model)
-    if config.decode_step == "graph":
-        reason = "--decode-step graph"
-    elif config.decode_comm == "mlx":
-        reason = "--decode-comm mlx"
-    return first_reason(comm, reason)
+    return first_reason(comm, flag_obstacle(config) or native_obstacle(model))
 
 
 def _native_step(model, comm, split, requests: str):

@@ -22,14 +22,15 @@ class Transport:
 
 
 def choose_transport(comm, config, native: bool, sharded: bool,
-                     calibrated_collective_s) -> Transport:
+                     calibrated_collective_s, compute=None) -> Transport:
     """Collective. ``native``: the native step will run (its collectives are persistent
     MPI requests, never graph nodes). ``sharded``: replicated steps over layer-sharded
     weights, whose collectives stay MPI's under ``auto``: a step built as one MLX graph
     would keep every layer received (and dequantized) for it until the step is evaluated,
     the whole model at once, where MPI's evaluate layer by layer (SmolLM2 Q4_1, N = 2:
     resident peak 354 vs 295 MiB, MLX peak 148 vs 120; decode 3.80 vs 3.79 tok/s).
-    ``calibrated_collective_s()``: a bare MPI collective's cost, where one is at hand."""
+    ``calibrated_collective_s()``: a bare MPI collective's cost, where one is at hand.
+    ``compute``: the model's (runtime/device.Compute; the GPU path keeps MPI)."""
     if comm.size == 1:
         return Transport(comm, "none", "one rank")
     mode = config.decode_comm
@@ -39,7 +40,7 @@ def choose_transport(comm, config, native: bool, sharded: bool,
         return Transport(comm, "mpi", "replicated steps over layer-sharded weights: each "
                          "collective evaluates the layers before it, so the layers "
                          "received for a step are freed one by one")
-    graph, reason = open_graph_collectives(comm, mode, config.graph_backend)
+    graph, reason = open_graph_collectives(comm, mode, config.graph_backend, compute)
     mpi_s = None
     if graph is not None and mode == "auto":
         graph, reason, mpi_s = _faster_of(comm, graph, reason, calibrated_collective_s)

@@ -20,7 +20,7 @@ class GraphStep:
         """``split``: tp_decode.TensorParallelDecoder (the split layout), or None (every
         rank computes the whole step). ``merge``: attention's merge across ranks."""
         self.model, self.comm, self.split = model, comm, split
-        self.attend = decode_attention(collectives, merge)
+        self.attend = decode_attention(collectives, merge, model.compute)
 
     def step(self, token, position: np.ndarray, cache, store: bool, on_layer=None,
              tracer=None, wait: bool = True):

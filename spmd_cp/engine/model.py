@@ -32,7 +32,7 @@ from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from .layer_form import embedding_scale, layer_forms
 from .layer_parts import LayerParts, head_counts, key_projection_name
-from ..runtime.device import on_gpu_path
+from ..runtime.device import Compute
 from ..runtime.trace import span
 from .one_token import RopeMatrices, lean_graph, rms_norm
 from .weight_slices import linear, times_transposed
@@ -125,13 +125,14 @@ def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
 
 
 def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None,
-                 cpu_kv_dtype: str = "float32") -> mx.Dtype:
+                 cpu_kv_dtype: str = "float32", compute: Compute | None = None) -> mx.Dtype:
     """The KV cache's dtype: on the CPU path ``cpu_kv_dtype`` (``--kv-dtype``: float32,
     or float16 / bfloat16 stored in half the bytes and read back into float32, where
     every product and the tiled attention compute), else the dtype the model computes
     its keys in (bfloat16 / float16 for half-precision and quantized models), found by
-    projecting one token through the first layer (``first_layer``: a stand-in for it)."""
-    if not on_gpu_path():
+    projecting one token through the first layer (``first_layer``: a stand-in for it).
+    ``compute``: the run's path (None: the default's)."""
+    if not (compute or Compute.resolve()).gpu:
         return getattr(mx, cpu_kv_dtype)
     inner = model.model
     layer = first_layer or inner.layers[0]
@@ -140,12 +141,14 @@ def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None,
     return keys(layer.input_layernorm(hidden)).dtype
 
 
-def kv_model_shape(loaded, cpu_kv_dtype: str = "float32") -> ModelShape:
+def kv_model_shape(loaded, cpu_kv_dtype: str = "float32",
+                   compute: Compute | None = None) -> ModelShape:
     """A LoadedModel's shape with the KV dtype's element size and the activations' (the
     memory forecast's; they differ where a half-precision cache serves float32 work)."""
-    dtype = kv_dtype_for(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype)
-    compute = mx.float32 if not on_gpu_path() else dtype
-    return dataclasses.replace(loaded.shape, elem_bytes=compute.size, kv_elem_bytes=dtype.size)
+    compute = compute or Compute.resolve()
+    dtype = kv_dtype_for(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype, compute)
+    work = dtype if compute.gpu else mx.float32
+    return dataclasses.replace(loaded.shape, elem_bytes=work.size, kv_elem_bytes=dtype.size)
 
 
 def first_layer_stand_in(loaded) -> nn.Module | None:
@@ -219,10 +222,13 @@ class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
     def __init__(self, model: nn.Module, first_layer: nn.Module | None = None,
-                 cpu_kv_dtype: str = "float32"):
+                 cpu_kv_dtype: str = "float32", compute: Compute | None = None):
         """``first_layer``: a stand-in for the first layer where the model's hold
         placeholders (``first_layer_stand_in``), for the KV dtype; ``cpu_kv_dtype``: the
-        cache's on the CPU path (see kv_dtype_for)."""
+        cache's on the CPU path (see kv_dtype_for); ``compute``: the run's path and
+        attention kernel (runtime/device.py; None: the default's), which everything
+        computing on this model follows."""
+        self.compute = compute or Compute.resolve()
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
@@ -240,8 +246,8 @@ class CPModel:
         # The KV cache's dtype (see kv_dtype_for); ring messages and decode partials
         # carry the dtype attention computes in (local_shard reads a half-precision
         # cache into float32 on the CPU path), whose size is elem_bytes.
-        self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype)
-        self.elem_bytes = (mx.float32 if not on_gpu_path() else self.kv_dtype).size
+        self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype, self.compute)
+        self.elem_bytes = (self.kv_dtype if self.compute.gpu else mx.float32).size
 
     def forward(
         self,
@@ -307,7 +313,7 @@ class CPModel:
         pass over ``rows`` local rows: one token on the CPU path takes one_token.py's
         forms (the row form, fewer graph nodes, the same arithmetic), anything else the
         modules."""
-        if not (lean_graph(rows) and len(runs) == 1):
+        if not (lean_graph(rows, self.compute) and len(runs) == 1):
             return (lambda module, x: module(x)), None
         # Indexed, not iterated: a layer-sharded store fetches the layers it iterates.
         ropes = [modules[i].self_attn.rope for i in range(len(modules))]

@@ -1,18 +1,20 @@
-"""Whether a decode step can run natively (native_decode.py) on this rank: the compute
-path, the model's modules and dtypes, the C library. Checked before any rank commits to
-the native step, so every rank can take the same way (decode_plan.py)."""
+"""Whether a decode step can run natively (native_decode.py) on this rank: the flags, the
+compute path, the model's modules and dtypes, the C library. Checked before any rank
+commits to the native step, so every rank can take the same way (decode_plan.py); the
+part the settings alone decide is checked again before any model loads, so that
+``--decode-step native`` where it cannot run fails before the heavy work (cli/steps.py)."""
 
 from __future__ import annotations
-
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..blas.libraries import default_threads, usable_cpus
+from ..config import DecodeConfig
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
-from ..runtime.device import on_gpu_path
+from ..runtime.device import Compute
+from ..runtime.switches import thread_count
 from .layer_parts import LayerParts, describe_feed_forward
 from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
@@ -27,18 +29,15 @@ def decode_threads() -> int:
     THREAD_SETTINGS set to a positive number: the re-exec sets one to the rank's share
     of the host's cores unless the user did, blas/reexec.py), else that share itself;
     never more than the CPUs the process may run on."""
-    for name in THREAD_SETTINGS:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return min(int(value), usable_cpus())
-    return default_threads()
+    threads = thread_count(THREAD_SETTINGS)
+    return min(threads, usable_cpus()) if threads else default_threads()
 
 
-def availability() -> str:
+def availability(compute: Compute) -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
     model is checked when it runs: float32 or half-precision-cache Llama/Qwen/Phi-3
     layers; ``--decode-step graph`` turns it off)."""
-    if on_gpu_path():
+    if compute.gpu:
         return "not used (the GPU path runs MLX's step)"
     library, why = decode_step.library()
     if library is None:
@@ -53,17 +52,50 @@ def _described(module) -> str:
     return f"a {type(module).__name__} of {dtype}"
 
 
+def flag_obstacle(config: DecodeConfig) -> str | None:
+    """The decode flags that rule the native step out, or None."""
+    if config.decode_step == "graph":
+        return "--decode-step graph"
+    if config.decode_comm == "mlx":  # the native step's collectives are MPI requests
+        return "--decode-comm mlx"
+    return None
+
+
+def settings_obstacle(compute: Compute, kv_dtype: str, sharded: bool) -> str | None:
+    """What a run's settings alone rule out, or None: the path, the KV cache's dtype
+    (``kv_dtype``: its name), layer-sharded weights."""
+    if compute.gpu:
+        return "the GPU path"
+    if kv_dtype not in KV_KINDS:
+        return f"the KV cache is {kv_dtype}"
+    if sharded:
+        return "layer-sharded weights"
+    return None
+
+
+def library_obstacle() -> str | None:
+    """Why the C library cannot be had on this rank (built on first use), or None."""
+    library, why = decode_step.library()
+    return None if library is not None else why
+
+
+def upfront_obstacle(config: DecodeConfig, compute: Compute, kv_dtype: str,
+                     sharded: bool) -> str | None:
+    """Why the native step cannot run on this rank, from the settings alone, before any
+    model loads: the flags, ``settings_obstacle``, the C library. The model's own
+    obstacles wait for its modules (``native_obstacle``)."""
+    return (flag_obstacle(config) or settings_obstacle(compute, kv_dtype, sharded)
+            or library_obstacle())
+
+
 def native_obstacle(model: CPModel) -> str | None:
     """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
     modules and their dtypes, the C library (the split step's slices are checked as
     ``NativeDecoder`` is built)."""
-    if on_gpu_path():
-        return "the GPU path"
     kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")
-    if kv_dtype not in KV_KINDS:
-        return f"the KV cache is {kv_dtype}"
-    if getattr(model.layers, "sharded", False):
-        return "layer-sharded weights"
+    reason = settings_obstacle(model.compute, kv_dtype, getattr(model.layers, "sharded", False))
+    if reason:
+        return reason
     embedding = model.embed_tokens
     if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
         return f"the embedding is {_described(embedding)}"
@@ -89,5 +121,4 @@ def native_obstacle(model: CPModel) -> str | None:
     head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding
     if type(head) not in (nn.Linear, nn.Embedding) or head["weight"].dtype != mx.float32:
         return f"the LM head is {_described(head)}"
-    library, why = decode_step.library()
-    return None if library is not None else why
+    return library_obstacle()

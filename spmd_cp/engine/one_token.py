@@ -33,12 +33,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from ..runtime.device import on_gpu_path
+from ..runtime.device import Compute
 
 
-def lean_graph(rows: int) -> bool:
+def lean_graph(rows: int, compute: Compute) -> bool:
     """Whether a forward pass over ``rows`` local rows takes this module's forms."""
-    return rows == 1 and not on_gpu_path()
+    return rows == 1 and not compute.gpu
 
 
 @mx.compile

@@ -6,20 +6,23 @@ from __future__ import annotations
 from mlx.utils import tree_flatten
 
 from ..runtime.comm import Comm
+from ..runtime.device import Compute
 from .model import CPModel, first_layer_stand_in
 from ..models.quantized_shadows import SHADOWS
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .weights import LayerStore
 
 
-def build_cp_model(loaded, comm: Comm, cpu_kv_dtype: str = "float32") -> CPModel:
+def build_cp_model(loaded, comm: Comm, cpu_kv_dtype: str = "float32",
+                   compute: Compute | None = None) -> CPModel:
     """``CPModel`` of a loaded model; layer-sharded when it was loaded as one rank's share
-    (models/partial_load.py). ``cpu_kv_dtype``: the KV cache's on the CPU path."""
+    (models/partial_load.py). ``cpu_kv_dtype``: the KV cache's on the CPU path;
+    ``compute``: the run's path and attention kernel (None: the default's)."""
     share = getattr(loaded, "share", None)
     inner = loaded.model.model
     # The KV dtype comes from running layer 0 on the GPU path (kv_dtype_for): a sharded
     # load's layers are placeholders, so lazy zeros of its computed form stand in.
-    model = CPModel(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype)
+    model = CPModel(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype, compute)
     if share is None:
         return model
     model.layers = LayerStore(list(inner.layers), share, comm)

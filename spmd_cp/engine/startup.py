@@ -17,26 +17,27 @@ import numpy as np
 
 from ..attention.calibrate import uncounted
 from ..runtime.comm import Comm
-from ..runtime.device import BackendInfo, on_gpu_path
+from ..runtime.device import BackendInfo, Compute
 from .engine import Engine
 
 WARMUP_TOKENS_PER_RANK = 4  # every rank gets query rows in both head-tail chunks
 
 
-def require_same_path(comm: Comm):
+def require_same_path(comm: Comm, compute: Compute):
     """Every rank must take the same compute path: it fixes the KV dtype, and with it
     the layout of every ring message and decode partial."""
     from ..runtime.spmd import require_same
 
-    require_same(comm, "compute path (MLX backend, or SPMD_CP_PATH)", BackendInfo.current().path)
+    require_same(comm, "compute path (MLX backend, or --device)", compute.path)
 
 
 def startup_fields(engine: Engine, warmup_s: float) -> dict:
-    """A summary's ``warmup_s`` and this rank's ``backend``, ``device``, ``compute_path``
-    and ``kv_dtype``."""
+    """A summary's ``warmup_s`` and this rank's ``backend``, ``device``, ``compute_path``,
+    ``attention_kernel`` and ``kv_dtype``."""
+    compute = engine.model.compute
     dtype = str(engine.model.kv_dtype).removeprefix("mlx.core.")
-    return {"warmup_s": round(warmup_s, 6), **BackendInfo.current().as_dict(),
-            "kv_dtype": dtype}
+    return {"warmup_s": round(warmup_s, 6), **BackendInfo.of(compute).as_dict(),
+            "attention_kernel": "fused" if compute.fused else "tiled", "kv_dtype": dtype}
 
 
 def warm_up(engine: Engine, enabled: bool | None = None, decode: bool = True) -> float:
@@ -45,7 +46,7 @@ def warm_up(engine: Engine, enabled: bool | None = None, decode: bool = True) ->
     here, once, and the run keeps it), on a throwaway cache (on every rank: the
     collectives run too). ``enabled`` None: only on the GPU path. Communication bytes are
     not counted."""
-    if not (on_gpu_path() if enabled is None else enabled):
+    if not (engine.model.compute.gpu if enabled is None else enabled):
         return 0.0
     comm = engine.comm
     start = time.perf_counter()

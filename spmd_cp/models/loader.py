@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,15 +105,17 @@ def _check_file(file: Path, check):
         raise UserError(f"model file {file} is unusable: {error}") from None
 
 
-def load_model(path: str, keep_quantized: bool = False,
-               packed_decode: bool = True) -> LoadedModel:
+def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = True,
+               weight_cache: bool = True) -> LoadedModel:
     """Check, then load a model; any failure to read its files is a UserError naming them.
     ``packed_decode``: register a quantized model's packed matrices for decode's products
-    (models/quantized_shadows.py; False where no decode step follows, e.g. ``score``)."""
+    (models/quantized_shadows.py; False where no decode step follows, e.g. ``score``).
+    ``weight_cache``: keep a GGUF's dequantized float32 weights on disk between runs
+    (``float32_cache_path``; ``--no-weight-cache`` turns it off)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
     try:
-        return _load(p, keep_quantized, checksum, packed_decode)
+        return _load(p, keep_quantized, checksum, packed_decode, weight_cache)
     except LOAD_ERRORS as error:
         what = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
         what = " ".join(what.split())  # one line (mlx-lm lists missing weights one a line)
@@ -123,14 +124,16 @@ def load_model(path: str, keep_quantized: bool = False,
         raise UserError(f"cannot load model {path}: {what}") from None
 
 
-def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool) -> LoadedModel:
+def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool,
+          weight_cache: bool) -> LoadedModel:
     path = str(p)
     packed = {}  # {parameter name: Packed} of the matrices dequantized to float32
     if p.is_file():
         from .gguf import load_gguf
 
+        cache = float32_cache_path(checksum) if weight_cache else None
         model, tokenizer, config = load_gguf(str(p), keep_quantized=keep_quantized,
-                                             float32_cache=float32_cache_path(checksum))
+                                             float32_cache=cache)
     else:
         from mlx_lm.utils import load_model as mlx_lm_load_model
         from mlx_lm.utils import load_tokenizer
@@ -214,15 +217,13 @@ def _dequantized_experts(module) -> nn.Module:
     return dense
 
 
-def float32_cache_path(checksum: str) -> str | None:
+def float32_cache_path(checksum: str) -> str:
     """Where the dequantized float32 weights of a GGUF file are kept between runs.
 
     Dequantizing on the CPU costs seconds per rank and per run (3 s for SmolLM2-135M);
-    reading the float32 copy back costs a fraction of that. SPMD_CP_WEIGHT_CACHE=0
-    turns it off (the copy takes 4 bytes per parameter of disk).
+    reading the float32 copy back costs a fraction of that (the copy takes 4 bytes per
+    parameter of disk; ``--no-weight-cache`` does without it).
     """
-    if os.environ.get("SPMD_CP_WEIGHT_CACHE", "1") == "0":
-        return None
     # "f32dq": dequantized in float32 arithmetic (gguf.dequantize_float32); copies named
     # "float32" were dequantized in float16 and are not read.
     return str(cache_dir() / "weights" / f"{checksum}.f32dq.safetensors")

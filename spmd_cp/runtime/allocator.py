@@ -36,6 +36,7 @@ import os
 
 from ..errors import UserError
 from . import huge_pages
+from .switches import startup_value
 
 ENV = "SPMD_CP_ALLOCATOR"  # "glibc" (default), "jemalloc" or a jemalloc library's path
 CHOICES = ("glibc", "jemalloc")
@@ -65,7 +66,7 @@ def requested() -> str:
     """``SPMD_CP_ALLOCATOR``: "glibc" (also when unset) or the path of the jemalloc
     library to preload ("jemalloc": the one found). UserError, in one line, for anything
     else, a path that is no file, or "jemalloc" where none is installed."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = startup_value(ENV)
     value = raw.lower() or "glibc"
     if value == "glibc":
         return value

@@ -7,24 +7,23 @@ in the model's dtype. The CPU path keeps the tiled float32 attention
 thousand keys, and a float32 KV cache (half-precision arithmetic on the MLX CPU backend
 is 10-20x slower than float32 through BLAS: docs/CPU_SPEED.md).
 
-``SPMD_CP_PATH=gpu|cpu`` overrides the choice, so that the GPU path's exactness can be
-tested on a machine without a GPU (CI), and the CPU path compared on one with a GPU;
-``SPMD_CP_ATTENTION=fused|tiled`` overrides the attention kernel alone. Every rank of a
-job must take the same path (the KV dtype fixes the messages' layout).
+The path and the attention kernel are decided once a run (``Compute.resolve``, from
+``--device`` and ``--attention-kernel``) and passed to what depends on them: the model
+(engine/model.py) carries its ``Compute``. ``--device gpu`` runs the GPU path on a CPU,
+so that its exactness can be tested on a machine without a GPU (CI); ``--device cpu``
+compares the CPU path on one with a GPU. Every rank of a job must take the same path
+(the KV dtype fixes the messages' layout).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..config import ATTENTION_KERNELS, DEVICES, RunConfig
 from ..errors import UserError
-
-PATH_ENV = "SPMD_CP_PATH"
-PATHS = ("gpu", "cpu")
 
 
 def backend_name() -> str:
@@ -49,18 +48,30 @@ def device_description() -> str:
     return f"{device} {name}" if name else device
 
 
-def compute_path() -> str:
-    """``gpu`` or ``cpu``: the environment override, else the default device's type."""
-    forced = os.environ.get(PATH_ENV, "").strip().lower()
-    if forced:
-        if forced not in PATHS:
-            raise UserError(f"{PATH_ENV}={forced!r}: expected one of {', '.join(PATHS)}")
-        return forced
-    return "cpu" if backend_name() == "cpu" else "gpu"
+@dataclass(frozen=True)
+class Compute:
+    """A run's compute path (``gpu`` or ``cpu``) and attention kernel (``fused``: MLX's
+    fused attention, else the tiled float32 blocks), decided once."""
 
+    path: str
+    fused: bool
 
-def on_gpu_path() -> bool:
-    return compute_path() == "gpu"
+    @property
+    def gpu(self) -> bool:
+        return self.path == "gpu"
+
+    @classmethod
+    def resolve(cls, device: str = RunConfig.default("device"),
+                attention_kernel: str = RunConfig.default("attention_kernel")) -> "Compute":
+        """From ``--device`` (auto: the default device's type) and ``--attention-kernel``
+        (auto: fused on the GPU path). The defaults are RunConfig's, for library callers."""
+        if device not in DEVICES or attention_kernel not in ATTENTION_KERNELS:
+            raise UserError(f"device {device!r}, attention kernel {attention_kernel!r}: "
+                            f"expected one of {', '.join(DEVICES)} and one of "
+                            f"{', '.join(ATTENTION_KERNELS)}")
+        path = device if device != "auto" else ("cpu" if backend_name() == "cpu" else "gpu")
+        fused = path == "gpu" if attention_kernel == "auto" else attention_kernel == "fused"
+        return cls(path, fused)
 
 
 @dataclass(frozen=True)
@@ -72,28 +83,11 @@ class BackendInfo:
     path: str
 
     @classmethod
-    def current(cls) -> "BackendInfo":
-        return cls(backend_name(), device_description(), compute_path())
+    def of(cls, compute: Compute) -> "BackendInfo":
+        return cls(backend_name(), device_description(), compute.path)
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "device": self.device, "compute_path": self.path}
-
-
-ATTENTION_ENV = "SPMD_CP_ATTENTION"
-ATTENTION_KINDS = ("fused", "tiled")
-
-
-def use_fused_attention() -> bool:
-    """Whether attention runs through MLX's fused kernel (attention/fused.py) or the tiled
-    float32 blocks (attention/block.py): ``SPMD_CP_ATTENTION=fused|tiled``, else fused on
-    the GPU path."""
-    forced = os.environ.get(ATTENTION_ENV, "").strip().lower()
-    if forced:
-        if forced not in ATTENTION_KINDS:
-            raise UserError(f"{ATTENTION_ENV}={forced!r}: expected one of "
-                            f"{', '.join(ATTENTION_KINDS)}")
-        return forced == "fused"
-    return on_gpu_path()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,8 +1,9 @@
-"""Test-only fault injection, so failure handling is tested on real runs.
+"""Test-only fault injection, so failure handling is tested on real runs (the hidden
+flag ``--fault SPEC`` of the commands that run the model, RunConfig.fault):
 
-    SPMD_CP_FAULT="raise:rank=1:phase=prefill:layer=3"   raise RuntimeError there
-    SPMD_CP_FAULT="kill:rank=2:phase=decode:layer=0"     SIGKILL this process there
-    SPMD_CP_FAULT="hang:rank=1:phase=prefill:layer=5"    stop responding (sleep)
+    --fault raise:rank=1:phase=prefill:layer=3   raise RuntimeError there
+    --fault kill:rank=2:phase=decode:layer=0     SIGKILL this process there
+    --fault hang:rank=1:phase=prefill:layer=5    stop responding (sleep)
 
 ``phase`` is prefill or decode; the fault fires the first time that rank reaches that
 layer in that phase. Unset (the normal case), nothing is installed.
@@ -23,7 +24,7 @@ def parse_fault(spec: str | None) -> dict | None:
     action, *fields = spec.split(":")
     fault = dict(field.split("=", 1) for field in fields)
     if action not in ACTIONS or set(fault) != {"rank", "phase", "layer"}:
-        raise ValueError(f"bad SPMD_CP_FAULT {spec!r}: want ACTION:rank=R:phase=P:layer=L "
+        raise ValueError(f"bad --fault {spec!r}: want ACTION:rank=R:phase=P:layer=L "
                          f"with ACTION in {ACTIONS}")
     return {"action": action, "rank": int(fault["rank"]), "phase": fault["phase"],
             "layer": int(fault["layer"])}
@@ -32,7 +33,7 @@ def parse_fault(spec: str | None) -> dict | None:
 def layer_hook(rank: int, watchdog=None, spec: str | None = None):
     """``on_layer(phase, index)`` for the engine: keeps the watchdog's context current
     and fires the configured fault, if any."""
-    fault = parse_fault(spec if spec is not None else os.environ.get("SPMD_CP_FAULT"))
+    fault = parse_fault(spec)
     if fault is not None and fault["rank"] != rank:
         fault = None
 

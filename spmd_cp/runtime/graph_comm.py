@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import mpi_abi
-from .device import on_gpu_path
+from .device import Compute
 from .spmd import first_reason
 
 log = logging.getLogger("spmd_cp")
@@ -178,11 +178,11 @@ def chained_latency(collectives, comm, width: int = 1024, repeats: int = 16,
     return max(comm.allgather_object(seconds))
 
 
-def graph_obstacle(comm) -> str | None:
+def graph_obstacle(comm, compute: Compute) -> str | None:
     """Why this rank cannot run graph collectives, or None (local facts only)."""
     if comm.size == 1:
         return "one rank"
-    if on_gpu_path():
+    if compute.gpu:
         return "the GPU path keeps MPI (MLX's backends move host memory here)"
     return None
 
@@ -205,16 +205,17 @@ def _free_port(address: str) -> int:
         return probe.getsockname()[1]
 
 
-def open_graph_collectives(comm, mode: str = "auto",
-                           backend: str = "auto") -> tuple[GraphCollectives | None, str]:
+def open_graph_collectives(comm, mode: str = "auto", backend: str = "auto",
+                           compute: Compute | None = None) -> tuple[GraphCollectives | None, str]:
     """Collective (every rank calls it): graph collectives over ``comm``'s ranks, or None
     and why not. ``mode`` "mpi" never opens them; "mlx" and "auto" open them where every
     rank can (all or none: a collective needs every rank), over MLX's MPI backend where
     every rank can take it, else over its ring backend. ``backend`` (--graph-backend):
-    "mpi" forces the adapter (none where it cannot open), "ring" skips it."""
+    "mpi" forces the adapter (none where it cannot open), "ring" skips it. ``compute``:
+    the run's (None: the default's); the GPU path keeps MPI."""
     if mode == "mpi":
         return None, "--decode-comm mpi"
-    obstacle = first_reason(comm, graph_obstacle(comm))
+    obstacle = first_reason(comm, graph_obstacle(comm, compute or Compute.resolve()))
     if obstacle:
         return None, obstacle
     why_not_mpi = "--graph-backend ring"

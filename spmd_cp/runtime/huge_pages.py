@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
-from .switches import startup_setting
+from .switches import startup_setting, startup_value
 
 ENV = "SPMD_CP_HUGE_PAGES"  # "on" (default) or "off"
 CHOICES = ("on", "off")
@@ -121,13 +121,11 @@ def describe() -> str:
         conf = os.environ.get("MALLOC_CONF", "")
         if "thp:always" in conf.replace(" ", "").split(","):
             return f"jemalloc thp:always, THP {mode}"
-        why = f"{ENV}=off" if os.environ.get(ENV, "").strip().lower() == "off" else \
-            f"MALLOC_CONF={conf}"
+        why = f"{ENV}=off" if startup_value(ENV).lower() == "off" else f"MALLOC_CONF={conf}"
         return f"not advised ({why}), THP {mode}"
     setting = _tunables(os.environ.get(TUNABLES, "")).get(HUGETLB)
     if setting is None:
-        why = f"{ENV}=off" if os.environ.get(ENV, "").strip().lower() == "off" else \
-            "not re-executed"
+        why = f"{ENV}=off" if startup_value(ENV).lower() == "off" else "not re-executed"
         return f"not advised ({why}), THP {mode}"
     glibc = glibc_version()
     if glibc is None or glibc < GLIBC_WITH_HUGETLB:

@@ -1,0 +1,93 @@
+"""The run's switches are flags: ``--attention-kernel`` reaches every rank's attention,
+the retired variables map onto their flags for one more release, and
+``--decode-step native`` where it cannot run is refused before the heavy work, in one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+
+def test_attention_kernel_flag_reaches_the_ranks(tiny_models, tmp_path):
+    """--attention-kernel fused on the CPU path: two ranks score a document through MLX's
+    fused kernel over the pass-KV ring (the path's default is the tiled blocks), say so,
+    and equal mlx-lm's forward."""
+    from test_gpu_path import mlx_lm_logprobs
+
+    text = "the quick brown fox jumps over the lazy dog " * 12
+    (tmp_path / "doc.txt").write_text(text)
+    out = tmp_path / "scores.jsonl"
+    summary = run_cli(2, ["score", "--model", tiny_models["llama"], "--text-file",
+                          str(tmp_path / "doc.txt"), "--output", str(out), "--cp-algo",
+                          "pass-kv", "--json", "--device", "cpu", "--attention-kernel",
+                          "fused"]).last_json()
+    assert (summary["compute_path"], summary["attention_kernel"]) == ("cpu", "fused")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    ids, reference, _ = mlx_lm_logprobs(tiny_models["llama"], text)
+    assert [r["token"] for r in records] == ids[1:].tolist()
+    np.testing.assert_allclose([r["logprob"] for r in records], reference, rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_retired_variables_map_onto_their_flags(monkeypatch, capsys):
+    """Each retired variable sets its field where the flag is at its default (a flag
+    given wins), with one warning line naming the flag; a value it never took is a
+    one-line error naming the flag."""
+    from spmd_cp.cli.retired import honour_retired
+    from spmd_cp.config import RunConfig
+    from spmd_cp.errors import UserError
+
+    monkeypatch.setenv("SPMD_CP_PATH", " GPU")
+    monkeypatch.setenv("SPMD_CP_ATTENTION", "tiled")
+    monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "0")
+    run = honour_retired(RunConfig(attention_kernel="fused"), speaks=True)
+    assert (run.device, run.attention_kernel, run.weight_cache) == ("gpu", "fused", False)
+    warnings = capsys.readouterr().err.splitlines()
+    assert [line.split(": use ")[1] for line in warnings] == [
+        "--device gpu", "--attention-kernel tiled", "--no-weight-cache"]
+    assert all(line.startswith("spmd-cp: warning: SPMD_CP_") and "deprecated" in line
+               for line in warnings)
+    assert honour_retired(RunConfig(), speaks=False).attention_kernel == "tiled"
+    assert capsys.readouterr().err == ""  # ranks other than 0 print nothing
+    monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "1")
+    assert honour_retired(RunConfig(), speaks=False).weight_cache is True
+    monkeypatch.setenv("SPMD_CP_PATH", "tpu")
+    with pytest.raises(UserError, match=r"SPMD_CP_PATH='tpu': expected one of gpu, cpu.*--device"):
+        honour_retired(RunConfig(), speaks=False)
+
+
+def test_native_decode_where_it_cannot_run_fails_before_the_heavy_work(tiny_models):
+    """--decode-step native on the GPU path: one error line naming why, before the model
+    is loaded."""
+    launch = run_cli(1, ["generate", "--prompt", "hello", "--max-tokens", "2", "--model",
+                         tiny_models["llama"], "--decode-step", "native", "--device", "gpu"],
+                     check=False)
+    assert launch.returncode == 2, launch.stderr
+    errors = [line for line in launch.stderr.splitlines() if "error" in line]
+    assert errors == ["spmd-cp: error: --decode-step native: the GPU path"], launch.stderr
+    assert "loaded in" not in launch.stderr, launch.stderr
+
+
+def test_native_decode_over_layers_it_cannot_run_is_refused_as_the_engine_is_built(
+        tiny_gemma3_models):
+    """Where the model's own layers rule the native step out (Gemma 3's norms around its
+    sublayers), the engine is refused as it is built, before any prompt is prefilled,
+    by the rule the decode plan applies."""
+    from mpi4py import MPI
+
+    from spmd_cp.cli.steps import make_engine
+    from spmd_cp.config import DecodeConfig, RunConfig
+    from spmd_cp.errors import UserError
+    from spmd_cp.models.loader import load_model
+    from spmd_cp.runtime.comm import Comm
+
+    loaded = load_model(tiny_gemma3_models["gemma3_text"])
+    with pytest.raises(UserError, match=r"^--decode-step native: rank 0: layer 0: a sliding "
+                                        r"window or norms around its sublayers \(Gemma 3\)"):
+        make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig(), DecodeConfig(decode_step="native"))
+    assert make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig()).plan is None  # auto: built
