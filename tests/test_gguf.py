@@ -237,3 +237,38 @@ def test_gemma_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path):
     with pytest.raises(ValueError, match=r"^unsupported GGUF tokenizer: a SentencePiece "
                                          r"vocabulary \('llama'\) is read for gemma3 files"):
         gguf.build_tokenizer({**meta, "general.architecture": "qwen2"})
+
+
+# Gemma 3's Hugging Face configs (google/gemma-3-1b-it, google/gemma-3-27b-it text_config):
+# what llama.cpp's gemma3 does not read from the file but must come out the same.
+GEMMA3_HF = {
+    "1b": {"num_hidden_layers": 26, "hidden_size": 1152, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+           "query_pre_attn_scalar": 256},
+    "27b": {"num_hidden_layers": 62, "hidden_size": 5376, "num_attention_heads": 32,
+            "num_key_value_heads": 16, "head_dim": 128, "sliding_window": 1024,
+            "query_pre_attn_scalar": 168},
+}
+
+
+@pytest.mark.parametrize("size", sorted(GEMMA3_HF))
+def test_gemma3_config_where_the_file_is_silent(size):
+    """A gemma3 header as llama.cpp's converter writes it gives Gemma 3's own config:
+    the query scale (27B: hidden / heads, not head_dim), a window in a pattern of six
+    with the local RoPE base 10,000; without attention.sliding_window, no local layer."""
+    hf = GEMMA3_HF[size]
+    meta = {"general.architecture": "gemma3", **{f"gemma3.{k}": mx.array(v) for k, v in (
+        ("block_count", hf["num_hidden_layers"]), ("embedding_length", hf["hidden_size"]),
+        ("feed_forward_length", 4 * hf["hidden_size"]),
+        ("attention.head_count", hf["num_attention_heads"]),
+        ("attention.head_count_kv", hf["num_key_value_heads"]),
+        ("attention.key_length", hf["head_dim"]), ("attention.layer_norm_rms_epsilon", 1e-6),
+        ("rope.freq_base", 1e6), ("attention.sliding_window", hf["sliding_window"]))}}
+    tensors = {"token_embd.weight": mx.zeros((8, hf["hidden_size"]))}
+    config = gguf.gguf_config(meta, tensors)
+    assert {k: config[k] for k in hf} == hf
+    assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10000.0)
+    assert config["tie_word_embeddings"] and config["model_type"] == "gemma3_text"
+    del meta["gemma3.attention.sliding_window"]
+    config = gguf.gguf_config(meta, tensors)
+    assert (config["sliding_window"], config["sliding_window_pattern"]) == (None, 1)
