@@ -333,10 +333,9 @@ def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
     The weights are converted from the file, never read from a float32 copy of an
     earlier run."""
     monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "0")
+    import mlx.core as mx
     from mlx.utils import tree_flatten
     from mpi4py import MPI
-
-    import mlx.core as mx
 
     from spmd_cp.engine.engine import Engine
     from spmd_cp.engine.generation import decode_tokens

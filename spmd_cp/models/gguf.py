@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3, qwen3_moe
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .gguf_tokenizer import build_tokenizer  # noqa: F401  (the loaders' tokenizer)
+from .gguf_tokenizer import build_tokenizer
 from .gguf_tokenizer import meta_value as _value
 
 ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3,
@@ -133,8 +133,7 @@ def _gemma3_config(a, config: dict) -> dict:
             "sliding_window_pattern": GEMMA3_PATTERN if window else 1,
             "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
             "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
-                                      if wide else config["head_dim"]),
-            "rope_traditional": False}
+                                      if wide else config["head_dim"])}
 
 
 def _rope_config(arch: str, a, tensors: dict, head_dim: int) -> dict:
