@@ -217,8 +217,8 @@ def sentencepiece_gguf_metadata():
 
 def test_gemma_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path):
     """The gemma3 file's "llama" vocabulary, read back from a written GGUF, encodes as
-    the sentencepiece library's own processor of the model (BOS first, as llama.cpp adds
-    it), and decodes back to the text; a "llama" vocabulary in a family without
+    the sentencepiece library's own processor of the model (BOS first where the file
+    asks for it), and decodes back to the text; a "llama" vocabulary in a family without
     SentencePiece support is refused in one line."""
     meta, processor = sentencepiece_gguf_metadata()
     f = str(tmp_path / "spm.gguf")
@@ -234,6 +234,8 @@ def test_gemma_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path):
             stream.add_token(token)
         stream.finalize()
         assert stream.text == processor.decode(ids[1:]), text
+    unmarked = gguf.build_tokenizer({**meta, "tokenizer.ggml.add_bos_token": mx.array(False)})
+    assert unmarked.encode(SPM_TEXTS[0]) == processor.encode(SPM_TEXTS[0])  # no BOS then
     with pytest.raises(ValueError, match=r"^unsupported GGUF tokenizer: a SentencePiece "
                                          r"vocabulary \('llama'\) is read for gemma3 files"):
         gguf.build_tokenizer({**meta, "general.architecture": "qwen2"})
