@@ -58,9 +58,10 @@ def reference(path: str, length: int, seed: int, decode: int):
     return logprobs[np.arange(length - 1), ids[1:]], greedy_reference(path, ids, decode)
 
 
-def run_driver(n: int, path: str, configs: list[dict], tmp_path) -> list[dict]:
+def run_driver(n: int, path: str, configs: list[dict], tmp_path,
+               env: dict | None = None) -> list[dict]:
     out = tmp_path / f"gemma3-{n}.json"
-    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out)], timeout=400)
+    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out)], timeout=400, env=env)
     return json.loads(out.read_text())["results"]
 
 
@@ -332,7 +333,6 @@ def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
     shares --shard-weights reads hold the directory's weights (the norms' 1 taken off).
     The weights are converted from the file, never read from a float32 copy of an
     earlier run."""
-    monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "0")
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mpi4py import MPI
@@ -344,6 +344,7 @@ def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
     from spmd_cp.models.partial_load import load_rank_share, weight_layout
     from spmd_cp.runtime.comm import Comm
 
+    monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "0")
     model_dir, gguf_file = gemma3_gguf
     loaded = load_model(gguf_file)
     args = mlx_lm_model(model_dir).args
@@ -364,21 +365,22 @@ def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
 
     expected = mx.load(str(Path(model_dir) / "model.safetensors"))
     sharded = load_rank_share(gguf_file, 0, 1)
-    held = {f"model.layers.{index}.{name}": array for index, packed in
-            sharded.share.layers.items()
-            for name, array in sharded.share.form.convert(packed).items()}
-    held["model.norm.weight"] = sharded.model.model.norm.weight
-    assert len(held) == len(expected) - 1  # all but the embedding (vocabulary rows)
-    for name, array in held.items():
+    shared = {f"model.layers.{index}.{name}": array for index, packed in
+              sharded.share.layers.items()
+              for name, array in sharded.share.form.convert(packed).items()}
+    shared["model.norm.weight"] = sharded.model.model.norm.weight
+    assert len(shared) == len(expected) - 1  # all but the embedding (vocabulary rows)
+    for name, array in shared.items():
         np.testing.assert_allclose(np.array(array), np.array(expected[name]), rtol=0,
                                    atol=1e-6, err_msg=name)
 
 
 def test_gemma3_gguf_matches_mlx_lm_on_two_ranks(gemma3_gguf, tmp_path):
     """The GGUF on 2 ranks, every algorithm (pass-q chunked), with decode: mlx-lm's
-    scores and greedy tokens of the MLX directory."""
+    scores and greedy tokens of the MLX directory (weights converted from the file)."""
     model_dir, gguf_file = gemma3_gguf
     configs = [{"algo": algo, "chunk": chunk, "length": LENGTH, "decode": DECODE, "seed": 3}
                for algo, chunk in (("pass-kv", 0), ("pass-q", 23), ("allgather-kv", 0),
                                    ("auto", 0))]
-    check(run_driver(2, gguf_file, configs, tmp_path), model_dir, 2)
+    results = run_driver(2, gguf_file, configs, tmp_path, env={"SPMD_CP_WEIGHT_CACHE": "0"})
+    check(results, model_dir, 2)
