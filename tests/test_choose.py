@@ -173,3 +173,71 @@ def test_a_covered_transfer_costs_its_drag():
     for algo, transfer in (("pass-kv", 10e-6 + kv / 1e9), ("pass-q", 10e-6 + q / 1e9)):
         assert transfer < window  # covered: without drag it adds nothing here
         assert slow["extra"][algo] - base["extra"][algo] == pytest.approx(0.5 * transfer)
+
+
+def test_auto_counts_what_sliding_window_layers_send():
+    """A model of Gemma 3 1B's attention shape (26 layers, every sixth global, 4 query
+    heads over one KV head of 256, window 512) on 4 ranks. The keys ``window_traffic``
+    reads from the model's layers and the head-tail positions equal a brute-force count
+    of the keys each rank's queries see through the window from other ranks (what the
+    window exchange sends, ``window_kv_bytes``). Counting them turns auto's choice from
+    pass-q to pass-kv: on bytes alone for a long follow-up, and on the measured estimate
+    for a short one; the reason says so."""
+    from mlx_lm.models import gemma3_text
+
+    from spmd_cp.attention import window_traffic
+    from spmd_cp.attention.partition import head_tail_positions
+    from spmd_cp.engine.model import CPModel
+
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=26,
+                                 intermediate_size=64, num_attention_heads=4, head_dim=256,
+                                 num_key_value_heads=1, vocab_size=64, sliding_window=512)
+    model = CPModel(gemma3_text.Model(args))
+    n, window = 4, 512
+    shape = (model.num_heads, model.num_kv_heads, model.elem_bytes)
+    assert shape == (4, 1, 4)
+
+    def positions(new, cached):
+        first = head_tail_positions(cached, n)
+        query = head_tail_positions(new, n, cached, [p.size for p in first])
+        return [np.concatenate([a, b]) for a, b in zip(first, query)], query
+
+    cached_positions, query_positions = positions(512, 7680)
+    traffic = window_traffic(model, cached_positions, query_positions)
+    def seen_by(keys, queries):  # every (key, query) pair tried
+        gap = queries[None, :] - keys[:, None]
+        return int(((gap >= 0) & (gap < window)).any(axis=1).sum())
+
+    seen = np.array([[0 if s == r else seen_by(cached_positions[s], query_positions[r])
+                      for r in range(n)] for s in range(n)])  # [sender, receiver]
+    busiest = max(seen.sum(axis=0).max(), seen.sum(axis=1).max())
+    assert (traffic.layers, traffic.local, traffic.window, traffic.keys) == (26, 22, 512, busiest)
+    assert window_traffic(model, cached_positions[:1], query_positions[:1]) is None
+
+    long_new, long_cached = 4096, 12288  # T/(T+P) = 0.25 < 2 NKV / NH = 0.5
+    cached_positions, query_positions = positions(long_new, long_cached)
+    traffic = window_traffic(model, cached_positions, query_positions)
+    plain = choose_prefill_algo(long_new, long_cached, n, *shape, None, 256)
+    algo, reason = choose_prefill_algo(long_new, long_cached, n, *shape, None, 256,
+                                       windowed=traffic)
+    assert plain[0] == "pass-q" and algo == "pass-kv"
+    assert f"22 of 26 layers windowed (W = 512): pass-kv sends {traffic.keys} keys" in reason
+
+    # 1,024 on 7,168: the windows send more than pass-q on average (3.7 against 3 MiB),
+    # and save the ring's copies: the estimate decides.
+    link = LinkAndCompute(attention_flops=2e10, ring_bytes_per_s=2e9, ring_latency_s=50e-6,
+                          copy_bytes_per_s=4e9, collective_s=50e-6, transfer_drag=0.25)
+    short_new, short_cached = 1024, 7168
+    cached_positions, query_positions = positions(short_new, short_cached)
+    traffic = window_traffic(model, cached_positions, query_positions)
+    plain = choose_prefill_algo(short_new, short_cached, n, *shape, link, 256)
+    algo, reason = choose_prefill_algo(short_new, short_cached, n, *shape, link, 256,
+                                       windowed=traffic)
+    assert plain[0] == "pass-q" and algo == "pass-kv", (plain, reason)
+    assert "estimated per layer" in reason and "layers windowed" in reason
+    times = estimate_layer_seconds(short_new, short_cached, n, *shape, link, 256, traffic)
+    local_send = 2 * traffic.keys * 256 * 4
+    assert times["extra"]["pass-kv"] == pytest.approx(
+        (4 / 26) * estimate_layer_seconds(short_new, short_cached, n, *shape, link,
+                                          256)["extra"]["pass-kv"]
+        + (22 / 26) * (50e-6 + local_send / 2e9 + 2 * local_send / 4e9))

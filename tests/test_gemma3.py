@@ -58,9 +58,10 @@ def reference(path: str, length: int, seed: int, decode: int):
     return logprobs[np.arange(length - 1), ids[1:]], greedy_reference(path, ids, decode)
 
 
-def run_driver(n: int, path: str, configs: list[dict], tmp_path) -> list[dict]:
+def run_driver(n: int, path: str, configs: list[dict], tmp_path,
+               env: dict | None = None) -> list[dict]:
     out = tmp_path / f"gemma3-{n}.json"
-    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out)], timeout=400)
+    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out)], timeout=400, env=env)
     return json.loads(out.read_text())["results"]
 
 
@@ -243,3 +244,139 @@ def test_quantized_gemma3_packed_and_dequantized_match_mlx_lm(tiny_gemma3_models
         result = run_cli(2, args + extra).last_json()
         assert result["prompt_tokens"] == len(ids) > 4 * WINDOW
         assert result["token_ids"] == expected[:len(result["token_ids"])], extra
+
+
+# -- GGUF ----------------------------------------------------------------------------------
+# A Gemma 3 that llama.cpp's gemma3 can describe: it reads no pattern, local RoPE base or
+# query scale from the file (six-layer pattern, base 10000, 1/sqrt(head_dim)); norms
+# random, so that each one's 1 + w and its place in the layer matter.
+GGUF_CONFIG = {**GEMMA3_CONFIG, "num_hidden_layers": 6, "sliding_window_pattern": 6,
+               "query_pre_attn_scalar": 16, "rope_scaling": {"rope_type": "linear",
+                                                             "factor": 2.0}}
+
+
+# llama.cpp's names of Gemma 3's tensors (gguf-py's tensor_mapping.py and constants.py:
+# FFN_PRE_NORM is "ffn_norm", ATTN_POST_NORM "post_attention_norm", FFN_POST_NORM
+# "post_ffw_norm"), written out here rather than taken from the loader's table.
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_gemma3_gguf(model_dir: Path, out: Path) -> Path:
+    """The MLX model as llama.cpp's convert_hf_to_gguf.py writes a Gemma 3 (float32):
+    llama.cpp's tensor names, 1 added to every norm weight, no lm_head (tied), its
+    metadata keys; the embedded model's byte-level tokenizer, as the converter writes a
+    checkpoint without tokenizer.model."""
+    import mlx.core as mx
+
+    from spmd_cp.models import gguf
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = {}
+    for name, array in mx.load(str(model_dir / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        parts = base.split(".")
+        gguf_base = (GGUF_NAMES[base] if base in GGUF_NAMES else
+                     f"blk.{parts[2]}.{GGUF_LAYER_NAMES['.'.join(parts[3:])]}")
+        tensors[f"{gguf_base}.{suffix}"] = array + 1 if base.endswith("norm") else array
+    _, meta = mx.load(gguf.default_model_path(), return_metadata=True)
+    meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    meta.update({"general.architecture": "gemma3", "gemma3.rope.scaling.type": "linear"})
+    for key, value in (("context_length", config["max_position_embeddings"]),
+                       ("embedding_length", config["hidden_size"]),
+                       ("block_count", config["num_hidden_layers"]),
+                       ("feed_forward_length", config["intermediate_size"]),
+                       ("attention.head_count", config["num_attention_heads"]),
+                       ("attention.head_count_kv", config["num_key_value_heads"]),
+                       ("attention.layer_norm_rms_epsilon", config["rms_norm_eps"]),
+                       ("attention.key_length", config["head_dim"]),
+                       ("attention.value_length", config["head_dim"]),
+                       ("rope.freq_base", config["rope_theta"]),
+                       ("attention.sliding_window", config["sliding_window"]),
+                       ("rope.scaling.factor", config["rope_scaling"]["factor"])):
+        meta[f"gemma3.{key}"] = mx.array(value)
+    mx.save_gguf(str(out), tensors, meta)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory) -> tuple[str, str]:
+    """(MLX directory, the same model as a GGUF file)."""
+    import mlx.core as mx
+
+    from conftest import write_tiny_model
+
+    root = tmp_path_factory.mktemp("gemma3_gguf")
+    model_dir = write_tiny_model(root / "mlx", "gemma3_text", 23, GGUF_CONFIG)
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    mx.random.seed(5)
+    weights = {k: mx.random.uniform(-0.5, 0.5, v.shape) if k.endswith("norm.weight") else v
+               for k, v in weights.items()}
+    mx.save_safetensors(str(model_dir / "model.safetensors"), weights)
+    return str(model_dir), str(write_gemma3_gguf(model_dir, root / "gemma3.gguf"))
+
+
+def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
+    """One rank, in this process: the GGUF's config is mlx-lm's for the directory, its
+    scores and greedy tokens equal mlx-lm's forward of the directory, and the layer
+    shares --shard-weights reads hold the directory's weights (the norms' 1 taken off).
+    The weights are converted from the file, never read from a float32 copy of an
+    earlier run."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mpi4py import MPI
+
+    from spmd_cp.engine.engine import Engine
+    from spmd_cp.engine.generation import decode_tokens
+    from spmd_cp.engine.model import CPModel
+    from spmd_cp.models.loader import load_model
+    from spmd_cp.models.partial_load import load_rank_share, weight_layout
+    from spmd_cp.runtime.comm import Comm
+
+    monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "0")
+    model_dir, gguf_file = gemma3_gguf
+    loaded = load_model(gguf_file)
+    args = mlx_lm_model(model_dir).args
+    for key in ("sliding_window", "sliding_window_pattern", "query_pre_attn_scalar",
+                "rope_theta", "rope_local_base_freq", "head_dim", "num_hidden_layers"):
+        assert loaded.config[key] == getattr(args, key), key
+    assert loaded.config["rope_scaling"]["factor"] == args.rope_scaling["factor"]
+    assert loaded.shape.window == WINDOW
+    held = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+    assert weight_layout(gguf_file).replicated == weight_layout(model_dir).replicated == held
+
+    engine = Engine(CPModel(loaded.model), Comm(MPI.COMM_SELF), algo="pass-kv")
+    cache = engine.new_cache()
+    logits, records = engine.prefill(cache, prompt_ids(LENGTH, 3, 49152), score=True)
+    scored, greedy = reference(model_dir, LENGTH, 3, DECODE)
+    np.testing.assert_allclose(records.logprob, scored, **TOLERANCE)
+    assert [t for t, _ in decode_tokens(engine, cache, logits, mx.argmax, DECODE)] == greedy
+
+    expected = mx.load(str(Path(model_dir) / "model.safetensors"))
+    sharded = load_rank_share(gguf_file, 0, 1)
+    shared = {f"model.layers.{index}.{name}": array for index, packed in
+              sharded.share.layers.items()
+              for name, array in sharded.share.form.convert(packed).items()}
+    shared["model.norm.weight"] = sharded.model.model.norm.weight
+    assert len(shared) == len(expected) - 1  # all but the embedding (vocabulary rows)
+    for name, array in shared.items():
+        np.testing.assert_allclose(np.array(array), np.array(expected[name]), rtol=0,
+                                   atol=1e-6, err_msg=name)
+
+
+def test_gemma3_gguf_matches_mlx_lm_on_two_ranks(gemma3_gguf, tmp_path):
+    """The GGUF on 2 ranks, every algorithm (pass-q chunked), with decode: mlx-lm's
+    scores and greedy tokens of the MLX directory (weights converted from the file)."""
+    model_dir, gguf_file = gemma3_gguf
+    configs = [{"algo": algo, "chunk": chunk, "length": LENGTH, "decode": DECODE, "seed": 3}
+               for algo, chunk in (("pass-kv", 0), ("pass-q", 23), ("allgather-kv", 0),
+                                   ("auto", 0))]
+    results = run_driver(2, gguf_file, configs, tmp_path, env={"SPMD_CP_WEIGHT_CACHE": "0"})
+    check(results, model_dir, 2)

