@@ -28,7 +28,7 @@ def experts_obstacle(mlp) -> str | None:
     """Why the split step cannot cut ``mlp``'s experts, or None."""
     switch = getattr(mlp, "switch_mlp", None)
     if type(switch) is not SwitchGLU:
-        return f"its MLP is a {type(mlp).__name__}"
+        return f"its MLP ({type(mlp).__name__}) is neither SwiGLU nor a mixture of experts"
     for name in EXPERT_PROJECTIONS:
         module = switch[name]
         if type(module) is not SwitchLinear:

@@ -207,8 +207,9 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
             mlp = parts.feed_forward
             reason = None if parts.is_swiglu else experts_obstacle(mlp)
             if reason is not None:
-                return (f"layer {index}: {reason} ({describe_feed_forward(mlp)}), which the "
-                        "split step does not divide")
+                experts = getattr(mlp, "num_experts", None) is not None
+                mixture = f" ({describe_feed_forward(mlp)})" if experts else ""
+                return f"layer {index}: {reason}{mixture}, which the split step does not divide"
         return None  # the vocabulary is already split (vocab_parallel.py)
     for index, layer in enumerate(model.layers):  # quantization may differ per layer
         try:
