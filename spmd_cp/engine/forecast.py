@@ -186,6 +186,6 @@ def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens:
         f"rank(s) (weights {need.weights / gb:.2f} + KV {need.kv / gb:.2f} + activations "
         f"{need.activations / gb:.2f} + process {need.process / gb:.2f}"
         + (f" + MLX's buffer cache {need.buffer_cache / gb:.2f}" if need.buffer_cache else "")
-        + f"), over the limit of "
+        + "), over the limit of "
         f"{limit / gb:.2f} GB per rank; "
         + ("it fits with " + " or ".join(options) if options else "no rank count fits"))
