@@ -208,6 +208,7 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
         if kept:
             raise ApiError(400, "over the memory limit")
 
+    caches.note_rooms([caches.own_rooms()])  # as the server does after each request
     plan = caches.plan(np.array([0, 1, 99, 98, 97, 5]), tight)
     assert plan["entry"] == 0 and not plan["fork"] and plan["evict"] == [1]
     with pytest.raises(ApiError):
