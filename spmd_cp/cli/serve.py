@@ -80,7 +80,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         loaded = steps.load_checked_model(comm, run, path)
         engine = steps.make_engine(comm, loaded, run, decode)
         warm_up(engine)
-        bound_buffer_cache()
+        buffer_cache = bound_buffer_cache()
         caches = preload(comm, engine, loaded, args, metas)
         memory = gather_memory(comm, caches)
         root = None
@@ -88,7 +88,8 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             from ..server.root import RootSide
 
             state.model_id = args.model_name or Path(loaded.path).stem
-            root = RootSide(state, loaded, run, comm, lambda: splits(engine, decode))
+            root = RootSide(state, loaded, run, comm, lambda: splits(engine, decode),
+                            buffer_cache)
             root.note_memory(caches, memory)
             state.ready.set()
             host, port = held["server"].server_address[:2]
@@ -100,15 +101,20 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             close_server(held)
 
 
-def bound_buffer_cache():
-    """MLX's buffer cache within the bound the memory forecast counts (and the load's
-    freed buffers handed back)."""
+def bound_buffer_cache() -> int:
+    """On the CPU path, MLX's buffer cache within the bound the memory forecast counts
+    (and the load's freed buffers handed back): the bound, or 0 where MLX's is kept (a
+    GPU, whose allocations cost more and were not measured against a bound)."""
     import mlx.core as mx
 
+    from ..runtime.device import on_gpu_path
     from ..server.resident import BUFFER_CACHE_BYTES
 
+    if on_gpu_path():
+        return 0
     mx.set_cache_limit(BUFFER_CACHE_BYTES)
     mx.clear_cache()
+    return BUFFER_CACHE_BYTES
 
 
 def splits(engine, decode: DecodeConfig) -> bool:

@@ -25,17 +25,17 @@ from .openai_api import ApiError
 # prefix is copied into a new entry and the older conversation is kept whole.
 IN_PLACE_SLACK = 8
 
-# What MLX may keep of freed buffers for reuse, per rank (mx.set_cache_limit), counted in
-# the memory forecast. Set, not left to MLX: its documented default is its memory limit
-# (the CPU build of mlx 0.32.4 here starts at 32 MiB). Measured with serve_soak.py,
-# SmolLM2, N = 2, 90 requests in rounds of 6 under three settings in turn (2-core AMD
-# EPYC, shared): unbounded, the cache held 71 MB a rank after the first request (the
-# decode plan's measurements) and that request's resident peak was 30 MB over the
-# forecast; bounded at 32 MiB it held 0-27 MB; cleared before and after every request,
-# the resident set after each request was the same as bounded's (882 / 910 MB from request
-# 30 on, ranks 0 / 1: glibc keeps the small freed buffers, the count moved from MLX's
-# cache to the process's) and request times were not told apart (per-turn medians 0.78
-# to 1.5 times bounded's). So: bounded, not cleared.
+# What MLX may keep of freed buffers for reuse, per rank on the CPU path
+# (mx.set_cache_limit), counted in the memory forecast. Set, not left to MLX: its
+# documented default is its memory limit (the CPU build of mlx 0.32.4 here starts at 32
+# MiB). Measured with serve_soak.py, SmolLM2, N = 2, 90 requests in rounds of 6 under
+# three settings in turn (2-core AMD EPYC, shared): unbounded, the cache held 71 MB a
+# rank after the first request (the decode plan's measurements) and that request's
+# resident peak was 30 MB over the forecast; bounded at 32 MiB it held 0-27 MB; cleared
+# before and after every request, the resident set after each request was the same as
+# bounded's (882 / 910 MB from request 30 on, ranks 0 / 1: glibc keeps the small freed
+# buffers, the count moved from MLX's cache to the process's) and request times were not
+# told apart (per-turn medians 0.78 to 1.5 times bounded's). So: bounded, not cleared.
 BUFFER_CACHE_BYTES = 32 << 20
 
 

@@ -18,8 +18,10 @@ from .openai_api import ApiError
 class RootSide:
     """Rank 0's share of serving: requests in, answers out, /health's figures."""
 
-    def __init__(self, state: ServerState, loaded, run, comm, may_split):
-        """``may_split()``: whether decode steps run split (or may: no plan yet)."""
+    def __init__(self, state: ServerState, loaded, run, comm, may_split,
+                 buffer_cache_bytes: int = 0):
+        """``may_split()``: whether decode steps run split (or may: no plan yet);
+        ``buffer_cache_bytes``: the bound set on MLX's buffer cache (0: none)."""
         self.state = state
         self.loaded = loaded
         self.run = run
@@ -27,6 +29,7 @@ class RootSide:
         self.may_split = may_split
         self.current: Pending | None = None
         self.outside_mlx = 0  # the most any rank held outside MLX's arrays, last measured
+        self.buffer_cache_bytes = buffer_cache_bytes
 
     def next_work(self, caches) -> dict | None:
         """The next request's work for every rank (None: shut down). Requests whose
@@ -75,11 +78,11 @@ class RootSide:
         """Token ids, the resident caches' plan for them (the entry continued, the tokens
         kept, the entries evicted), the sampling; checked: the context and the memory
         forecast with the resident entries kept: the busiest rank's (every part the
-        most any rank holds), MLX's buffer cache at its bound included."""
+        most any rank holds), MLX's buffer cache at its bound included where bounded."""
         from ..cli.steps import check_memory, tokenize_checked
         from ..engine.forecast import kv_tokens_per_rank
         from ..runtime.resident import outside_mlx_bytes
-        from .resident import BUFFER_CACHE_BYTES, held_room
+        from .resident import held_room
 
         sampling = request.sampling
         try:
@@ -101,7 +104,7 @@ class RootSide:
                     self.comm, self.loaded, self.run, total, len(ids) - reused,
                     split_decode=self.may_split() and sampling.max_tokens > 1,
                     process_bytes=process, held_kv_tokens=room,
-                    buffer_cache_bytes=BUFFER_CACHE_BYTES))
+                    buffer_cache_bytes=self.buffer_cache_bytes))
             except UserError as error:
                 raise ApiError(400, str(error), code="memory_limit_exceeded") from None
 
