@@ -150,6 +150,33 @@ def test_positions_and_token_ids_grow_in_place_as_plain_concatenation_would():
     check()
 
 
+def test_cache_room_is_what_its_buffers_take_within_a_growth_step():
+    """What the server's memory forecast counts for a resident cache: its room, which the
+    buffers' own sizes give, at most a growth step beyond the most it held since it
+    last grew, and kept when the cache is cut back (engine/cache.py)."""
+    import mlx.core as mx
+
+    from spmd_cp.engine.cache import LayerKV, ShardedKVCache
+
+    cache = ShardedKVCache(num_layers=2, cp_rank=0, cp_size=1)
+    most = 0
+    for count in (5, 300, 1, 250, 0, 40):
+        for layer in cache.layers:
+            block = mx.ones((3, count, 4))
+            layer.update_and_fetch(block, block)
+        cache.add_positions([np.arange(cache.num_tokens, cache.num_tokens + count)],
+                            np.zeros(count, np.int64))
+        most = max(most, cache.num_tokens)
+        if count == 1:
+            cache.truncate(cache.num_tokens - 3)  # an answer's last tokens dropped
+        for layer in cache.layers:
+            assert layer.keys.nbytes + layer.values.nbytes == 2 * 3 * 4 * 4 * cache.capacity
+        assert cache.num_tokens <= cache.capacity <= most + LayerKV.step - 1
+    room = cache.capacity
+    cache.truncate(10)
+    assert cache.capacity == room and cache.nbytes == 2 * 2 * 3 * 10 * 4 * 4
+
+
 def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
     """state()/from_state() (what prompt caches save and load) keep the K/V, positions,
     token ids and decode placement: the next decode step gives the same logits; and a

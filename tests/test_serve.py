@@ -23,6 +23,7 @@ import pytest
 
 from spmd_cp.config import SamplingConfig
 from spmd_cp.server.openai_api import ApiError, parse_json, parse_request
+from spmd_cp.engine.cache import LayerKV
 from spmd_cp.server.resident import ResidentCaches
 
 from conftest import MPIEXEC, RANK_ENV, SPMD_CP, run_cli
@@ -159,6 +160,10 @@ class FakeCache:
     def num_tokens(self):
         return len(self.token_ids)
 
+    @property
+    def capacity(self):
+        return 256 * -(-self.num_tokens // 256)
+
     def add_positions(self, rank_positions, ids):
         self.rank_positions = [np.asarray(p) for p in rank_positions]
         self.token_ids = np.r_[self.token_ids, ids].astype(np.int64)
@@ -181,10 +186,14 @@ def filled(cache, ids):
 
 def test_resident_caches_continue_fork_and_evict_least_recently_used():
     caches = ResidentCaches(FakeEngine(), max_entries=2)
-    fits = lambda resident, reused: None  # noqa: E731
+    fits = lambda kept, continued, reused: None  # noqa: E731
     a = filled(caches.take(caches.plan(np.arange(30), fits)), np.arange(30))
-    plan = caches.plan(np.r_[np.arange(30), 50, 51], fits)  # a follow-up: in place
+    caches.note_rooms([caches.own_rooms(), [300]])  # two ranks: the roomier one counts
+    asked = []
+    plan = caches.plan(np.r_[np.arange(30), 50, 51],  # a follow-up: in place
+                       lambda *room: asked.append(room))
     assert plan == {"entry": 0, "fork": False, "reused": 30, "evict": []}
+    assert asked == [(0, 300, 30)]  # nothing else kept; the entry continued has 300
     assert caches.take(plan) is a
     # Shares 2 of 30 tokens: the prefix is copied, the first conversation kept whole.
     b = filled(caches.take(caches.plan(np.r_[0, 1, 99, 98, 97, 96], fits)),
@@ -195,14 +204,15 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
     c = filled(caches.take(plan), [7, 7, 7])
     assert caches.entries == [b, c]
 
-    def tight(resident, reused):  # room for the request alone
-        if resident:
+    def tight(kept, continued, reused):  # room for the request alone
+        if kept:
             raise ApiError(400, "over the memory limit")
 
+    caches.note_rooms([caches.own_rooms()])  # as the server does after each request
     plan = caches.plan(np.array([0, 1, 99, 98, 97, 5]), tight)
     assert plan["entry"] == 0 and not plan["fork"] and plan["evict"] == [1]
     with pytest.raises(ApiError):
-        caches.plan(np.array([1, 2]), lambda resident, reused: tight(1, reused))
+        caches.plan(np.array([1, 2]), lambda kept, continued, reused: tight(1, 0, reused))
 
 
 def test_http_side_alone_api_key_and_loading():
@@ -334,6 +344,28 @@ def test_follow_up_reuses_the_resident_cache(server):
         assert rank["mlx_active_bytes"] > rank["kv_bytes"] > 0
         assert rank["resident_peak_bytes"] > 0 and rank["resident_bytes"] > 0
         assert rank["forecast_bytes"] > rank["mlx_active_bytes"]
+    assert_within_forecast(health)
+
+
+def assert_within_forecast(health: dict):
+    """The last request's forecast (the busiest rank's) against what each rank held, as
+    MLX counts its arrays and the kernel its resident set: every rank within it; and the
+    weights and KV it counted are what the busiest rank's arrays took after the request,
+    short by at most the room a cache growth step may leave (which it allows for)."""
+    from spmd_cp.runtime.device import on_gpu_path
+
+    forecast = health["memory_forecast"]
+    bound = forecast.get("buffer_cache_bytes", 0)
+    assert bound > 0 or on_gpu_path()  # bounded on the CPU path
+    for rank in health["memory"]:
+        assert rank["forecast_bytes"] == forecast["total_bytes"]
+        assert rank["resident_bytes"] <= rank["resident_peak_bytes"] <= forecast["total_bytes"], \
+            (rank, forecast)
+        assert rank["mlx_cache_bytes"] <= bound or not bound
+    arrays = forecast["weights_bytes"] + forecast["kv_bytes"]
+    busiest = max(rank["mlx_active_bytes"] for rank in health["memory"])
+    step = LayerKV.step * health["cache"]["bytes"] // health["cache"]["tokens"]
+    assert arrays - step <= busiest <= arrays + forecast["activations_bytes"], (arrays, busiest)
 
 
 def test_curl_streaming_and_not(server):

@@ -80,13 +80,17 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         loaded = steps.load_checked_model(comm, run, path)
         engine = steps.make_engine(comm, loaded, run, decode)
         warm_up(engine)
+        buffer_cache = bound_buffer_cache()
         caches = preload(comm, engine, loaded, args, metas)
+        memory = gather_memory(comm, caches)
         root = None
         if comm.rank == 0:
             from ..server.root import RootSide
 
             state.model_id = args.model_name or Path(loaded.path).stem
-            root = RootSide(state, loaded, run, comm, decode.decode_tp != "off")
+            root = RootSide(state, loaded, run, comm, lambda: splits(engine, decode),
+                            buffer_cache)
+            root.note_memory(caches, memory)
             state.ready.set()
             host, port = held["server"].server_address[:2]
             steps.log.info("serving %s on http://%s:%d/v1 (%d ranks)", state.model_id,
@@ -95,6 +99,38 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     finally:
         if comm.rank == 0:
             close_server(held)
+
+
+def bound_buffer_cache() -> int:
+    """On the CPU path, MLX's buffer cache within the bound the memory forecast counts
+    (and the load's freed buffers handed back): the bound, or 0 where MLX's is kept (a
+    GPU, whose allocations cost more and were not measured against a bound)."""
+    import mlx.core as mx
+
+    from ..runtime.device import on_gpu_path
+    from ..server.resident import BUFFER_CACHE_BYTES
+
+    if on_gpu_path():
+        return 0
+    mx.set_cache_limit(BUFFER_CACHE_BYTES)
+    mx.clear_cache()
+    return BUFFER_CACHE_BYTES
+
+
+def splits(engine, decode: DecodeConfig) -> bool:
+    """Whether decode steps run split: the plan's layout once made, else whether it may."""
+    if engine.plan is not None:
+        return engine.plan.layout == "split"
+    return decode.decode_tp != "off"
+
+
+def gather_memory(comm, caches) -> list[dict] | None:
+    """Every rank's memory figures (runtime/resident.py's ``memory_now``), its resident
+    KV bytes and each entry's K/V room, on rank 0 (None elsewhere)."""
+    from ..runtime.resident import memory_now
+
+    return comm.gather_object({"kv_bytes": int(caches.nbytes), "kv_rooms": caches.own_rooms(),
+                               **memory_now()})
 
 
 def read_preloads(args: ServeConfig) -> list[dict]:
@@ -203,18 +239,19 @@ def serve_loop(comm, engine, loaded, root, caches):
     """Every rank: the next request from rank 0, answered together, until it says stop."""
     from ..engine.generation import generate
     from ..runtime import spmd
-    from ..runtime.resident import memory_now
+    from ..runtime.resident import reset_resident_peak
 
     while True:
         with idle(comm):
             work = spmd.on_root(comm, lambda: root.next_work(caches))
         if work is None:
             return
+        reset_resident_peak()  # /health's resident_peak_bytes: this request's
         cache = caches.take(work)
         result = generate(engine, cache, work["ids"][work["reused"]:], loaded.tokenizer,
                           work["sampling"], write=root.emit if root else None,
                           cancelled=root.cancelled if root else None)
-        memory = comm.gather_object({"kv_bytes": int(caches.nbytes), **memory_now()})
+        memory = gather_memory(comm, caches)
         if root is not None:
             spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
                           "generated, %s; %d cache entries", len(work["ids"]), work["reused"],

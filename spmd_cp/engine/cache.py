@@ -84,6 +84,12 @@ class LayerKV:
         return self.keys[:, : self.offset], self.values[:, : self.offset]
 
     @property
+    def capacity(self) -> int:
+        """Entries the buffers hold room for: at most ``step - 1`` beyond the most this
+        layer held since it last grew, and unchanged by ``truncate``."""
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the K/V entries held (not of spare capacity)."""
         if self.keys is None:
@@ -210,6 +216,12 @@ class ShardedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def capacity(self) -> int:
+        """This rank's K/V room in tokens: the memory its buffers take is this many
+        tokens' (every layer grows alike)."""
+        return max((layer.capacity for layer in self.layers), default=0)
 
     # -- saving and restoring (prompt_cache.py) ------------------------------------------
     def state(self) -> tuple[dict, dict]:

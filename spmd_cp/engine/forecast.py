@@ -11,7 +11,9 @@ layer's exchange, its keys and the windows it receives). The window does not bou
 KV shard: the cache keeps every key of every layer (docs/MODELS.md says why). Those are MLX's
 arrays; ``process`` is what the rank process holds besides them (interpreter, libraries,
 tokenizer), measured in the running process by the caller (runtime/resident.py), so the
-total is resident memory.
+total is resident memory. A server adds two parts: the KV its other resident conversations
+hold (and the room its caches grew by: engine/cache.py grows them in steps), and MLX's
+buffer cache (freed buffers MLX keeps for reuse), which it bounds (server/resident.py).
 """
 
 from __future__ import annotations
@@ -39,16 +41,24 @@ class Forecast:
     kv: int
     activations: int
     process: int = 0  # resident bytes outside MLX's arrays
+    buffer_cache: int = 0  # MLX's buffer cache, where bounded (0: not counted)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.activations + self.process
+        return self.weights + self.kv + self.activations + self.process + self.buffer_cache
 
     def as_dict(self) -> dict:
         """``--json``'s ``memory_forecast``: bytes per rank, by part."""
-        return {"weights_bytes": self.weights, "kv_bytes": self.kv,
-                "activations_bytes": self.activations, "process_bytes": self.process,
-                "total_bytes": self.total}
+        parts = {"weights_bytes": self.weights, "kv_bytes": self.kv,
+                 "activations_bytes": self.activations, "process_bytes": self.process}
+        if self.buffer_cache:
+            parts["buffer_cache_bytes"] = self.buffer_cache
+        return {**parts, "total_bytes": self.total}
+
+
+def kv_tokens_per_rank(total_tokens: int, cp_size: int) -> int:
+    """The most of ``total_tokens`` one of ``cp_size`` ranks caches."""
+    return math.ceil(total_tokens / cp_size) + 1
 
 
 def mlp_arrays(elem_bytes: int) -> int:
@@ -59,17 +69,20 @@ def mlp_arrays(elem_bytes: int) -> int:
 
 def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int,
                         chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
-                        score: bool = False, process_bytes: int = 0) -> Forecast:
+                        score: bool = False, process_bytes: int = 0, held_kv_tokens: int = 0,
+                        buffer_cache_bytes: int = 0) -> Forecast:
     """Peak bytes on the busiest rank for a context of ``total_tokens`` prefilled in
     chunks of ``chunk_tokens`` on ``cp_size`` ranks. ``shape.kv_bytes_per_token`` counts
     the KV dtype's size (engine.model.kv_dtype_for: ``--kv-dtype`` on the CPU path, the
     model's on a GPU); ``shape.elem_bytes`` is the activations' and the shards attention
     reads (4 on the CPU path, where a half-precision cache is read into float32; the
     model's 2 on a GPU). ``process_bytes``: the rank's resident bytes besides
-    MLX's arrays, as measured."""
+    MLX's arrays, as measured. ``held_kv_tokens``: tokens' room in K/V the rank holds
+    besides this context's (a server's other conversations); ``buffer_cache_bytes``:
+    the bound on MLX's buffer cache, where one is set."""
     e = shape.elem_bytes
-    kv_tokens = math.ceil(total_tokens / cp_size) + 1
-    kv = kv_tokens * shape.kv_bytes_per_token
+    kv_tokens = kv_tokens_per_rank(total_tokens, cp_size)
+    kv = (kv_tokens + held_kv_tokens) * shape.kv_bytes_per_token
     rows = math.ceil(chunk_tokens / cp_size) + 1
     per_row = e * (4 * shape.hidden + mlp_arrays(e) * shape.intermediate
                    + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2)
@@ -88,7 +101,7 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
         extra_kv = max(extra_kv, layer_kv * (3 * kv_tokens + 2 * seen))
     logits = (256 if score else 1) * shape.vocab * 4 * 3
     activations = int(SAFETY * (rows * per_row + attention + extra_kv + logits))
-    return Forecast(weights_bytes, kv, activations, process_bytes)
+    return Forecast(weights_bytes, kv, activations, process_bytes, buffer_cache_bytes)
 
 
 def default_memory_limit() -> int:
@@ -122,25 +135,28 @@ class WeightPlan:
 
     def sharding_fits(self, shape: ModelShape, total_tokens: int, chunk_tokens: int,
                       cp_size: int, limit: int, algo: str, score: bool,
-                      process_bytes: int = 0) -> int | None:
-        """The fewest ranks (>= cp_size, >= 2) at which sharding the weights would fit."""
+                      **parts) -> int | None:
+        """The fewest ranks (>= cp_size, >= 2) at which sharding the weights would fit
+        (``parts``: forecast_rank_bytes's ``process_bytes`` and the server's parts)."""
         if self.sharded or self.sharded_at is None:
             return None
         return next((n for n in range(max(cp_size, 2), 4097) if forecast_rank_bytes(
             shape, self.sharded_at(n), total_tokens, chunk_tokens, n, algo, score,
-            process_bytes).total <= limit), None)
+            **parts).total <= limit), None)
 
 
 def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens: int,
                chunk_tokens: int, cp_size: int, limit: int, algo: str, score: bool = False,
-               process_bytes: int = 0):
+               process_bytes: int = 0, held_kv_tokens: int = 0, buffer_cache_bytes: int = 0):
     """Refuse, naming the smallest N or chunk (or --shard-weights) that would fit, if the
-    forecast exceeds ``limit`` bytes per rank (``process_bytes``: see Forecast)."""
+    forecast exceeds ``limit`` bytes per rank (the other parts: forecast_rank_bytes)."""
     plan = weights_bytes if isinstance(weights_bytes, WeightPlan) else WeightPlan(weights_bytes)
+    parts = {"process_bytes": process_bytes, "held_kv_tokens": held_kv_tokens,
+            "buffer_cache_bytes": buffer_cache_bytes}
 
     def forecast(ranks: int, chunk: int) -> Forecast:
         return forecast_rank_bytes(shape, plan.at(ranks), total_tokens, chunk, ranks, algo,
-                                   score, process_bytes)
+                                   score, **parts)
 
     need = forecast(cp_size, chunk_tokens)
     if need.total <= limit:
@@ -160,7 +176,7 @@ def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens:
     if fits_n:
         options.append(f"at least {fits_n} ranks")
     shard_n = plan.sharding_fits(shape, total_tokens, chunk_tokens, cp_size, limit, algo, score,
-                                 process_bytes)
+                                 **parts)
     if shard_n:
         options.append("--shard-weights on" + (f" at {shard_n} ranks" if shard_n > cp_size
                                                else ""))
@@ -168,6 +184,8 @@ def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens:
     raise UserError(
         f"{total_tokens} tokens need about {need.total / gb:.2f} GB per rank on {cp_size} "
         f"rank(s) (weights {need.weights / gb:.2f} + KV {need.kv / gb:.2f} + activations "
-        f"{need.activations / gb:.2f} + process {need.process / gb:.2f}), over the limit of "
+        f"{need.activations / gb:.2f} + process {need.process / gb:.2f}"
+        + (f" + MLX's buffer cache {need.buffer_cache / gb:.2f}" if need.buffer_cache else "")
+        + "), over the limit of "
         f"{limit / gb:.2f} GB per rank; "
         + ("it fits with " + " or ".join(options) if options else "no rank count fits"))

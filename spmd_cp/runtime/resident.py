@@ -8,6 +8,11 @@ test machine a rank of a 4-token SmolLM2 answer held about 180 MiB outside MLX's
 this part as measured in the running process, and ``--json`` reports the resident peak.
 Where resident memory cannot be read (no /proc: macOS) the forecast counts MLX's arrays
 alone, as it did before.
+
+A server measures each request's own peak: Linux lets a process reset its high-water mark
+(``/proc/self/clear_refs``), and ``/proc/self/status``'s VmHWM then counts from there.
+getrusage's ru_maxrss cannot be reset that way: it also keeps the mark of every thread
+that has exited (an HTTP handler thread) since the process began.
 """
 
 from __future__ import annotations
@@ -46,9 +51,34 @@ def outside_mlx_bytes() -> int:
     return max(0, now - mx.get_active_memory() - mx.get_cache_memory())
 
 
+def reset_resident_peak() -> bool:
+    """Start the high-water mark of resident memory again from now (Linux 4.0 on); False
+    where it cannot be reset (then ``high_water_bytes`` counts from the start)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def high_water_bytes() -> int:
+    """The most resident memory since ``reset_resident_peak`` or the start (VmHWM), or
+    getrusage's peak where /proc/self/status cannot be read."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resident_peak_bytes()
+
+
 def memory_now() -> dict:
-    """This process's memory as the operating system and MLX count it (bytes)."""
+    """This process's memory as the operating system and MLX count it (bytes); the peak
+    since the last ``reset_resident_peak``."""
     return {"resident_bytes": resident_bytes() or 0,
-            "resident_peak_bytes": resident_peak_bytes(),
+            "resident_peak_bytes": high_water_bytes(),
             "mlx_active_bytes": int(mx.get_active_memory()),
             "mlx_cache_bytes": int(mx.get_cache_memory())}

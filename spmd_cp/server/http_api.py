@@ -61,6 +61,7 @@ class ServerState:
         self.busy = False
         self.cache = {"entries": 0, "bytes": 0, "tokens": 0}
         self.memory = []  # per rank, after the last request: resident and MLX bytes
+        self.memory_forecast = {}  # the last request's forecast per rank, by part
         self.served = 0
         self.cancelled = 0  # requests whose client went away before the answer's end
         self.guardian = None  # GuardianLink: answers the waiting clients if rank 0 dies
@@ -80,7 +81,8 @@ class ServerState:
         return {"status": status, "model": self.model_id, "queue_length": self.queue.qsize(),
                 "busy": self.busy, "requests_served": self.served,
                 "requests_cancelled": self.cancelled, "cache": dict(self.cache),
-                "memory": [dict(rank) for rank in self.memory]}
+                "memory": [dict(rank) for rank in self.memory],
+                "memory_forecast": dict(self.memory_forecast)}
 
 
 def peer_closed(sock: socket.socket) -> bool:

@@ -18,13 +18,18 @@ from .openai_api import ApiError
 class RootSide:
     """Rank 0's share of serving: requests in, answers out, /health's figures."""
 
-    def __init__(self, state: ServerState, loaded, run, comm, may_split: bool):
+    def __init__(self, state: ServerState, loaded, run, comm, may_split,
+                 buffer_cache_bytes: int = 0):
+        """``may_split()``: whether decode steps run split (or may: no plan yet);
+        ``buffer_cache_bytes``: the bound set on MLX's buffer cache (0: none)."""
         self.state = state
         self.loaded = loaded
         self.run = run
         self.comm = comm
         self.may_split = may_split
         self.current: Pending | None = None
+        self.outside_mlx = 0  # the most any rank held outside MLX's arrays, last measured
+        self.buffer_cache_bytes = buffer_cache_bytes
 
     def next_work(self, caches) -> dict | None:
         """The next request's work for every rank (None: shut down). Requests whose
@@ -72,8 +77,12 @@ class RootSide:
     def prepare(self, request, caches) -> dict:
         """Token ids, the resident caches' plan for them (the entry continued, the tokens
         kept, the entries evicted), the sampling; checked: the context and the memory
-        forecast with the resident entries kept."""
+        forecast with the resident entries kept: the busiest rank's (every part the
+        most any rank holds), MLX's buffer cache at its bound included where bounded."""
         from ..cli.steps import check_memory, tokenize_checked
+        from ..engine.forecast import kv_tokens_per_rank
+        from ..runtime.resident import outside_mlx_bytes
+        from .resident import held_room
 
         sampling = request.sampling
         try:
@@ -85,19 +94,22 @@ class RootSide:
                            param="messages" if request.kind == "chat" else "prompt") from None
 
         forecast = {}
+        total = len(ids) + sampling.max_tokens  # the request's entry, once answered
+        process = max(self.outside_mlx, outside_mlx_bytes())
 
-        def fits(resident_tokens: int, reused: int):
+        def fits(kept: int, continued: int, reused: int):
+            room = held_room(kept, continued, kv_tokens_per_rank(total, self.comm.size))
             try:
-                need = check_memory(self.comm, self.loaded, self.run,
-                                    len(ids) + sampling.max_tokens + resident_tokens,
-                                    len(ids) - reused,
-                                    split_decode=self.may_split and sampling.max_tokens > 1)
+                forecast.update(check_memory(
+                    self.comm, self.loaded, self.run, total, len(ids) - reused,
+                    split_decode=self.may_split() and sampling.max_tokens > 1,
+                    process_bytes=process, held_kv_tokens=room,
+                    buffer_cache_bytes=self.buffer_cache_bytes))
             except UserError as error:
                 raise ApiError(400, str(error), code="memory_limit_exceeded") from None
-            forecast["bytes"] = need["total_bytes"]
 
         plan = caches.plan(ids, fits)
-        return {"ids": ids, "sampling": sampling, "forecast_bytes": forecast["bytes"], **plan}
+        return {"ids": ids, "sampling": sampling, "forecast": forecast, **plan}
 
     def emit(self, text: str):
         self.current.emit(text)
@@ -106,16 +118,26 @@ class RootSide:
         # Not on shutdown: the request being answered is finished first.
         return self.current.cancelled.is_set()
 
-    def finished(self, result, work: dict, caches, memory: list[dict]):
-        """``memory``: every rank's figures after the request (runtime/resident.py's
-        ``memory_now`` and its resident KV bytes), for /health."""
-        counts = {"prompt_tokens": len(work["ids"]), "completion_tokens": len(result.tokens),
-                  "cached_tokens": int(work["reused"])}
-        self.current.done(result.text, result.finish_reason, counts)
+    def note_memory(self, caches, memory: list[dict], forecast: dict | None = None):
+        """``memory``: every rank's figures (at start, or after the request whose memory
+        ``forecast`` it was): runtime/resident.py's ``memory_now``, its resident KV bytes
+        and each entry's K/V room, for /health and the next forecast."""
+        caches.note_rooms([rank.pop("kv_rooms") for rank in memory])
+        self.outside_mlx = max(rank["resident_bytes"] - rank["mlx_active_bytes"]
+                               - rank["mlx_cache_bytes"] for rank in memory)
         self.state.cache = {"entries": len(caches.entries),
                             "bytes": sum(rank["kv_bytes"] for rank in memory),
                             "tokens": int(caches.num_tokens)}
-        forecast = work.get("forecast_bytes", 0)
-        self.state.memory = [{**rank, "forecast_bytes": forecast} for rank in memory]
+        if forecast is not None:
+            self.state.memory = [{**rank, "forecast_bytes": forecast["total_bytes"]}
+                                 for rank in memory]
+            self.state.memory_forecast = forecast
+
+    def finished(self, result, work: dict, caches, memory: list[dict]):
+        """The answer to its handler; ``memory``: as ``note_memory``'s."""
+        counts = {"prompt_tokens": len(work["ids"]), "completion_tokens": len(result.tokens),
+                  "cached_tokens": int(work["reused"])}
+        self.current.done(result.text, result.finish_reason, counts)
+        self.note_memory(caches, memory, work["forecast"])
         self.state.served += 1
         self.state.cancelled += result.finish_reason == "cancelled"
