@@ -352,16 +352,14 @@ def assert_within_forecast(health: dict):
     MLX counts its arrays and the kernel its resident set: every rank within it; and the
     weights and KV it counted are what the busiest rank's arrays took after the request,
     short by at most the room a cache growth step may leave (which it allows for)."""
-    from spmd_cp.runtime.device import on_gpu_path
-
     forecast = health["memory_forecast"]
-    bound = forecast.get("buffer_cache_bytes", 0)
-    assert bound > 0 or on_gpu_path()  # bounded on the CPU path
+    bound = forecast["buffer_cache_bytes"]
+    assert bound > 0  # bounded: the servers here run the CPU path
     for rank in health["memory"]:
         assert rank["forecast_bytes"] == forecast["total_bytes"]
         assert rank["resident_bytes"] <= rank["resident_peak_bytes"] <= forecast["total_bytes"], \
             (rank, forecast)
-        assert rank["mlx_cache_bytes"] <= bound or not bound
+        assert rank["mlx_cache_bytes"] <= bound
     arrays = forecast["weights_bytes"] + forecast["kv_bytes"]
     busiest = max(rank["mlx_active_bytes"] for rank in health["memory"])
     step = LayerKV.step * health["cache"]["bytes"] // health["cache"]["tokens"]

@@ -80,7 +80,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         loaded = steps.load_checked_model(comm, run, path)
         engine = steps.make_engine(comm, loaded, run, decode)
         warm_up(engine)
-        buffer_cache = bound_buffer_cache()
+        buffer_cache = bound_buffer_cache(engine.model.compute)
         caches = preload(comm, engine, loaded, args, metas)
         memory = gather_memory(comm, caches)
         root = None
@@ -101,16 +101,15 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             close_server(held)
 
 
-def bound_buffer_cache() -> int:
+def bound_buffer_cache(compute) -> int:
     """On the CPU path, MLX's buffer cache within the bound the memory forecast counts
     (and the load's freed buffers handed back): the bound, or 0 where MLX's is kept (a
     GPU, whose allocations cost more and were not measured against a bound)."""
     import mlx.core as mx
 
-    from ..runtime.device import on_gpu_path
     from ..server.resident import BUFFER_CACHE_BYTES
 
-    if on_gpu_path():
+    if compute.gpu:
         return 0
     mx.set_cache_limit(BUFFER_CACHE_BYTES)
     mx.clear_cache()
