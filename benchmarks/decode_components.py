@@ -25,8 +25,10 @@ four per-layer collectives (their latency when neither waits for the other) and 
 ctypes call, and every token once without the clocks (``plain``, against ``timed``: the
 clocks' own cost). Launches: the variants alternate in every round (N = 2 with one
 thread a rank, N = 1 with one and with two threads), contexts within each launch.
+``--trees base=PATH this=.`` measures two checkouts side by side (spmd_cp imported from
+each, its launches alternating with the other's in every round): an A/B of a change.
 Reported: per variant and context the median over rounds of each part's median per
-token, in ms, per rank. Results: benchmarks/results/decode_components.json and .md.
+token, in ms, per rank. Results: benchmarks/results/<--name>.json and .md.
 """
 
 from __future__ import annotations
@@ -267,13 +269,28 @@ def worker(args):
     sys.exit(spmd.run_main(main, {}))
 
 
-def launch(variant: tuple, args) -> dict:
-    name, ranks, threads = variant
+def trees(args) -> list[tuple[str, str]]:
+    """(label, path) of each source tree measured: ``--trees``, else this one."""
+    pairs = [tree.split("=", 1) for tree in args.trees] or [["this", str(bl.ROOT)]]
+    return [(label, str(Path(path).resolve())) for label, path in pairs]
+
+
+def columns(args) -> list[tuple[str, int, int, str]]:
+    """(name, ranks, threads, tree path) of each variant measured, per tree."""
+    labelled = len(trees(args)) > 1
+    return [(f"{name} [{label}]" if labelled else name, ranks, threads, path)
+            for index in args.variants for name, ranks, threads in [VARIANTS[index]]
+            for label, path in trees(args)]
+
+
+def launch(column: tuple, args) -> dict:
+    """One launch of the worker: spmd_cp imported from the column's tree."""
+    name, ranks, threads, path = column
     cmd = bl.mpi_cmd(ranks, bl.PYTHON, __file__, "--worker", "--contexts", *args.contexts,
                      "--kv-dtype", args.kv_dtype, "--tokens", args.tokens, "--skip",
                      args.skip, "--inner", args.inner)
-    result = bl.run_json(cmd, env=bl.bench_env(threads))
-    result["_variant"] = name
+    result = bl.run_json(cmd, env=bl.bench_env(threads, PYTHONPATH=path))
+    result["_variant"], result["_tree"] = name, path
     for context in args.contexts:
         steps = [r[str(context)]["plain_ms"] for r in result["per_rank"]]
         bl.log(f"{name}, {context} tokens: step {max(steps):.2f} ms (others "
@@ -299,7 +316,7 @@ def report(runs: list[dict], args, command: str) -> str:
         header, rows = ["part"], {part: [part] for part in PARTS}
         totals = {k: [k] for k in ("sum of parts", "timed token", "plain token",
                                    "bare 4 collectives x layers", "bare ctypes call (us)")}
-        for name, ranks, _ in VARIANTS:
+        for name, ranks, _, _ in columns(args):
             mine = [r for r in runs if r["_variant"] == name]
             if not mine:
                 continue
@@ -334,6 +351,10 @@ def parse_args():
     parser.add_argument("--inner", type=int, default=2, help="blocks of each kind a launch")
     parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))))
     parser.add_argument("--name", default="decode_components", help="the result files' name")
+    parser.add_argument("--trees", nargs="+", default=[], metavar="LABEL=PATH",
+                        help="source trees to import spmd_cp from, each variant launched "
+                             "once per tree in every round (A/B of two checkouts); "
+                             "default: this one")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -346,8 +367,8 @@ def main():
     command = "python benchmarks/decode_components.py " + " ".join(sys.argv[1:])
     runs = []
     for _ in range(args.rounds):
-        for index in args.variants:
-            runs.append(launch(VARIANTS[index], args))
+        for column in columns(args):
+            runs.append(launch(column, args))
             markdown = report(runs, args, command)
             bl.save(args.name, {"machine": bl.machine(), "command": command,
                                 "runs": runs}, markdown)
