@@ -6,9 +6,12 @@
  * float32 kernels (cblas_sgemm, gemv_forward.c's attention kernels): every element is
  * loaded, widened, stored and loaded again. Here, with AVX2, FMA and F16C and a head
  * width that is a multiple of 8, each element is loaded once and widened into the
- * register the products use; the sums run in the float32 kernels' order (eight lanes
- * along the head, then ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))), so the results are
- * the portable path's to float32 rounding.
+ * register the products use. The scores sum as the float32 kernels do (eight lanes
+ * along the head, then ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))); the values sum in
+ * blocks of HALF_VALUE_TILE rows: the portable path's results to float32 rounding.
+ * On the 2-core AMD EPYC machine (one thread's CPU time, 30 layers of three KV heads,
+ * float16, 2026-11-26): 1,500 keys a head 6.6 -> 4.6 ms, 3,250 keys 14.9 -> 8.7 ms
+ * against the widened tiles.
  */
 #ifndef SPMD_CP_HALF_ATTENTION_H
 #define SPMD_CP_HALF_ATTENTION_H
