@@ -178,6 +178,33 @@ for kind in ("float16", "bfloat16"):
     p_half /= p_half.sum(axis=1, keepdims=True)
     wanted_half = np.einsum("hk,hkd->hd", p_half, np.repeat(wide_v, HEADS // KV, axis=0))
     result[f"{kind}_attention"] = error(out_half.reshape(HEADS, D), wanted_half)
+
+# a long half-precision cache on one thread: 301 keys take the vector kernels' blocks of
+# four keys with one left over and their tiles of 128 values (sums carried from tile to
+# tile), three query heads on one KV head (a chunk of three query rows)
+assert library.spmd_cp_decode_set_threads(1) == 1
+LONG, GROUP = 301, 3
+layer.heads = GROUP
+long_qkv = f32((GROUP + 2) * D)
+long_keys, long_values = f32(1, LONG, D), f32(1, LONG, D)
+long_scratch = np.zeros(library.spmd_cp_decode_scratch(GROUP, D, LONG), np.float32)
+for kind in ("float16", "bfloat16"):
+    to_bits = (lambda x: np.asarray(x, np.float32).astype(np.float16).view(np.uint16)) \
+        if kind == "float16" else bfloat16_bits
+    half_keys, half_values = to_bits(long_keys), to_bits(long_values)
+    layer.keys, layer.values, layer.capacity = (half_keys.ctypes.data,
+                                                half_values.ctypes.data, LONG)
+    layer.kv_kind = KV_KINDS[kind]
+    out_long = np.zeros(GROUP * D, np.float32)
+    library.spmd_cp_decode_attend(ref, long_qkv.ctypes.data, None, -1, LONG, 1,
+                                  long_scratch.ctypes.data, out_long.ctypes.data)
+    s_long = long_qkv[:GROUP * D].reshape(GROUP, D).astype(np.float64) @ \
+        widened(half_keys[0], kind).T * SCALE
+    p_long = np.exp(s_long - s_long.max(axis=1, keepdims=True))
+    wanted_long = (p_long / p_long.sum(axis=1, keepdims=True)) @ widened(half_values[0], kind)
+    result[f"{kind}_long_attention"] = error(out_long.reshape(GROUP, D), wanted_long)
+layer.heads = HEADS
+assert library.spmd_cp_decode_set_threads(THREADS) == THREADS
 layer.keys, layer.values, layer.capacity = keys.ctypes.data, values.ctypes.data, CAPACITY
 layer.kv_kind = KV_KINDS["float32"]
 

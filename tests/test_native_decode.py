@@ -84,7 +84,8 @@ def test_decode_step_calls_equal_numpy(cc, tmp_path):
     token's key and value land in the cache row given; an empty shard's partial weighs
     nothing in the merge; SwiGLU's exponential holds where |gate| reaches 100; over a
     float16 and a bfloat16 cache, the stored bits are numpy's rounding and attention is
-    float64's over the widened cache to float32 rounding. Built by
+    float64's over the widened cache to float32 rounding, also over 301 keys (the vector
+    kernels' tiles and blocks with their remainders). Built by
     each compiler present (the forward and the step: the probe's cache is its own)."""
     errors = run_result_script(TESTS / "native_kernels_probe.py", tmp_path,
                                CC=compiler_or_skip(cc))

@@ -26,6 +26,7 @@
 
 #include "cpu_features.h"
 #include "exp_polynomial.h"
+#include "half_attention.h"
 #include "kv_half.h"
 #include "thread_pool.h"
 
@@ -291,12 +292,19 @@ static void store_kv(const layer *l, int g, int row, const float *k, const float
   }
 }
 
-/* A half-precision cache's scores: query rows q (group x d) times `count` keys, a tile
- * of keys widened into float32 at a time and multiplied as a float32 cache's keys are
- * (into scores' rows, `stride` apart). */
+/* A half-precision cache's scores: query rows q (group x d) times `count` keys, each
+ * key widened in registers (half_attention.h) or, without AVX2, a tile of keys widened
+ * into float32 at a time and multiplied as a float32 cache's keys are (into scores'
+ * rows, `stride` apart). */
 static void half_scores(const layer *l, const uint16_t *keys, const float *q, int count,
                         float *scores, int stride) {
   int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+#ifdef HAVE_X86_VECTORS
+  if (half_fused_here(d)) {
+    half_scores_fused(keys, l->kv_kind, q, group, d, count, scores, stride);
+    return;
+  }
+#endif
   float widened[KV_TILE_FLOATS];
   for (int t = 0; t < count; t += tile) {
     int rows = count - t < tile ? count - t : tile;
@@ -311,6 +319,12 @@ static void half_scores(const layer *l, const uint16_t *keys, const float *q, in
 static void half_values(const layer *l, const uint16_t *values, const float *p, int count,
                         int stride, float *o, int width) {
   int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+#ifdef HAVE_X86_VECTORS
+  if (half_fused_here(d)) {
+    half_values_fused(values, l->kv_kind, p, group, stride, d, count, o, width);
+    return;
+  }
+#endif
   float widened[KV_TILE_FLOATS];
   for (int t = 0; t < count; t += tile) {
     int rows = count - t < tile ? count - t : tile;

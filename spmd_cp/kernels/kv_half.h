@@ -1,9 +1,10 @@
 /*
  * A KV cache stored in half precision (float16 or bfloat16), read in float32: the
  * decode step's store of a token's key and value, and the widening of the rows its
- * attention reads (decode_step.c: a tile at a time, into float32 in cache, for the same
- * products a float32 cache gets). As llama.cpp does, the cache holds half the bytes of a
- * float32 one and every product accumulates in float32.
+ * attention reads (half_attention.h: each key and value in registers as the products
+ * read it; without AVX2, decode_step.c: a tile at a time, into float32 in cache, for the
+ * same products a float32 cache gets). As llama.cpp does, the cache holds half the bytes
+ * of a float32 one and every product accumulates in float32.
  *
  * Conversions round to nearest even, as MLX's astype does (so a token stored here has
  * the bits MLX would have stored): F16C on x86 CPUs that have it, else the portable
