@@ -311,6 +311,51 @@ def sample_stream(comm: Comm, samples: int = DECODE_SAMPLES, nbytes=64 << 20) ->
     return stream_samples(comm, nbytes, samples)
 
 
+def measure_request_collective(comm: Comm, width=1024, repeats=20) -> float:
+    """Seconds of one small Allreduce as the native decode step runs its collectives
+    (engine/native_decode.py): a persistent MPI request on host buffers, started and
+    waited, or the blocking call where the library has no persistent collectives. No
+    MLX array crosses to the host, so this is a bare MPI latency: over shared memory a
+    few microseconds where ``measure_collective``'s round trip takes about 100. The best
+    of ``repeats`` on a rank, the slowest rank's of those."""
+    if comm.size == 1:
+        return 0.0
+    from mpi4py import MPI
+
+    send = np.ones(width, np.float32)
+    receive = np.empty_like(send)
+    try:
+        request = comm.mpi.Allreduce_init(send, receive, op=MPI.SUM)
+    except NotImplementedError:  # MPI before 4: no persistent collectives
+        request = None
+
+    def once():
+        if request is None:
+            comm.mpi.Allreduce(send, receive, op=MPI.SUM)
+        else:
+            request.Start()
+            request.Wait()
+
+    once()
+    comm.barrier()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    if request is not None:
+        request.Free()
+    return max(comm.allgather_object(best))
+
+
+def sample_request_collective(comm: Comm, samples: int = DECODE_SAMPLES, width=1024,
+                              repeats: int = 4) -> list[float]:
+    """``samples`` of ``measure_request_collective`` (seconds), as ``sample_collective``."""
+    if comm.size == 1:
+        return [0.0]
+    return [measure_request_collective(comm, width, repeats) for _ in range(samples)]
+
+
 def sample_collective(comm: Comm, samples: int = DECODE_SAMPLES, width=1024,
                       repeats: int = 4) -> list[float]:
     """``samples`` costs of one small collective (seconds), each the best of ``repeats``

@@ -27,7 +27,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from ..attention.calibrate import recheck_decode_figures
+from ..attention.calibrate import (low_quantile, recheck_decode_figures,
+                                   sample_request_collective, uncounted)
 from ..config import DecodeConfig
 from ..errors import UserError
 from ..runtime.spmd import first_reason
@@ -91,7 +92,8 @@ def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective
                                  sharded and config.decode_tp != "on",
                                  loaded_collective_s or (lambda: None), model.compute)
     reasons["transport"] = transport.reason
-    split = _layout(model, comm, config, transport, calibrated, reasons, inputs)
+    split = _layout(model, comm, config, transport, calibrated, reasons, inputs,
+                    native=native_why is None)
     step, requests = None, "none"
     if native_why is None:
         step, native_why = _native_step(model, comm, split, config.decode_requests)
@@ -132,9 +134,10 @@ def _native_step(model, comm, split, requests: str):
     return decoder, reason
 
 
-def _layout(model, comm, config, transport, calibrated, reasons, inputs):
+def _layout(model, comm, config, transport, calibrated, reasons, inputs, native: bool):
     """The split step's slices (tp_decode.TensorParallelDecoder), or None for the
-    replicated layout; its reason in ``reasons["layout"]``."""
+    replicated layout; its reason in ``reasons["layout"]``. ``native``: the native step
+    will run the layout (its collectives are bare MPI requests)."""
     mode = config.decode_tp
     obstacle = None
     if comm.size == 1:
@@ -149,7 +152,7 @@ def _layout(model, comm, config, transport, calibrated, reasons, inputs):
             obstacle = (f"layer-sharded weights: the split step would hold 1/{comm.size} "
                         "of every layer besides this rank's layers; --decode-tp on splits")
     if obstacle is None and mode == "auto":
-        estimate = _estimate(model, comm, transport, calibrated(), inputs)
+        estimate = _estimate(model, comm, transport, calibrated(), inputs, native)
         if not estimate.split:
             obstacle = f"auto: {estimate.reason}"
         reasons["layout"] = f"auto: {estimate.reason}"
@@ -165,12 +168,21 @@ def _layout(model, comm, config, transport, calibrated, reasons, inputs):
         return None
 
 
-def _estimate(model, comm, transport, calibration, inputs: dict):
-    """--decode-tp auto's estimate from figures measured now (``inputs`` records them)."""
+def _estimate(model, comm, transport, calibration, inputs: dict, native: bool):
+    """--decode-tp auto's estimate from figures measured now (``inputs`` records them).
+    Each added collective is costed as the step that runs it pays: the native step's as
+    a bare MPI request (measured now, as the other figures), the graph step's as MLX's
+    graph collective or mpi4py's with its host round trip."""
     samples = {}
     measured = recheck_decode_figures(comm, calibration, samples)
-    collective_s = (transport.collectives.latency() if transport.name == "mlx"
-                    else transport.mpi_collective_s or measured.collective_s)
+    if native:
+        with uncounted(comm):
+            samples["request_collective_s"] = sample_request_collective(comm)
+        collective_s = low_quantile(samples["request_collective_s"])
+    elif transport.name == "mlx":
+        collective_s = transport.collectives.latency()
+    else:
+        collective_s = transport.mpi_collective_s or measured.collective_s
     packed = _packed_reads(model, comm)
     estimate = estimate_split(split_matrix_bytes(model), comm.size, model.num_layers,
                               measured.stream_bytes_per_s, collective_s, packed,
