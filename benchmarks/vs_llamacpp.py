@@ -138,6 +138,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[3000, 6500])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--name", default="vs_llamacpp", help="results file name")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kv-dtype", default=None, help="spmd-cp's --kv-dtype (default: its own)")
     parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
@@ -166,7 +167,7 @@ def main():
                         bl.table(["system", "cores", "runs", "prompt tokens", "prefill tok/s",
                                   "decode tok/s", "prefill vs llama.cpp",
                                   "decode vs llama.cpp"], rows)
-                    bl.save("vs_llamacpp", payload, "\n\n".join(report + [table]))  # each run
+                    bl.save(args.name, payload, "\n\n".join(report + [table]))  # each run
             report.append(table)
     print("\n\n".join(report))
 
