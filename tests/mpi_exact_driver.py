@@ -1,12 +1,13 @@
 """Runs many CP configurations in one MPI launch (loading the model once), for the tests.
 
-    mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON [DEVICE]
+    mpiexec -n N python tests/mpi_exact_driver.py MODEL CONFIGS_JSON OUT_JSON [DEVICE [no-weight-cache]]
 
 Each config: {"algo", "chunk", "length", "decode", "seed"[, "score": true, "merge":
 "allgather", "interleave": 1, "tp": "off", "comm": "mpi"]}. For each,
 rank 0 records the logprob of every prompt token (when scoring), the greedy
 continuation, and per-rank KV bytes, prefill communication bytes and peak memory beyond
-the weights. ``DEVICE``: the compute path, as ``--device`` (default auto).
+the weights. ``DEVICE``: the compute path, as ``--device`` (default auto);
+``no-weight-cache``: a GGUF's weights converted afresh, as ``--no-weight-cache``.
 """
 
 import json
@@ -86,7 +87,10 @@ def main(comm, _options):
 
     model_path, configs_json, out_path = sys.argv[1:4]
     compute = Compute.resolve(sys.argv[4] if len(sys.argv) > 4 else "auto")
-    loaded = load_model(model_path).model
+    # "no-weight-cache": convert a GGUF's weights afresh (--no-weight-cache), so that a
+    # cached copy of an earlier run's cannot hide the conversion under test
+    weight_cache = "no-weight-cache" not in sys.argv[5:]
+    loaded = load_model(model_path, weight_cache=weight_cache).model
     # the weights held: the parameters and the packed forms decode reads (a quantized
     # GGUF's shadows, models/quantized_shadows.py)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters())) + SHADOWS.nbytes

@@ -59,9 +59,10 @@ def reference(path: str, length: int, seed: int, decode: int):
 
 
 def run_driver(n: int, path: str, configs: list[dict], tmp_path,
-               env: dict | None = None) -> list[dict]:
+               options: tuple[str, ...] = ()) -> list[dict]:
+    """The driver's results; ``options``: its device and weight-cache arguments."""
     out = tmp_path / f"gemma3-{n}.json"
-    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out)], timeout=400, env=env)
+    run_ranks(n, DRIVER + [path, json.dumps(configs), str(out), *options], timeout=400)
     return json.loads(out.read_text())["results"]
 
 
@@ -323,7 +324,7 @@ def gemma3_gguf(tmp_path_factory) -> tuple[str, str]:
     return str(model_dir), str(write_gemma3_gguf(model_dir, root / "gemma3.gguf"))
 
 
-def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
+def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf):
     """One rank, in this process: the GGUF's config is mlx-lm's for the directory, its
     scores and greedy tokens equal mlx-lm's forward of the directory, and the layer
     shares --shard-weights reads hold the directory's weights (the norms' 1 taken off).
@@ -340,9 +341,8 @@ def test_gemma3_gguf_loads_as_its_mlx_directory(gemma3_gguf, monkeypatch):
     from spmd_cp.models.partial_load import load_rank_share, weight_layout
     from spmd_cp.runtime.comm import Comm
 
-    monkeypatch.setenv("SPMD_CP_WEIGHT_CACHE", "0")
     model_dir, gguf_file = gemma3_gguf
-    loaded = load_model(gguf_file)
+    loaded = load_model(gguf_file, weight_cache=False)
     args = mlx_lm_model(model_dir).args
     for key in ("sliding_window", "sliding_window_pattern", "query_pre_attn_scalar",
                 "rope_theta", "rope_local_base_freq", "head_dim", "num_hidden_layers"):
@@ -378,5 +378,5 @@ def test_gemma3_gguf_matches_mlx_lm_on_two_ranks(gemma3_gguf, tmp_path):
     configs = [{"algo": algo, "chunk": chunk, "length": LENGTH, "decode": DECODE, "seed": 3}
                for algo, chunk in (("pass-kv", 0), ("pass-q", 23), ("allgather-kv", 0),
                                    ("auto", 0))]
-    results = run_driver(2, gguf_file, configs, tmp_path, env={"SPMD_CP_WEIGHT_CACHE": "0"})
+    results = run_driver(2, gguf_file, configs, tmp_path, ("auto", "no-weight-cache"))
     check(results, model_dir, 2)
