@@ -348,21 +348,14 @@ def measure_request_collective(comm: Comm, width=1024, repeats=20) -> float:
     return max(comm.allgather_object(best))
 
 
-def sample_request_collective(comm: Comm, samples: int = DECODE_SAMPLES, width=1024,
-                              repeats: int = 4) -> list[float]:
-    """``samples`` of ``measure_request_collective`` (seconds), as ``sample_collective``."""
-    if comm.size == 1:
-        return [0.0]
-    return [measure_request_collective(comm, width, repeats) for _ in range(samples)]
-
-
 def sample_collective(comm: Comm, samples: int = DECODE_SAMPLES, width=1024,
-                      repeats: int = 4) -> list[float]:
+                      repeats: int = 4, measure=measure_collective) -> list[float]:
     """``samples`` costs of one small collective (seconds), each the best of ``repeats``
-    on a rank and the slowest rank's of those."""
+    on a rank and the slowest rank's of those; ``measure``: ``measure_collective`` (an
+    MLX array's round trip) or ``measure_request_collective`` (the native step's)."""
     if comm.size == 1:
         return [0.0]
-    return [measure_collective(comm, width, repeats) for _ in range(samples)]
+    return [measure(comm, width, repeats) for _ in range(samples)]
 
 
 def recheck_decode_figures(comm: Comm, measured: LinkAndCompute,

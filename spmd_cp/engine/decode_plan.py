@@ -27,8 +27,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from ..attention.calibrate import (low_quantile, recheck_decode_figures,
-                                   sample_request_collective, uncounted)
+from ..attention.calibrate import (low_quantile, measure_request_collective,
+                                   recheck_decode_figures, sample_collective, uncounted)
 from ..config import DecodeConfig
 from ..errors import UserError
 from ..runtime.spmd import first_reason
@@ -177,7 +177,8 @@ def _estimate(model, comm, transport, calibration, inputs: dict, native: bool):
     measured = recheck_decode_figures(comm, calibration, samples)
     if native:
         with uncounted(comm):
-            samples["request_collective_s"] = sample_request_collective(comm)
+            samples["request_collective_s"] = sample_collective(
+                comm, measure=measure_request_collective)
         collective_s = low_quantile(samples["request_collective_s"])
     elif transport.name == "mlx":
         collective_s = transport.collectives.latency()
