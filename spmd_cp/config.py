@@ -16,7 +16,7 @@ DECODE_STEP_MODES = ("auto", "native", "graph")
 DECODE_REQUEST_MODES = ("persistent", "blocking")
 GRAPH_BACKENDS = ("auto", "mpi", "ring")
 SHARD_WEIGHTS_MODES = ("auto", "on", "off")
-KV_DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "gpu", "cpu")
 ATTENTION_KERNELS = ("auto", "fused", "tiled")
 
@@ -85,7 +85,8 @@ class RunConfig(_Settings):
     shard_weights: str = "auto"
     # The KV cache's dtype on the CPU path (the GPU path keeps the model's): a half
     # precision one holds half the bytes a decode step reads, and is read into float32.
-    kv_dtype: str = "float32"
+    # auto: float16 where the native decode step runs, else float32 (cli/steps.py).
+    kv_dtype: str = "auto"
     comm_timeout: float | None = None  # None: spmd.DEFAULT_COMM_TIMEOUT_S; 0 disables
     trace: str | None = None
     verbose: bool = False

@@ -277,10 +277,12 @@ def decode_plan_report(comm, run) -> dict:
     for it."""
     from ..attention.calibrate import uncounted
     from ..models.loader import load_model
-    from .steps import make_engine
+    from ..config import DecodeConfig
+    from .steps import make_engine, settle_kv_dtype
 
     loaded = load_model(run.model_path, weight_cache=run.weight_cache)
     with uncounted(comm):
+        run = settle_kv_dtype(comm, loaded, run, DecodeConfig())
         plan = make_engine(comm, loaded, run).prepare_decode()
     return plan.as_dict()
 

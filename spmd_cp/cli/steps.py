@@ -7,6 +7,7 @@ on rank 0 and broadcast the ids, run the engine, gather per-rank metrics to rank
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import sys
@@ -20,8 +21,8 @@ from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
 from ..engine.engine import Engine
 from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
-from ..engine.model import kv_model_shape
-from ..engine.native_eligibility import native_obstacle, upfront_obstacle
+from ..engine.model import CPModel, kv_model_shape
+from ..engine.native_eligibility import flag_obstacle, native_obstacle, upfront_obstacle
 from ..models.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model, weight_bytes
 from ..engine.startup import require_same_path
@@ -111,8 +112,10 @@ def check_model(comm: Comm, run: RunConfig,
     spmd.everywhere(comm, check_model_path, path)
     if decode is not None and decode.decode_step == "native":
         sharded = spmd.on_root(comm, wants_sharding, run, path, comm.size, run.quantized_decode)
+        # auto never settles on a dtype the native step cannot read
+        kv_dtype = AUTO_KV_FALLBACK if run.kv_dtype == "auto" else run.kv_dtype
         spmd.everywhere(comm, lambda: refuse_native_decode(upfront_obstacle(
-            decode, compute_of(run), run.kv_dtype, sharded)))
+            decode, compute_of(run), kv_dtype, sharded)))
     checksum = spmd.everywhere(comm, model_checksum, path)
     spmd.require_same(comm, "model file checksum", checksum)
     return path, checksum
@@ -166,6 +169,42 @@ def resolve_model(comm: Comm, run: RunConfig, decode: DecodeConfig | None = None
     decode steps follow (None: none do, as in ``score``)."""
     path, _ = check_model(comm, run, decode)
     return load_checked_model(comm, run, path, decode is not None)
+
+
+# --kv-dtype auto: a half-precision cache where the native decode step reads it (its
+# attention widens keys and values in registers: a step reads half the cache bytes,
+# docs/CPU_SPEED.md), float32 elsewhere (MLX's steps and a scoring pass read a half
+# cache back into float32 whole, for nothing, and float32's scores are mlx-lm's).
+AUTO_KV_HALF = "float16"
+AUTO_KV_FALLBACK = "float32"
+
+
+def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
+                    decode: DecodeConfig | None = None) -> RunConfig:
+    """``run`` with ``--kv-dtype auto`` decided once, the same on every rank (collective
+    where it is auto), before the engine, the forecast and any prefill: float16 where
+    decode steps follow (``decode``: their flags; None: none do) and every rank can run
+    them natively (the rules the decode plan applies, native_eligibility.py), else
+    float32. Rank 0 logs the choice and its reason. The GPU path keeps the model's
+    dtype whatever this says."""
+    if run.kv_dtype != "auto":
+        return run
+    compute = compute_of(run)
+    if compute.gpu:
+        return dataclasses.replace(run, kv_dtype=AUTO_KV_FALLBACK)  # not read there
+    if decode is None:
+        reason = "no decode steps follow"
+    elif getattr(loaded, "share", None) is not None:
+        reason = "layer-sharded weights decode in MLX's step"
+    else:
+        reason = flag_obstacle(decode) or spmd.first_reason(comm, native_obstacle(
+            CPModel(loaded.model, None, AUTO_KV_FALLBACK, compute)))
+    chosen = AUTO_KV_FALLBACK if reason else AUTO_KV_HALF
+    if comm.rank == 0:
+        log.info("--kv-dtype auto: %s (%s)", chosen,
+                 f"the decode step is MLX's: {reason}" if reason and decode is not None
+                 else reason or "decode steps run natively")
+    return dataclasses.replace(run, kv_dtype=chosen)
 
 
 def refuse_native_decode(obstacle: str | None):
