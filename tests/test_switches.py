@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -27,6 +28,7 @@ def test_attention_kernel_flag_reaches_the_ranks(tiny_models, tmp_path):
                           "pass-kv", "--json", "--device", "cpu", "--attention-kernel",
                           "fused"]).last_json()
     assert (summary["compute_path"], summary["attention_kernel"]) == ("cpu", "fused")
+    assert summary["kv_dtype"] == "float32"  # --kv-dtype auto: score decodes nothing
     records = [json.loads(line) for line in out.read_text().splitlines()]
     ids, reference, _ = mlx_lm_logprobs(tiny_models["llama"], text)
     assert [r["token"] for r in records] == ids[1:].tolist()
@@ -91,3 +93,31 @@ def test_native_decode_over_layers_it_cannot_run_is_refused_as_the_engine_is_bui
                                         r"window or norms around its sublayers \(Gemma 3\)"):
         make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig(), DecodeConfig(decode_step="native"))
     assert make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig()).plan is None  # auto: built
+
+
+def test_kv_dtype_auto_is_float32_where_decode_is_not_native(tiny_models, tiny_gemma3_models):
+    """--kv-dtype auto (the default) settles once, before the engine: float32 where no
+    decode steps follow (score), where the step is MLX's (--decode-step graph, Gemma 3's
+    layers); a dtype given is kept. (Where decode runs natively it is float16: the CLI's
+    runs show it, test_decode.py; this process has no BLAS for the C step to bind.)"""
+    from mpi4py import MPI
+
+    from spmd_cp.cli.steps import make_engine, settle_kv_dtype
+    from spmd_cp.config import DecodeConfig, RunConfig
+    from spmd_cp.models.loader import load_model
+    from spmd_cp.runtime.comm import Comm
+
+    comm = Comm(MPI.COMM_SELF)
+    llama = load_model(tiny_models["llama"])
+    gemma = load_model(tiny_gemma3_models["gemma3_text"])
+
+    def settled(loaded, decode, **run):
+        return settle_kv_dtype(comm, loaded, RunConfig(**run), decode).kv_dtype
+
+    assert RunConfig().kv_dtype == "auto"
+    assert settled(llama, None) == "float32"
+    assert settled(llama, DecodeConfig(decode_step="graph")) == "float32"
+    assert settled(gemma, DecodeConfig()) == "float32"
+    assert settled(llama, DecodeConfig(decode_step="graph"), kv_dtype="bfloat16") == "bfloat16"
+    # an engine built from an unsettled configuration settles it the same way
+    assert make_engine(comm, gemma, RunConfig()).model.kv_dtype == mx.float32

@@ -100,10 +100,9 @@ def common_options(fn):
                           "weights and the process's own memory exceed --memory-limit)."),
         click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=d("kv_dtype"),
                      show_default=True,
-                     help="The KV cache's dtype on the CPU path: float16 or bfloat16 hold "
-                          "half the bytes and are read into float32 (auto: float16 where "
-                          "decode steps run natively, else float32; the GPU path keeps "
-                          "the model's dtype)."),
+                     help="The KV cache's dtype on the CPU path (auto: float16 where decode "
+                          "steps run natively, else float32); a half one is read into "
+                          "float32. The GPU path keeps the model's dtype."),
         click.option("--comm-timeout", type=click.FloatRange(min=0), default=d("comm_timeout"),
                      callback=_not_nan,
                      help="Abort the job when a rank waits this many seconds for a peer during "

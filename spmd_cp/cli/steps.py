@@ -219,6 +219,7 @@ def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = Decod
     (the same rules the decode plan applies)."""
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     use_polynomial_exp(run.fast_exp)
+    run = settle_kv_dtype(comm, loaded, run, decode)  # where the command has not yet
     model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run))
     if decode.decode_step == "native":
         refuse_native_decode(spmd.first_reason(comm, native_obstacle(model)))
