@@ -13,7 +13,7 @@ model's tokenizer), in every round, alternating:
     weights) and runs mlx-lm's own ``generate_step`` (its default prefill_step_size 2048)
     greedily for --max-tokens tokens, without stopping at EOS;
 (b) ``mpiexec -n N spmd-cp generate --prompt-file F --json --no-chat-template
-    --max-tokens 32`` for each N (greedy; stops at EOS, which random text rarely yields).
+    --kv-dtype float32 --max-tokens 32`` for each N (mlx-lm's cache dtype) (greedy; stops at EOS, which random text rarely yields).
 
 BLAS threads are left to the programs (both pick cores / ranks per node: 2 for mlx-lm
 and N = 1, 1 for N = 2 and 4); N = 4 on 2 cores is oversubscribed. Reported: TTFT,
@@ -117,8 +117,10 @@ TCP_CONFIG = "spmd-cp N=2 TCP"
 
 
 def generate_args(prompt_file: str, max_tokens: int, *extra) -> list:
+    # mlx-lm's cache of a float32 model is float32: the same here, so that the texts
+    # compared character by character come from the same arithmetic
     return ["generate", "--prompt-file", prompt_file, "--json", "--no-chat-template",
-            "--max-tokens", max_tokens, *extra]
+            "--kv-dtype", "float32", "--max-tokens", max_tokens, *extra]
 
 
 def spmd_cp_cmd(ranks: int, prompt_file: str, max_tokens: int, *extra) -> list[str]:

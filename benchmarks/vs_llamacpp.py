@@ -151,8 +151,16 @@ def main():
         print(json.dumps(llama_worker(args.llama_worker, args.threads, args.tokens)))
         return
     command = "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:])
-    report = [bl.header("spmd-cp beside llama.cpp (same GGUF, prompt and cores)", command)]
-    payload = {"machine": bl.machine(), "command": command, "contexts": {}}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    tables = []  # one per finished context
+
+    def report(*more) -> str:  # the header's time and load: when it is written
+        return "\n\n".join([bl.header("spmd-cp beside llama.cpp (same GGUF, prompt and "
+                                       "cores)", command), f"started {started}",
+                             *tables, *more])
+
+    payload = {"machine": bl.machine(), "command": command, "started": started,
+               "contexts": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for context in args.contexts:
             prompt, count = make_prompt(context, Path(scratch))
@@ -167,9 +175,9 @@ def main():
                         bl.table(["system", "cores", "runs", "prompt tokens", "prefill tok/s",
                                   "decode tok/s", "prefill vs llama.cpp",
                                   "decode vs llama.cpp"], rows)
-                    bl.save(args.name, payload, "\n\n".join(report + [table]))  # each run
-            report.append(table)
-    print("\n\n".join(report))
+                    bl.save(args.name, payload, report(table))  # after each run
+            tables.append(table)
+    print(report())
 
 
 if __name__ == "__main__":

@@ -152,6 +152,9 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert plan["reasons"]["layout"].startswith("auto: estimated per step"), plan
     assert len(plan["inputs"]["samples"]["collective_s"]) > 1
     assert f"decode plan for this model (default flags): {plan['layout']} layout" in launch.stdout
+    # --kv-dtype auto settles on a half-precision cache where the step is native
+    assert plan["kv_dtype"] == ("float16" if plan["step"] == "native" else "float32"), plan
+    assert f"{plan['kv_dtype']} KV cache" in launch.stdout
     # Every thread of every rank under Linux's batch policy (runtime/scheduling.py).
     assert summary["scheduling"] == ["batch", "batch"]
     assert "scheduling      batch" in launch.stdout

@@ -367,21 +367,42 @@ def assert_within_forecast(health: dict):
 
 
 def test_curl_streaming_and_not(server):
+    """curl, as the OpenAI API's own examples call it: a completion and a chat completion,
+    each whole and streamed (server-sent events ending in [DONE]), the streamed pieces
+    adding up to the whole answer; the chat answer is the openai client's."""
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
-    body = json.dumps({"prompt": "The sky is", "max_tokens": 8, "temperature": 0})
-    base = ["curl", "-sS", "--max-time", str(REQUEST_TIMEOUT_S), "-H",
-            "Content-Type: application/json", server.url + "/v1/completions"]
-    whole = json.loads(subprocess.run(base + ["-d", body], capture_output=True, text=True,
-                                      timeout=REQUEST_TIMEOUT_S + 10, check=True).stdout)
+
+    def post(path: str, body: dict, stream: bool = False):
+        body = {**body, "stream": True} if stream else body
+        run = subprocess.run(["curl", "-sS", "--max-time", str(REQUEST_TIMEOUT_S), "-H",
+                              "Content-Type: application/json", *(["-N"] if stream else []),
+                              "-d", json.dumps(body), server.url + path],
+                             capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S + 10,
+                             check=True).stdout
+        if not stream:
+            return json.loads(run)
+        events = [line[6:] for line in run.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events
+        return [json.loads(event) for event in events[:-1]]
+
+    completion = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0}
+    whole = post("/v1/completions", completion)
     assert whole["object"] == "text_completion" and whole["usage"]["completion_tokens"] == 8
-    streamed = subprocess.run(base + ["-N", "-d", body[:-1] + ', "stream": true}'],
-                              capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S + 10,
-                              check=True).stdout
-    events = [line[6:] for line in streamed.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
-    assert text == whole["choices"][0]["text"]
+    pieces = post("/v1/completions", completion, stream=True)
+    assert "".join(p["choices"][0]["text"] for p in pieces) == whole["choices"][0]["text"]
+
+    question = "Name a colour of the sky."
+    conversation = {"messages": [{"role": "user", "content": question}], "max_tokens": 16,
+                    "temperature": 0}
+    answer = post("/v1/chat/completions", conversation)
+    assert answer["object"] == "chat.completion"
+    content = answer["choices"][0]["message"]["content"]
+    assert content == chat(server, question).choices[0].message.content
+    chunks = post("/v1/chat/completions", conversation, stream=True)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if c["choices"]) == content
 
 
 def test_two_concurrent_clients_get_their_own_answers(server):

@@ -273,8 +273,8 @@ def graph_collectives_report(comm, compute) -> dict | None:
 
 def decode_plan_report(comm, run) -> dict:
     """Collective: the decode plan `generate` makes on these ranks for ``run.model_path``
-    with the default decode flags (engine/decode_plan.py), whole: the model is loaded
-    for it."""
+    with the default decode flags (engine/decode_plan.py), whole, and the KV cache's
+    dtype it settles on: the model is loaded for it."""
     from ..attention.calibrate import uncounted
     from ..models.loader import load_model
     from ..config import DecodeConfig
@@ -284,7 +284,7 @@ def decode_plan_report(comm, run) -> dict:
     with uncounted(comm):
         run = settle_kv_dtype(comm, loaded, run, DecodeConfig())
         plan = make_engine(comm, loaded, run).prepare_decode()
-    return plan.as_dict()
+    return {**plan.as_dict(), "kv_dtype": run.kv_dtype}  # --kv-dtype auto's, settled
 
 
 def stale_calibration(reports: list[dict], measured) -> list[str]:

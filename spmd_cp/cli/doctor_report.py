@@ -63,7 +63,8 @@ def calibration_lines(s: dict) -> list[str]:
     if plan is not None:
         out.append(f"decode plan for this model (default flags): {plan['layout']} layout, "
                    f"{plan['step']} step, {plan['transport']} collectives, "
-                   f"{plan['requests']} requests, {plan['merge']} merge")
+                   f"{plan['requests']} requests, {plan['merge']} merge; "
+                   f"{plan['kv_dtype']} KV cache")
         out += [f"  {choice}: {why}" for choice, why in plan["reasons"].items()]
     a = s["auto"]
     if a is not None:
