@@ -21,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import native_prefill
 from .exp import softmax_exp
 
 NEG_INF = float("-inf")
@@ -223,6 +224,8 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
     if (tq == 1 and q_pos[0] >= k_pos.max() and num_heads * k.shape[1] <= SCORE_TILE_ELEMENTS
             and (window is None or q_pos[0] - k_pos.min() < window)):
         return _decode_tile(q, k, v, scale)  # a decode query over a shard it sees whole
+    if native_prefill.usable(q):  # on the CPU: every thread of the rank (native_prefill.py)
+        return native_prefill.native_attention(q, k, v, q_pos, k_pos, scale, window)
     q_parts = []
     for q0, q1, key_tiles in _tile_pairs(tq, num_heads, q_pos, k_pos, window):
         qp = q_pos[q0:q1]

@@ -11,7 +11,7 @@ import importlib.util
 import os
 
 from ..runtime.library_paths import library_dirs
-from ..runtime.switches import startup_value
+from ..runtime.switches import startup_value, thread_count
 
 ENV_CHOICE = "SPMD_CP_BLAS"  # unset/"auto", "reference", a family name, or a library path
 ENV_GUARD = "SPMD_CP_BLAS_REEXEC"  # pid of the process that re-executed itself
@@ -148,6 +148,21 @@ def local_ranks() -> int:
 def default_threads() -> int:
     """BLAS threads per rank: the ranks on this node share its cores without oversubscribing."""
     return max(1, usable_cpus() // local_ranks())
+
+
+# The BLAS's thread settings, the first one set: the native kernels' threads follow them
+THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                   "BLIS_NUM_THREADS")
+
+
+def rank_threads() -> int:
+    """Threads of a rank's native kernels (the decode step, prefill attention): as many
+    as its BLAS may use (the first of THREAD_SETTINGS set to a positive number: the
+    re-exec sets one to the rank's share of the host's cores unless the user did,
+    blas/reexec.py), else that share itself; never more than the CPUs the process may
+    run on."""
+    threads = thread_count(THREAD_SETTINGS)
+    return min(threads, usable_cpus()) if threads else default_threads()
 
 
 def thread_env(path: str, threads: int) -> dict:

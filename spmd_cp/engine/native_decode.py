@@ -41,13 +41,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..blas.libraries import rank_threads
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_PIECES, Layer, Matrix
 from ..runtime.comm import offsets
 from ..runtime.trace import span
 from .layer_parts import LayerParts, head_counts
 from .model import CPModel
-from .native_eligibility import decode_threads
 from .tp_decode import head_matrix
 from .weight_slices import WeightMatrix, split_ranges
 
@@ -168,7 +168,7 @@ class NativeDecoder:
         self.persistent = persistent
         self.library, _ = decode_step.library()
         # the library's one pool, started once (a later decoder asking as many reuses it)
-        self.threads = self.library.spmd_cp_decode_set_threads(decode_threads())
+        self.threads = self.library.spmd_cp_decode_set_threads(rank_threads())
         self.heads, self.kv_heads = head_counts(model.layers[0].self_attn)
         self.dim = model.embed_tokens["weight"].shape[1]
         self.head_dim = None

@@ -9,29 +9,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..blas.libraries import default_threads, usable_cpus
+from ..blas.libraries import rank_threads
 from ..config import DecodeConfig
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import Compute
-from ..runtime.switches import thread_count
 from .layer_parts import LayerParts, describe_feed_forward
 from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
-
-# The BLAS's thread settings, the first one set: the native step's threads follow them
-THREAD_SETTINGS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                   "BLIS_NUM_THREADS")
-
-
-def decode_threads() -> int:
-    """Threads of a rank's native decode step: as many as its BLAS may use (the first of
-    THREAD_SETTINGS set to a positive number: the re-exec sets one to the rank's share
-    of the host's cores unless the user did, blas/reexec.py), else that share itself;
-    never more than the CPUs the process may run on."""
-    threads = thread_count(THREAD_SETTINGS)
-    return min(threads, usable_cpus()) if threads else default_threads()
-
 
 def availability(compute: Compute) -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
@@ -42,7 +27,7 @@ def availability(compute: Compute) -> str:
     library, why = decode_step.library()
     if library is None:
         return f"not available ({why})"
-    return (f"on (decode steps as C calls between MPI collectives, {decode_threads()} "
+    return (f"on (decode steps as C calls between MPI collectives, {rank_threads()} "
             f"thread(s) a rank; a float32, float16 or bfloat16 KV cache)")
 
 

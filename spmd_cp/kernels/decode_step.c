@@ -499,3 +499,6 @@ void spmd_cp_decode_head(const matrix *head, int dim, float *h, const float *add
   rms_norm(h, norm, eps, dim, normed);
   product(head, normed, logits);
 }
+
+/* Prefill attention's tiles, on the same pool and row kernels (attention/native_prefill.py). */
+#include "prefill_attention.h"

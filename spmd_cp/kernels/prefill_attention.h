@@ -9,7 +9,7 @@
  * rank of two cores, the second core helped attention by less than 10% (2,939 tokens).
  * Here each task is one KV head's query heads over PREFILL_ROWS query positions, run
  * through the key tiles with the running maximum and sum of the flash-attention
- * recurrence, the products in registers (4 rows x 16 columns), every sum in float32.
+ * recurrence, the products in registers (6 rows x 16 columns), every sum in float32.
  * Same arithmetic as the MLX tiles but for the order of the sums: float32 rounding apart.
  *
  *   q (heads, tq, d), k and v (kv_heads, tk, d), q_pos (tq), k_pos (tk): contiguous;
@@ -57,25 +57,33 @@ static void values_plain(const float *p, const float *v, int rows, int n, int d,
 }
 
 #ifdef HAVE_X86_VECTORS
-/* Blocks of 4 rows x 16 columns in eight registers; the rest in the plain form. */
+/* Blocks of 6 rows x 16 columns in twelve registers, named (an array of them would be
+ * kept in memory by GCC at -O2); the rows and columns past the last block in the plain
+ * form. */
+#define ROWS_6(X) X(0) X(1) X(2) X(3) X(4) X(5)
 AVX2 static void scores_avx2(const float *a, const float *bt, int rows, int d, int n, float *s) {
-  int full_rows = rows / 4 * 4, full_cols = n / 16 * 16;
-  for (int r = 0; r < full_rows; r += 4)
+  int full_rows = rows / 6 * 6, full_cols = n / 16 * 16;
+  for (int r = 0; r < full_rows; r += 6)
     for (int c = 0; c < full_cols; c += 16) {
-      __m256 acc[4][2];
-      for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+#define ZERO(i) __m256 lo##i = _mm256_setzero_ps(), hi##i = _mm256_setzero_ps();
+      ROWS_6(ZERO)
+#undef ZERO
       for (int j = 0; j < d; j++) {
         __m256 b0 = _mm256_loadu_ps(bt + j * n + c), b1 = _mm256_loadu_ps(bt + j * n + c + 8);
-        for (int i = 0; i < 4; i++) {
-          __m256 x = _mm256_broadcast_ss(a + (r + i) * d + j);
-          acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
-        }
+#define STEP(i)                                                \
+  {                                                            \
+    __m256 x = _mm256_broadcast_ss(a + (r + i) * d + j);       \
+    lo##i = _mm256_fmadd_ps(x, b0, lo##i);                     \
+    hi##i = _mm256_fmadd_ps(x, b1, hi##i);                     \
+  }
+        ROWS_6(STEP)
+#undef STEP
       }
-      for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(s + (r + i) * n + c, acc[i][0]);
-        _mm256_storeu_ps(s + (r + i) * n + c + 8, acc[i][1]);
-      }
+#define STORE(i)                                         \
+  _mm256_storeu_ps(s + (r + i) * n + c, lo##i);          \
+  _mm256_storeu_ps(s + (r + i) * n + c + 8, hi##i);
+      ROWS_6(STORE)
+#undef STORE
     }
   for (int r = 0; r < full_rows; r++) /* the columns past the last 16 */
     for (int c = full_cols; c < n; c++) {
@@ -91,29 +99,34 @@ AVX2 static void values_avx2(const float *p, const float *v, int rows, int n, in
     values_plain(p, v, rows, n, d, o);
     return;
   }
-  int full_rows = rows / 4 * 4;
-  for (int r = 0; r < full_rows; r += 4)
+  int full_rows = rows / 6 * 6;
+  for (int r = 0; r < full_rows; r += 6)
     for (int j = 0; j < d; j += 16) {
-      __m256 acc[4][2];
-      for (int i = 0; i < 4; i++) {
-        acc[i][0] = _mm256_loadu_ps(o + (r + i) * d + j);
-        acc[i][1] = _mm256_loadu_ps(o + (r + i) * d + j + 8);
-      }
+#define LOAD(i)                                               \
+  __m256 lo##i = _mm256_loadu_ps(o + (r + i) * d + j);        \
+  __m256 hi##i = _mm256_loadu_ps(o + (r + i) * d + j + 8);
+      ROWS_6(LOAD)
+#undef LOAD
       for (int c = 0; c < n; c++) {
         __m256 v0 = _mm256_loadu_ps(v + c * d + j), v1 = _mm256_loadu_ps(v + c * d + j + 8);
-        for (int i = 0; i < 4; i++) {
-          __m256 w = _mm256_broadcast_ss(p + (r + i) * n + c);
-          acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
-        }
+#define STEP(i)                                                \
+  {                                                            \
+    __m256 w = _mm256_broadcast_ss(p + (r + i) * n + c);       \
+    lo##i = _mm256_fmadd_ps(w, v0, lo##i);                     \
+    hi##i = _mm256_fmadd_ps(w, v1, hi##i);                     \
+  }
+        ROWS_6(STEP)
+#undef STEP
       }
-      for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(o + (r + i) * d + j, acc[i][0]);
-        _mm256_storeu_ps(o + (r + i) * d + j + 8, acc[i][1]);
-      }
+#define STORE(i)                                         \
+  _mm256_storeu_ps(o + (r + i) * d + j, lo##i);          \
+  _mm256_storeu_ps(o + (r + i) * d + j + 8, hi##i);
+      ROWS_6(STORE)
+#undef STORE
     }
   values_plain(p + full_rows * n, v, rows - full_rows, n, d, o + full_rows * d);
 }
+#undef ROWS_6
 
 static void tile_scores(const float *a, const float *bt, int rows, int d, int n, float *s) {
   if (avx2_here())

@@ -1,0 +1,65 @@
+"""Prefill attention's tiles in C on the CPU path: ``block_attention`` of many queries
+through kernels/prefill_attention.h, on every thread of the rank.
+
+MLX's CPU graph runs a tile's elementwise work (the mask, the row maxima, the
+exponentials, the merges) on one thread and only its products through the BLAS: with
+two threads a rank's attention ran less than 10% faster than with one. The C kernel
+takes each KV head's query heads over a block of positions as one task, on the native
+decode step's pool of threads (as many as the BLAS may use, blas/libraries.py), and
+computes the same (out, lse) partial to float32 rounding (the sums in another order).
+Used where the arrays live in CPU memory and the library is there (built with the
+system's C compiler, kernels/decode_step.py); elsewhere, and for fewer than
+``MIN_QUERIES`` queries (a decode step's), MLX's tiles compute it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from ..blas.libraries import rank_threads
+from ..kernels import decode_step
+
+# Fewer query positions than this keep MLX's tiles: a decode query's attention has its
+# own kernels (the native step's, or block.py's decode tile).
+MIN_QUERIES = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _library():
+    """The loaded library with its pool started (the rank's threads), or None."""
+    library, _ = decode_step.library()
+    if library is not None:
+        library.spmd_cp_decode_set_threads(rank_threads())
+    return library
+
+
+def usable(q: mx.array) -> bool:
+    """Whether ``native_attention`` computes this block: enough queries, the arrays in
+    CPU memory (MLX's default device), the library built."""
+    return (q.shape[1] >= MIN_QUERIES and mx.default_device() == mx.cpu
+            and _library() is not None)
+
+
+def _contiguous(array: mx.array, dtype=np.float32) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(array), dtype)
+
+
+def native_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+                     window: int | None = None):
+    """``block_attention``'s (out, lse) of float32 ``q`` (NH, Tq, d) over ``k``, ``v``
+    (NKV, Tk, d) at those positions, computed by the C kernel."""
+    num_heads, tq, d = q.shape
+    num_kv, tk, _ = k.shape
+    arrays = [_contiguous(x) for x in (q, k, v)]
+    positions = [np.ascontiguousarray(p, np.int64) for p in (q_pos, k_pos)]
+    out = np.empty((num_heads, tq, d), np.float32)
+    lse = np.empty((num_heads, tq), np.float32)
+    failed = _library().spmd_cp_prefill_attend(
+        *(a.ctypes.data for a in arrays + positions), num_heads, num_kv, tq, tk, d,
+        float(scale), int(window or 0), out.ctypes.data, lse.ctypes.data)
+    if failed:
+        raise MemoryError("prefill attention: no memory for a thread's scratch")
+    return mx.array(out), mx.array(lse)

@@ -1,0 +1,29 @@
+"""Prefill attention's tiles in C (attention/native_prefill.py, kernels/prefill_attention.h)
+against float64 numpy and MLX's tiles; the CLI's exactness tests run every CP algorithm
+through it wherever the library is built (the spmd-cp entry point re-execs onto a BLAS)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TESTS, needs_c_helpers
+from test_blas import needs_openblas, run_result_script
+from test_native_decode import COMPILERS, compiler_or_skip
+
+
+@needs_openblas
+@needs_c_helpers
+@pytest.mark.parametrize("cc", COMPILERS)
+def test_prefill_attention_kernel_equals_numpy_and_mlx_tiles(cc, tmp_path):
+    """A causal square, a chunk over its prefix, head-tail positions, a sliding window,
+    queries that see no key, heads 16 and 24 wide, a group of eight query heads: within
+    float32 rounding of numpy's float64 and of MLX's tiles, on one thread and on three;
+    a query that sees nothing is exactly 0 with an lse of -inf. Built by each compiler."""
+    results = run_result_script(TESTS / "prefill_attention_probe.py", tmp_path,
+                                CC=compiler_or_skip(cc))
+    assert len(results) == 12, sorted(results)
+    for name, result in results.items():
+        assert result["unseen_exact"], (name, result)
+        assert max(result["out"], result["lse"], result["tiles"]) < 1e-5, (name, result)
+    assert results["sees_nothing/1"]["unseen_rows"] == 2 * 50
+    assert results["causal/3"]["unseen_rows"] == 0
