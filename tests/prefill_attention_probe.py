@@ -19,6 +19,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from spmd_cp.attention import block, native_prefill  # noqa: E402
+from spmd_cp.attention.exp import use_polynomial_exp  # noqa: E402
 
 rng = np.random.default_rng(3)
 CASES = {  # name: (heads, kv heads, d, query positions, key positions, window)
@@ -80,4 +81,6 @@ for threads in (1, 3):
                                np.abs(lse[seen] - tile_lse[seen]).max() if seen.any() else 0)),
             "unseen_exact": bool(np.all(out[~seen] == 0) and np.all(lse[~seen] == -np.inf)),
             "unseen_rows": int((~seen).sum())}
+use_polynomial_exp(False)  # --no-fast-exp: MLX's ops, its exp and its order of sums
+results["no_fast_exp_uses_c"] = native_prefill.usable(mx.zeros((2, 64, 16)))
 print("RESULT " + json.dumps(results))

@@ -1,8 +1,10 @@
 """Exact attention of a query block against a key block, as mergeable partials.
 
-Pure MLX, no MPI. Every CP algorithm reduces to: compute ``(out, lse)`` for some
-(query block, key block) pairs with the causal mask taken from *global* positions,
-then merge the partials of each query row. Shapes, with G = NH // NKV query heads per
+Pure math, no MPI: MLX ops, and on the CPU path a prefill's tiles in C
+(native_prefill.py: the same (out, lse) on every thread of the rank). Every CP
+algorithm reduces to: compute ``(out, lse)`` for some (query block, key block) pairs
+with the causal mask taken from *global* positions, then merge the partials of each
+query row. Shapes, with G = NH // NKV query heads per
 KV head (grouped-query attention):
 
     q    (NH, Tq, d)      k, v (NKV, Tk, d)      q_pos (Tq,)   k_pos (Tk,)

@@ -152,6 +152,11 @@ def use_polynomial_exp(wanted: bool):
         polynomial_exp_enabled.cache_clear()
 
 
+def polynomial_exp_wanted() -> bool:
+    """Whether the command allows the polynomial (``--fast-exp``, its default)."""
+    return _WANTED["polynomial"]
+
+
 @functools.lru_cache(maxsize=None)
 def polynomial_exp_enabled() -> bool:
     """Whether this process computes attention's ``exp`` by the compiled polynomial."""

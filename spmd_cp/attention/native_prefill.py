@@ -8,8 +8,9 @@ takes each KV head's query heads over a block of positions as one task, on the n
 decode step's pool of threads (as many as the BLAS may use, blas/libraries.py), and
 computes the same (out, lse) partial to float32 rounding (the sums in another order).
 Used where the arrays live in CPU memory and the library is there (built with the
-system's C compiler, kernels/decode_step.py); elsewhere, and for fewer than
-``MIN_QUERIES`` queries (a decode step's), MLX's tiles compute it.
+system's C compiler, kernels/decode_step.py) and ``--no-fast-exp`` is not given;
+elsewhere, and for fewer than ``MIN_QUERIES`` queries (a decode step's), MLX's tiles
+compute it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..blas.libraries import rank_threads
 from ..kernels import decode_step
+from .exp import polynomial_exp_wanted
 
 # Fewer query positions than this keep MLX's tiles: a decode query's attention has its
 # own kernels (the native step's, or block.py's decode tile).
@@ -38,9 +40,10 @@ def _library():
 
 def usable(q: mx.array) -> bool:
     """Whether ``native_attention`` computes this block: enough queries, the arrays in
-    CPU memory (MLX's default device), the library built."""
+    CPU memory (MLX's default device), the polynomial exp allowed (``--no-fast-exp``
+    keeps MLX's ops: its exp, its sums' order), the library built."""
     return (q.shape[1] >= MIN_QUERIES and mx.default_device() == mx.cpu
-            and _library() is not None)
+            and polynomial_exp_wanted() and _library() is not None)
 
 
 def _contiguous(array: mx.array, dtype=np.float32) -> np.ndarray:
