@@ -276,8 +276,8 @@ def decode_plan_report(comm, run) -> dict:
     with the default decode flags (engine/decode_plan.py), whole, and the KV cache's
     dtype it settles on: the model is loaded for it."""
     from ..attention.calibrate import uncounted
-    from ..models.loader import load_model
     from ..config import DecodeConfig
+    from ..models.loader import load_model
     from .steps import make_engine, settle_kv_dtype
 
     loaded = load_model(run.model_path, weight_cache=run.weight_cache)
