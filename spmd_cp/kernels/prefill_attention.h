@@ -6,11 +6,13 @@
  *
  * MLX's CPU graph runs the tiles' elementwise work (the mask, the row maxima, the
  * exponentials, the merges) on one thread, and a tile's products through the BLAS: on a
- * rank of two cores, the second core helped attention by less than 10% (2,939 tokens).
+ * rank of two cores, the second core helped a layer's attention over 3,000 keys by less
+ * than 10%.
  * Here each task is one KV head's query heads over PREFILL_ROWS query positions, run
  * through the key tiles with the running maximum and sum of the flash-attention
  * recurrence, the products in registers (6 rows x 16 columns), every sum in float32.
  * Same arithmetic as the MLX tiles but for the order of the sums: float32 rounding apart.
+ * Each part of the pool allocates its scratch once a call (a layer's block, not a token's).
  *
  *   q (heads, tq, d), k and v (kv_heads, tk, d), q_pos (tq), k_pos (tk): contiguous;
  *   out (heads, tq, d), lse (heads, tq): a query that sees no key gets 0 and -inf.
