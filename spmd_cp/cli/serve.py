@@ -66,6 +66,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
 
     from ..engine.startup import warm_up
     from ..runtime import spmd
+    from ..server import http_api
     from . import steps
 
     held = {}  # rank 0's server: objects that do not travel in a broadcast
@@ -97,9 +98,14 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             steps.log.info("serving %s on http://%s:%d/v1 (%d ranks)", state.model_id,
                            host, port, comm.size)
         serve_loop(comm, engine, loaded, root, caches)
-    finally:
+    except BaseException:
+        # The job ends on a failure (a rank lost): the queued clients learn so, whether
+        # rank 0 gets here before the launcher's kill or the guardian answers after it.
         if comm.rank == 0:
-            close_server(held)
+            close_server(held, http_api.rank_lost())
+        raise
+    if comm.rank == 0:
+        close_server(held, http_api.shutting_down())
 
 
 def bound_buffer_cache(compute) -> int:
@@ -179,10 +185,11 @@ def open_server(args: ServeConfig, sampling: SamplingConfig, held: dict):
     held.update(state=state, server=server, thread=http_api.start(server))
 
 
-def close_server(held: dict):
+def close_server(held: dict, error):
+    """Stop taking requests; those still queued get ``error`` (an ApiError: 503)."""
     if "server" not in held:
         return
-    held["state"].drain()
+    held["state"].drain(error)
     held["server"].shutdown()
     held["server"].server_close()
     held["state"].guardian.close()

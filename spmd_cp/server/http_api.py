@@ -18,6 +18,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from .guardian import RANK_LOST
 from .openai_api import ApiError, chunk, full_response, parse_json, parse_request, usage_chunk
 
 log = logging.getLogger("spmd_cp")
@@ -66,12 +67,12 @@ class ServerState:
         self.cancelled = 0  # requests whose client went away before the answer's end
         self.guardian = None  # GuardianLink: answers the waiting clients if rank 0 dies
 
-    def drain(self):
-        """Answer what is still queued with 503 (the server is stopping)."""
+    def drain(self, error: ApiError):
+        """Answer what is still queued with ``error`` (a 503: the server is stopping)."""
         self.stopping.set()
         while True:
             try:
-                self.queue.get_nowait().fail(shutting_down())
+                self.queue.get_nowait().fail(error)
             except queue.Empty:
                 return
 
@@ -226,6 +227,13 @@ class Handler(BaseHTTPRequestHandler):
 def shutting_down() -> ApiError:
     return ApiError(503, "the server is shutting down", kind="server_error",
                     code="shutting_down")
+
+
+def rank_lost() -> ApiError:
+    """The answer where the job ends on a failure (a rank gone, an abort): the one the
+    guardian gives where rank 0 itself is gone first."""
+    error = RANK_LOST["error"]
+    return ApiError(503, error["message"], kind=error["type"], code=error["code"])
 
 
 def make_server(host: str, port: int, state: ServerState) -> ThreadingHTTPServer:
