@@ -3,7 +3,8 @@ through kernels/prefill_attention.h, on every thread of the rank.
 
 MLX's CPU graph runs a tile's elementwise work (the mask, the row maxima, the
 exponentials, the merges) on one thread and only its products through the BLAS: with
-two threads a rank's attention ran less than 10% faster than with one. The C kernel
+two threads a layer's attention over 3,000 keys ran less than 10% faster than with one
+(a hand run on the 2-core AMD EPYC machine; docs/CPU_SPEED.md). The C kernel
 takes each KV head's query heads over a block of positions as one task, on the native
 decode step's pool of threads (as many as the BLAS may use, blas/libraries.py), and
 computes the same (out, lse) partial to float32 rounding (the sums in another order).
@@ -46,17 +47,13 @@ def usable(q: mx.array) -> bool:
             and polynomial_exp_wanted() and _library() is not None)
 
 
-def _contiguous(array: mx.array, dtype=np.float32) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(array), dtype)
-
-
 def native_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
                      window: int | None = None):
     """``block_attention``'s (out, lse) of float32 ``q`` (NH, Tq, d) over ``k``, ``v``
     (NKV, Tk, d) at those positions, computed by the C kernel."""
     num_heads, tq, d = q.shape
     num_kv, tk, _ = k.shape
-    arrays = [_contiguous(x) for x in (q, k, v)]
+    arrays = [np.ascontiguousarray(x, np.float32) for x in (q, k, v)]  # evaluates them
     positions = [np.ascontiguousarray(p, np.int64) for p in (q_pos, k_pos)]
     out = np.empty((num_heads, tq, d), np.float32)
     lse = np.empty((num_heads, tq), np.float32)
