@@ -20,6 +20,13 @@ sizes with --device gpu, so the flow cannot rot while no GPU is at hand).
 3. Exactness, for the bf16 and the 4-bit model, on a document of --exact-tokens tokens:
    ``spmd-cp score`` at N = 1 and at N = 2 for every --cp-algo, compared position by
    position (max |dlogprob|, argmax agreement), and N = 1 against mlx-lm's forward.
+4. With --remedies, the runs that test the remedies the first H100 run pointed at, each
+   with flags spmd-cp already has (REMEDIES): the rings with their partials in float32
+   tiles (``--attention-kernel tiled``: one rounding to the model's dtype, after the
+   merge, where the fused kernel's partials are rounded before it too), and N = 1 with
+   the prompt in 2,048-token chunks (``--prefill-chunk 2048``, mlx-lm's step: whether the
+   whole prompt's activations were the memory above mlx-lm's). They run right after the
+   runs they are compared with.
 
 Every step logs as it goes and rewrites OUT/gpu_check.json and OUT/gpu_check.md, so a run
 stopped at any point leaves what it measured. Runs that fail are recorded with their
@@ -51,6 +58,10 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
+# Remedies (--remedies): run name -> extra flags, beside the runs they remedy.
+SPEED_REMEDIES = {"spmd-cp N=1 --prefill-chunk 2048": (1, ["--prefill-chunk", "2048"])}
+EXACT_REMEDIES = {f"{algo} tiled": (algo, ["--attention-kernel", "tiled"])
+                  for algo in ("pass-kv", "pass-q")}
 # Exactness bars of the GPU path (bf16 model, N = 2 against N = 1 on the same device).
 MAX_DLOGPROB = 2e-3
 MIN_ARGMAX_AGREEMENT = 0.999
@@ -216,10 +227,13 @@ def speed(check: Check, models: dict, size: int, prompt: Path):
     model = models["bf16"]
     runs = {"mlx-lm": [sys.executable, __file__, "--mlx-lm-child", "--model", model,
                        "--prompt-file", prompt, "--max-tokens", args.max_tokens]}
-    for n in (1, 2):
-        runs[f"spmd-cp N={n}"] = spmd_cp(args.device, n, "generate", "--model", model,
-                                         "--prompt-file", prompt, "--json",
-                                         "--no-chat-template", "--max-tokens", args.max_tokens)
+    variants = [(f"spmd-cp N={n}", n, []) for n in (1, 2)]
+    if args.remedies:
+        variants[1:1] = [(name, n, flags) for name, (n, flags) in SPEED_REMEDIES.items()]
+    for name, n, flags in variants:
+        runs[name] = spmd_cp(args.device, n, "generate", "--model", model, "--prompt-file",
+                             prompt, "--json", "--no-chat-template", "--max-tokens",
+                             args.max_tokens, *flags)
     row = {"size": size, "model": "bf16"}
     for name, cmd in runs.items():
         if not check.in_time(f"speed {size} {name}"):
@@ -259,18 +273,21 @@ def exactness(check: Check, models: dict, document: Path):
     """Every --cp-algo at N = 2 against N = 1, and N = 1 against mlx-lm, per model."""
     work = check.out / "scores"
     work.mkdir(exist_ok=True)
+    runs = [(1, "auto", "auto", [])] + [(2, a, a, []) for a in ALGOS]
+    if check.args.remedies:
+        runs[2:2] = [(2, run, algo, flags) for run, (algo, flags) in EXACT_REMEDIES.items()]
     for name, model in models.items():
         scores = {}
-        for n, algo in [(1, "auto")] + [(2, a) for a in ALGOS]:
-            if not check.in_time(f"score {name} N={n} --cp-algo {algo}"):
+        for n, run, algo, flags in runs:
+            what = f"score {name} N={n} --cp-algo {algo} {' '.join(flags)}".strip()
+            if not check.in_time(what):
                 continue
-            out = work / f"{name}_n{n}_{algo}.jsonl"
-            r = check.run(
-                f"score {name} N={n} --cp-algo {algo}",
-                spmd_cp(check.args.device, n, "score", "--model", model, "--text-file",
-                        document, "--output", out, "--overwrite", "--cp-algo", algo, "--json"))
+            out = work / f"{name}_n{n}_{run.replace(' ', '_')}.jsonl"
+            r = check.run(what, spmd_cp(check.args.device, n, "score", "--model", model,
+                                        "--text-file", document, "--output", out,
+                                        "--overwrite", "--cp-algo", algo, "--json", *flags))
             if r is not None:
-                scores[(n, algo)] = read_scores(out)
+                scores[(n, run)] = read_scores(out)
         reference, r = None, None
         if check.in_time(f"mlx-lm scores {name}"):
             r = check.run(f"mlx-lm scores {name}",
@@ -282,10 +299,10 @@ def exactness(check: Check, models: dict, document: Path):
         if base is not None and reference is not None:
             entry = {"model": name, "run": "N=1 vs mlx-lm", **compare(base, reference)}
             check.data["exactness"].append(entry)
-        for algo in ALGOS:
-            if base is not None and (2, algo) in scores:
-                check.data["exactness"].append({"model": name, "run": f"N=2 {algo} vs N=1",
-                                                **compare(scores[(2, algo)], base)})
+        for n, run, _, _ in runs[1:]:
+            if base is not None and (n, run) in scores:
+                check.data["exactness"].append({"model": name, "run": f"N=2 {run} vs N=1",
+                                                **compare(scores[(n, run)], base)})
         for e in check.data["exactness"]:
             if e["model"] == name:
                 bl.log(f"  {name} {e['run']}: max |dlogprob| {e.get('max_dlogprob')}, "
@@ -323,7 +340,8 @@ def markdown(data: dict) -> str:
     rows = []
     for row in data["speed"]:
         ref = row.get("mlx-lm")
-        for name in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=2"):
+        names = ["mlx-lm", "spmd-cp N=1"] + [n for n in row if n.startswith("spmd-cp N=1 ")]
+        for name in names + ["spmd-cp N=2"]:
             r = row.get(name)
             if r is None:
                 rows.append([row["size"], name, "failed or skipped", "", "", "", "", ""])
@@ -364,6 +382,8 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--exact-models", nargs="+", choices=["bf16", "q4"],
                         default=["bf16", "q4"], help="models whose scores are compared")
+    parser.add_argument("--remedies", action="store_true",
+                        help="also the runs that test the remedies (REMEDIES above)")
     parser.add_argument("--tokenizer", type=Path,
                         help="Hugging Face tokenizer files (default: the embedded model's)")
     parser.add_argument("--deadline", type=float, default=360,

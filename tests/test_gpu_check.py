@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py's flow on the CPU at tiny sizes (--device gpu: the
 GPU path's fused attention and model-dtype cache), so that the check a lent GPU runs in
-its few minutes cannot be broken while no GPU is at hand. Its figures are checked for
+its few minutes cannot be broken while no GPU is at hand; with --remedies, the runs
+that test the first H100 run's remedies too. Its figures are checked for
 what the CPU can promise: the paths that merge nothing equal mlx-lm's forward. Its
 exactness step runs for the bf16 model only: the 4-bit model's scores on this path are
 tests/test_gpu_path.py's."""
@@ -26,7 +27,7 @@ def check(tmp_path_factory) -> dict:
     env = {**os.environ, **RANK_ENV}
     cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--sizes", "96", "--exact-tokens",
            "64", "--max-tokens", "3", "--exact-models", "bf16", "--out", str(out),
-           "--run-timeout", "120", "--device", "gpu"]
+           "--run-timeout", "120", "--device", "gpu", "--remedies"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500)
     except subprocess.TimeoutExpired as error:
@@ -40,18 +41,20 @@ def check(tmp_path_factory) -> dict:
 def test_every_run_measured(check):
     assert check["failures"] == [] and check["skipped"] == []
     (row,) = check["speed"]
-    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=2"):
+    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=1 --prefill-chunk 2048", "spmd-cp N=2"):
         r = row[run]
         assert r["prompt_tokens"] == 96 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
         assert len(r["peak_mem_bytes"]) == (2 if run.endswith("N=2") else 1)
     assert row["spmd-cp N=1"]["kv_dtype"] == "bfloat16"
     # Greedy continuations of the bf16 model on one rank: mlx-lm's own tokens.
     assert row["spmd-cp N=1"]["token_ids"] == row["mlx-lm"]["token_ids"]
+    assert row["spmd-cp N=1 --prefill-chunk 2048"]["token_ids"] == row["mlx-lm"]["token_ids"]
 
 
 def test_exactness_rows(check):
     rows = {(e["model"], e["run"]): e for e in check["exactness"]}
-    assert len(rows) == 4  # N=1 vs mlx-lm, and three algorithms at N=2
+    # N=1 vs mlx-lm, three algorithms at N=2, the rings again with float32 partials
+    assert len(rows) == 6
     # Nothing merged: the same computation as mlx-lm's forward, position by position.
     for run in ("N=1 vs mlx-lm", "N=2 allgather-kv vs N=1"):
         assert rows[("bf16", run)]["max_dlogprob"] == 0.0, run
@@ -59,6 +62,8 @@ def test_exactness_rows(check):
         assert rows[("bf16", run)]["positions"] == 63
     # The rings merge half-precision partials; on the CPU MLX's attention rounds scores
     # to bf16 as well (see test_gpu_path), so only a loose bound holds here.
-    for algo in ("pass-kv", "pass-q"):
-        assert rows[("bf16", f"N=2 {algo} vs N=1")]["max_dlogprob"] < 0.2
+    for run in ("pass-kv", "pass-q", "pass-kv tiled", "pass-q tiled"):
+        assert rows[("bf16", f"N=2 {run} vs N=1")]["max_dlogprob"] < 0.2
+        assert rows[("bf16", f"N=2 {run} vs N=1")]["positions"] == 63
     assert "| 96 | spmd-cp N=2 |" in check["_markdown"]
+    assert "| 96 | spmd-cp N=1 --prefill-chunk 2048 |" in check["_markdown"]

@@ -11,17 +11,26 @@ from test_blas import needs_openblas, run_result_script
 from test_native_decode import COMPILERS, compiler_or_skip
 
 
+def plain_c_compiler(tmp_path) -> str:
+    """gcc building the plain C alone (-DSPMD_CP_PORTABLE: what an ARM CPU runs), as a
+    compiler the library's build calls like any other."""
+    wrapper = tmp_path / "cc-portable"
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler_or_skip("gcc")} -DSPMD_CP_PORTABLE "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
 @needs_openblas
 @needs_c_helpers
-@pytest.mark.parametrize("cc", COMPILERS)
+@pytest.mark.parametrize("cc", COMPILERS + ["plain-c"])
 def test_prefill_attention_kernel_equals_numpy_and_mlx_tiles(cc, tmp_path):
     """A causal square, a chunk over its prefix, head-tail positions, a sliding window,
     queries that see no key, heads 16 and 24 wide, a group of eight query heads: within
     float32 rounding of numpy's float64 and of MLX's tiles, on one thread and on three;
     a query that sees nothing is exactly 0 with an lse of -inf; --no-fast-exp keeps MLX's
-    tiles. Built by each compiler."""
-    results = run_result_script(TESTS / "prefill_attention_probe.py", tmp_path,
-                                CC=compiler_or_skip(cc))
+    tiles. Built by each compiler, and as the plain C alone (no vector code)."""
+    compiler = plain_c_compiler(tmp_path) if cc == "plain-c" else compiler_or_skip(cc)
+    results = run_result_script(TESTS / "prefill_attention_probe.py", tmp_path, CC=compiler)
     assert results.pop("no_fast_exp_uses_c") is False  # MLX's tiles, as asked
     assert len(results) == 12, sorted(results)
     for name, result in results.items():
