@@ -21,12 +21,13 @@ sizes with --device gpu, so the flow cannot rot while no GPU is at hand).
    ``spmd-cp score`` at N = 1 and at N = 2 for every --cp-algo, compared position by
    position (max |dlogprob|, argmax agreement), and N = 1 against mlx-lm's forward.
 4. With --remedies, the runs that test the remedies the first H100 run pointed at, each
-   with flags spmd-cp already has (REMEDIES): the rings with their partials in float32
+   with flags spmd-cp already has (*_REMEDIES): the rings with their partials in float32
    tiles (``--attention-kernel tiled``: one rounding to the model's dtype, after the
-   merge, where the fused kernel's partials are rounded before it too), and N = 1 with
-   the prompt in 2,048-token chunks (``--prefill-chunk 2048``, mlx-lm's step: whether the
-   whole prompt's activations were the memory above mlx-lm's). They run right after the
-   runs they are compared with.
+   merge, where the fused kernel's partials are rounded before it too), scored for
+   exactness and timed at N = 2 for what that costs, and N = 1 with the prompt in
+   2,048-token chunks (``--prefill-chunk 2048``, mlx-lm's step: whether the whole
+   prompt's activations were the memory above mlx-lm's). They run right after the runs
+   they are compared with.
 
 Every step logs as it goes and rewrites OUT/gpu_check.json and OUT/gpu_check.md, so a run
 stopped at any point leaves what it measured. Runs that fail are recorded with their
@@ -59,7 +60,8 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 # Remedies (--remedies): run name -> extra flags, beside the runs they remedy.
-SPEED_REMEDIES = {"spmd-cp N=1 --prefill-chunk 2048": (1, ["--prefill-chunk", "2048"])}
+SPEED_REMEDIES = {"spmd-cp N=1 --prefill-chunk 2048": (1, ["--prefill-chunk", "2048"]),
+                  "spmd-cp N=2 --attention-kernel tiled": (2, ["--attention-kernel", "tiled"])}
 EXACT_REMEDIES = {f"{algo} tiled": (algo, ["--attention-kernel", "tiled"])
                   for algo in ("pass-kv", "pass-q")}
 # Exactness bars of the GPU path (bf16 model, N = 2 against N = 1 on the same device).
@@ -227,14 +229,17 @@ def speed(check: Check, models: dict, size: int, prompt: Path):
     model = models["bf16"]
     runs = {"mlx-lm": [sys.executable, __file__, "--mlx-lm-child", "--model", model,
                        "--prompt-file", prompt, "--max-tokens", args.max_tokens]}
-    variants = [(f"spmd-cp N={n}", n, []) for n in (1, 2)]
-    if args.remedies:
-        variants[1:1] = [(name, n, flags) for name, (n, flags) in SPEED_REMEDIES.items()]
+    variants = []
+    for n in (1, 2):  # each run, then its remedies
+        variants.append((f"spmd-cp N={n}", n, []))
+        if args.remedies:
+            variants += [(name, m, flags) for name, (m, flags) in SPEED_REMEDIES.items()
+                         if m == n]
     for name, n, flags in variants:
         runs[name] = spmd_cp(args.device, n, "generate", "--model", model, "--prompt-file",
                              prompt, "--json", "--no-chat-template", "--max-tokens",
                              args.max_tokens, *flags)
-    row = {"size": size, "model": "bf16"}
+    row = {"size": size, "model": "bf16", "planned": list(runs)}
     for name, cmd in runs.items():
         if not check.in_time(f"speed {size} {name}"):
             continue
@@ -340,8 +345,7 @@ def markdown(data: dict) -> str:
     rows = []
     for row in data["speed"]:
         ref = row.get("mlx-lm")
-        names = ["mlx-lm", "spmd-cp N=1"] + [n for n in row if n.startswith("spmd-cp N=1 ")]
-        for name in names + ["spmd-cp N=2"]:
+        for name in row.get("planned", ["mlx-lm", "spmd-cp N=1", "spmd-cp N=2"]):
             r = row.get(name)
             if r is None:
                 rows.append([row["size"], name, "failed or skipped", "", "", "", "", ""])
@@ -383,7 +387,7 @@ def main():
     parser.add_argument("--exact-models", nargs="+", choices=["bf16", "q4"],
                         default=["bf16", "q4"], help="models whose scores are compared")
     parser.add_argument("--remedies", action="store_true",
-                        help="also the runs that test the remedies (REMEDIES above)")
+                        help="also the runs that test the remedies (*_REMEDIES above)")
     parser.add_argument("--tokenizer", type=Path,
                         help="Hugging Face tokenizer files (default: the embedded model's)")
     parser.add_argument("--deadline", type=float, default=360,

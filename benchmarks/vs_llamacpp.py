@@ -14,11 +14,15 @@ match. spmd-cp runs the command users run on the same file:
         --no-chat-template --max-tokens 64 --json
 
 Both read the same text without a chat template (the two tokenizers of the one GGUF
-agree on its token count, recorded). Variants per context: llama.cpp on 1 and on 2
-threads, spmd-cp at N = 1 with 1 and 2 threads, and N = 2 with 1 thread each; they
-alternate within every round (A B C D E A B C ...) so drift hits all alike. Reported:
-medians of prefill and decode tok/s, and the ratios to llama.cpp at equal cores (N = 2
-against llama.cpp on 2 threads). Results: benchmarks/results/vs_llamacpp.json and .md.
+agree on its token count, recorded). Variants per context, for a machine of C cores
+(--cores, 2 by default): llama.cpp on 1 and on C threads, spmd-cp at N = 1 with 1 and C
+threads, N = C/2 ranks of 2 threads (C >= 4) and N = C ranks of 1 thread; they alternate
+within every round (A B C D E A B C ...) so drift hits all alike. Reported: medians of
+prefill and decode tok/s, and the ratios to llama.cpp at equal cores (N ranks of T
+threads against llama.cpp on N x T threads). Results: benchmarks/results/vs_llamacpp.json
+and .md. On 16 cores, llama.cpp's 16 threads beside one rank of 16 and eight ranks of 2:
+
+    python benchmarks/vs_llamacpp.py --cores 16 --contexts 8000 --variants 1 3 4
 """
 
 from __future__ import annotations
@@ -36,14 +40,23 @@ import benchlib as bl  # noqa: E402
 
 SOURCE_TEXT = bl.RESULTS / "prompts" / "prompt_8160.txt"
 N_BATCH = 512  # llama.cpp's prompt batch (llama-cpp-python's default)
-# (name, system, ranks, threads per rank)
-VARIANTS = [("llama.cpp 1 thread", "llama.cpp", 1, 1),
-            ("llama.cpp 2 threads", "llama.cpp", 1, 2),
-            ("spmd-cp N=1, 1 thread", "spmd-cp", 1, 1),
-            ("spmd-cp N=1, 2 threads", "spmd-cp", 1, 2),
-            ("spmd-cp N=2, 1 thread each", "spmd-cp", 2, 1)]
-# each spmd-cp variant's llama.cpp at equal cores
-BASELINE = {1: "llama.cpp 1 thread", 2: "llama.cpp 2 threads"}
+
+
+def variants_for(cores: int) -> list[tuple[str, str, int, int]]:
+    """(name, system, ranks, threads per rank) of every variant on ``cores`` cores."""
+    variants = [("llama.cpp 1 thread", "llama.cpp", 1, 1),
+                (f"llama.cpp {cores} threads", "llama.cpp", 1, cores),
+                ("spmd-cp N=1, 1 thread", "spmd-cp", 1, 1),
+                (f"spmd-cp N=1, {cores} threads", "spmd-cp", 1, cores)]
+    if cores >= 4:
+        variants.append((f"spmd-cp N={cores // 2}, 2 threads each", "spmd-cp", cores // 2, 2))
+    return variants + [(f"spmd-cp N={cores}, 1 thread each", "spmd-cp", cores, 1)]
+
+
+def baseline_for(variants: list[tuple], cores: int) -> str | None:
+    """The llama.cpp variant on ``cores`` threads, if there is one."""
+    return next((name for name, system, _, threads in variants
+                 if system == "llama.cpp" and threads == cores), None)
 
 
 def gguf_path() -> str:
@@ -115,16 +128,17 @@ def run_variant(variant: tuple, prompt: Path, tokens: int, kv_dtype: str | None)
     return result
 
 
-def summary(runs: list[dict]) -> list[list]:
+def summary(runs: list[dict], variants: list[tuple]) -> list[list]:
     medians = {}
-    for name, *_ in VARIANTS:
+    for name, *_ in variants:
         mine = [r for r in runs if r["_variant"] == name]
         medians[name] = {k: bl.median([r[k] for r in mine])
                          for k in ("prompt_tokens", "prefill_tok_s", "decode_tok_s")}
         medians[name]["runs"] = len(mine)
     rows = []
-    for name, system, ranks, threads in VARIANTS:
-        m, base = medians[name], medians[BASELINE[ranks * threads]]
+    for name, system, ranks, threads in variants:
+        m, baseline = medians[name], baseline_for(variants, ranks * threads)
+        base = medians[baseline] if baseline else {"runs": 0}
         if not m["runs"]:
             continue
         ratios = ["-", "-"] if system == "llama.cpp" or not base["runs"] else [
@@ -141,15 +155,23 @@ def main():
     parser.add_argument("--name", default="vs_llamacpp", help="results file name")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--kv-dtype", default=None, help="spmd-cp's --kv-dtype (default: its own)")
-    parser.add_argument("--variants", type=int, nargs="+", default=list(range(len(VARIANTS))),
+    parser.add_argument("--cores", type=int, default=2,
+                        help="the machine's cores the variants are made for (at least 2)")
+    parser.add_argument("--variants", type=int, nargs="+",
                         help="which of the variants to run, by their 0-based place in the "
-                             "table (e.g. 0 2 4: the one-thread ones)")
+                             "table (e.g. 0 2 4 with 2 cores: the one-thread ones; default all)")
     parser.add_argument("--llama-worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llama_worker:
         print(json.dumps(llama_worker(args.llama_worker, args.threads, args.tokens)))
         return
+    if args.cores < 2:
+        parser.error("--cores: at least 2")
+    variants = variants_for(args.cores)
+    chosen = args.variants if args.variants is not None else list(range(len(variants)))
+    if not all(0 <= i < len(variants) for i in chosen):
+        parser.error(f"--variants: 0 to {len(variants) - 1} with {args.cores} cores")
     command = "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:])
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     tables = []  # one per finished context
@@ -166,9 +188,9 @@ def main():
             prompt, count = make_prompt(context, Path(scratch))
             runs = []
             for _ in range(args.rounds):
-                for i in args.variants:
-                    runs.append(run_variant(VARIANTS[i], prompt, args.tokens, args.kv_dtype))
-                    rows = summary(runs)
+                for i in chosen:
+                    runs.append(run_variant(variants[i], prompt, args.tokens, args.kv_dtype))
+                    rows = summary(runs, variants)
                     payload["contexts"][str(context)] = {"prompt_tokens": count, "runs": runs,
                                                          "summary": rows}
                     table = f"### {count}-token prompt, {args.tokens} greedy tokens\n\n" + \

@@ -41,10 +41,11 @@ def check(tmp_path_factory) -> dict:
 def test_every_run_measured(check):
     assert check["failures"] == [] and check["skipped"] == []
     (row,) = check["speed"]
-    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=1 --prefill-chunk 2048", "spmd-cp N=2"):
+    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=1 --prefill-chunk 2048", "spmd-cp N=2",
+                "spmd-cp N=2 --attention-kernel tiled"):
         r = row[run]
         assert r["prompt_tokens"] == 96 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
-        assert len(r["peak_mem_bytes"]) == (2 if run.endswith("N=2") else 1)
+        assert len(r["peak_mem_bytes"]) == (2 if "N=2" in run else 1)
     assert row["spmd-cp N=1"]["kv_dtype"] == "bfloat16"
     # Greedy continuations of the bf16 model on one rank: mlx-lm's own tokens.
     assert row["spmd-cp N=1"]["token_ids"] == row["mlx-lm"]["token_ids"]
@@ -67,3 +68,4 @@ def test_exactness_rows(check):
         assert rows[("bf16", f"N=2 {run} vs N=1")]["positions"] == 63
     assert "| 96 | spmd-cp N=2 |" in check["_markdown"]
     assert "| 96 | spmd-cp N=1 --prefill-chunk 2048 |" in check["_markdown"]
+    assert "| 96 | spmd-cp N=2 --attention-kernel tiled |" in check["_markdown"]
