@@ -66,7 +66,7 @@ def _run_attention(q, keys, values, key_stop: int, mask, scale: float):
         return mx.zeros(q.shape, q.dtype)
     out = mx.fast.scaled_dot_product_attention(
         q[None], keys[None, :, :key_stop], values[None, :, :key_stop], scale=scale, mask=mask)
-    return out[0]
+    return out.squeeze(0)  # a view; out[0] would be a Gather (engine/model.py)
 
 
 def fused_output(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,

@@ -147,8 +147,8 @@ def single_rank_decode(q, keys, values, q_pos, k_pos, scale, fused: bool):
     """One rank: nothing to merge, so no lse. The decode query sees every cached key."""
     if fused:
         return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None],
-                                                    scale=scale)[0]
+                                                    scale=scale).squeeze(0)  # a view
     if keys.shape[1] <= fused_decode_max_keys(q.shape[0]):
         q, keys, values = (x.astype(mx.float32)[None] for x in (q, keys, values))
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)[0]
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale).squeeze(0)
     return block_attention(q, keys, values, q_pos, k_pos, scale)[0]

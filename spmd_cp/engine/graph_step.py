@@ -44,7 +44,7 @@ class GraphStep:
         if wait:
             with self.comm.bounded("decode step"):  # may run graph collectives
                 mx.eval(logits)
-        return logits[0] if self.comm.rank == 0 else None
+        return logits.squeeze(0) if self.comm.rank == 0 else None  # a view, not a Gather
 
     def free(self):
         """Nothing held outside MLX (the native step's persistent requests have this)."""

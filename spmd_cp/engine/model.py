@@ -81,7 +81,9 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matr
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
     if runs:
         q, k = rope_at(attn.rope, q, runs), rope_at(attn.rope, k, runs)
-    return q[0], k[0], v[0]
+    # squeeze, not [0]: indexing by an integer is a Gather in MLX's graph (a copy, and a
+    # kernel launch a layer on a GPU), removing an axis of one is a view
+    return q.squeeze(0), k.squeeze(0), v.squeeze(0)
 
 
 def _one_token_heads(attn, q, k, v, runs, rotation, head_dim: int):
@@ -306,7 +308,7 @@ class CPModel:
                 h = project.add_mlp(h, norm(getattr(layer, form.mlp_norm), h))
                 if tracer is not None:
                     mx.eval(h)
-        return h if row_form else h[0]
+        return h if row_form else h.squeeze(0)
 
     def _norm_and_rope(self, modules, rows: int, runs):
         """``norm(module, x)`` and ``rope_matrix(layer_index, head_dim)`` (or None) for a
