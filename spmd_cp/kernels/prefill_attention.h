@@ -230,7 +230,7 @@ static void tile_softmax(float *st, int m, int R, float *top, float *total, floa
 #endif
 
 /* The task of KV head g over the query positions t0 .. t1 - 1, with the part's scratch
- * (floats, then R positions). */
+ * (at, st, o, top, total) and room for its rows' positions. */
 static void prefill_task(const prefill_job *job, int g, int t0, int t1, float *scratch,
                          int64_t *row_pos) {
   int d = job->d, group = job->heads / job->kv_heads, n = t1 - t0, rows = group * n;
