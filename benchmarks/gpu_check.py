@@ -278,9 +278,12 @@ def exactness(check: Check, models: dict, document: Path):
     """Every --cp-algo at N = 2 against N = 1, and N = 1 against mlx-lm, per model."""
     work = check.out / "scores"
     work.mkdir(exist_ok=True)
-    runs = [(1, "auto", "auto", [])] + [(2, a, a, []) for a in ALGOS]
-    if check.args.remedies:
-        runs[2:2] = [(2, run, algo, flags) for run, (algo, flags) in EXACT_REMEDIES.items()]
+    runs = [(1, "auto", "auto", [])]
+    for algo in ALGOS:  # each algorithm, then its remedies
+        runs.append((2, algo, algo, []))
+        if check.args.remedies:
+            runs += [(2, run, a, flags) for run, (a, flags) in EXACT_REMEDIES.items()
+                     if a == algo]
     for name, model in models.items():
         scores = {}
         for n, run, algo, flags in runs:

@@ -171,3 +171,44 @@ def test_policy_follows_the_backend_unless_overridden():
         Compute.resolve("tpu")
     info = BackendInfo("cpu", "Device(cpu, 0)", "cpu").as_dict()
     assert info == {"backend": "cpu", "device": "Device(cpu, 0)", "compute_path": "cpu"}
+
+
+def gathers(array: mx.array, tmp_path) -> int:
+    """Gather nodes in the graph that computes ``array`` (MLX's ``x[0]`` is one)."""
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), array)
+    return path.read_text().count('label ="Gather"')
+
+
+def test_graph_path_heads_and_attention_are_views_not_gathers(tmp_path):
+    """The GPU path's per-layer steps drop their axis of one as a view: no Gather (a copy,
+    and on a GPU a kernel launch) in the heads after RoPE or in the fused attention's
+    output, and the same bits as indexing [0] (mlx-lm's decode step has one Gather: the
+    embedding's)."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from spmd_cp.attention.gather import single_rank_decode
+    from spmd_cp.engine.model import heads_with_rope
+
+    attn = type("Attention", (), {})()
+    attn.n_heads, attn.n_kv_heads = 8, 2
+    attn.rope = initialize_rope(16, base=10000.0, traditional=False, scaling_config=None,
+                                max_position_embeddings=4096)
+    rows = [mx.random.normal((1, 5, h * 16), key=mx.random.key(h)) for h in (8, 2, 2)]
+    q, k, v = heads_with_rope(attn, *rows, [(0, 5, 40)])
+    for got, row, heads in zip((q, k, v), rows, (8, 2, 2)):
+        expected = row.reshape(1, 5, heads, 16).transpose(0, 2, 1, 3)
+        if got is not v:
+            expected = attn.rope(expected, offset=40)
+        assert gathers(got, tmp_path) == 0
+        np.testing.assert_array_equal(np.array(got), np.array(expected[0]))
+    keys, values = (mx.random.normal((2, 30, 16), key=mx.random.key(s)) for s in (7, 8))
+    query = mx.random.normal((8, 1, 16), key=mx.random.key(9))
+    out = single_rank_decode(query, keys, values, np.array([30]), np.arange(30), SCALE, True)
+    assert gathers(out, tmp_path) == 0
+    expected = mx.fast.scaled_dot_product_attention(query[None], keys[None], values[None],
+                                                     scale=SCALE)[0]
+    np.testing.assert_array_equal(np.array(out), np.array(expected))
+    prefill = fused_output(*(mx.array(x) for x in random_qkv(3, 12, 12)), np.arange(12),
+                           np.arange(12), SCALE)
+    assert gathers(prefill, tmp_path) == 0
