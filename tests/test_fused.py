@@ -212,3 +212,36 @@ def test_graph_path_heads_and_attention_are_views_not_gathers(tmp_path):
     prefill = fused_output(*(mx.array(x) for x in random_qkv(3, 12, 12)), np.arange(12),
                            np.arange(12), SCALE)
     assert gathers(prefill, tmp_path) == 0
+
+
+def test_tiled_partials_of_a_half_precision_cache_cross_ranks_in_float32(tmp_path):
+    """Three ranks, bf16 K/V, the tiled float32 blocks: pass-Q's returned partials and the
+    decode merge's gathered ones travel in float32 (block.partial_dtype), so every
+    output is a float32 computation of the bf16 inputs, within float32 rounding of a
+    float64 reference (rounded to bf16 on the wire, they were up to 2^-9 off: a second
+    rounding one rank never makes). pass-KV, which merges locally, is the control."""
+    import sys
+    from pathlib import Path
+
+    from conftest import run_ranks
+
+    tests = Path(__file__).resolve().parent
+    out = tmp_path / "partials.npz"
+    run_ranks(3, [sys.executable, str(tests / "partials_driver.py"), "bfloat16", str(out)],
+              timeout=120)
+    got = np.load(out)
+    q, k, v = got["q"], got["k"], got["v"]
+    tokens = q.shape[1] - 1
+    all_pos = np.arange(tokens)
+    for rank in range(3):
+        rows = got[f"positions_{rank}"]
+        ref, _ = dense_reference(q[:, rows], k[:, :tokens], v[:, :tokens], rows, all_pos,
+                                 0.25)
+        for algo in ("pass-kv", "pass-q"):
+            np.testing.assert_allclose(got[f"{algo}_{rank}"], ref, rtol=2e-6, atol=5e-6,
+                                       err_msg=f"{algo} rank {rank}")
+        ref, _ = dense_reference(q[:, tokens:], k[:, :tokens], v[:, :tokens],
+                                 np.array([tokens]), all_pos, 0.25)
+        for path in ("cpu", "gpu"):
+            np.testing.assert_allclose(got[f"decode-{path}_{rank}"], ref, rtol=2e-6, atol=5e-6,
+                                       err_msg=f"decode ({path} path) rank {rank}")

@@ -304,10 +304,20 @@ def lse_width(dtype: mx.Dtype) -> int:
     return max(4 // dtype.size, 1)
 
 
+def partial_dtype(kv_dtype: mx.Dtype, fused: bool) -> mx.Dtype:
+    """The dtype a partial output travels in: the precision it was computed to. The
+    fused kernel's output is already rounded to the KV dtype (a wider message would
+    carry nothing more); the tiled blocks' is float32 and stays so, since rounding it
+    to a half-precision KV dtype before the merge would round it twice, where one rank
+    rounds once."""
+    return kv_dtype if fused else mx.float32
+
+
 def pack_partial(out: mx.array, lse: mx.array, dtype: mx.Dtype) -> mx.array:
     """(NH, n, d) out and (NH, n) lse as one (NH, n, d + lse_width) message of ``dtype``.
 
-    The output travels in ``dtype`` (the KV dtype: half precision on a GPU); the lse keeps
+    The output travels in ``dtype`` (``partial_dtype``: half precision for the fused
+    kernel's partials on a GPU, else float32); the lse keeps
     all 32 bits, its float32 bit pattern viewed as ``dtype`` elements: a log-sum-exp of 10
     rounded to bfloat16 would be off by 0.03 and scale every weight of the merge by 3%.
     """

@@ -4,8 +4,9 @@ The simplest exact forms. Prefill: every rank receives every rank's K/V shard fo
 layer, attends its own queries to all of it, and drops it before the next layer; bytes
 sent per rank per layer: (N-1) * 2 * S_local * NKV * d * e. Decode: the new token's
 query is replicated, each rank attends it to its own shard, and the (out, lse) partials
-meet in one Allgather of NH * (d + 1) floats per rank per layer (in the KV dtype on the
-GPU path, the lse's 32 bits riding along: block.pack_partial).
+meet in one Allgather of NH * (d + 1) floats per rank per layer (in the KV dtype for the
+fused kernel's partials on the GPU path, else float32, the lse's 32 bits riding along:
+block.partial_dtype, block.pack_partial).
 
 With fused attention (attention/fused.py; the GPU path) the gathered K/V are put in
 position order and every query run is one fused call: no log-sum-exp anywhere.
@@ -20,7 +21,7 @@ from ..runtime.comm import Comm
 from ..runtime.device import Compute
 from .block import (SCORE_TILE_ELEMENTS, block_attention, decode_partial_packed,
                     merge_packed_sums, merge_stacked, merge_stacked_columns, pack_partial,
-                    unpack_partial, window_start)
+                    partial_dtype, unpack_partial, window_start)
 from .exp import SOFTMAX_MIN_ELEMENTS, polynomial_exp_enabled, scalar
 from .fused import decode_partial, fused_output, in_position_order
 
@@ -111,7 +112,7 @@ def decode_attention(comm: Comm, merge: str = "allgather", compute: Compute | No
             summed = comm.allreduce(mx.concatenate([weight * out, weight], axis=-1), "sum")
             total = summed[..., -1:]
             return summed[..., :-1] / mx.where(total > 0, total, 1.0)
-        partials = comm.allgather_stack(pack_partial(out, lse, keys.dtype))  # (N, NH, 1, d+w)
+        partials = comm.allgather_stack(pack_partial(out, lse, partial_dtype(keys.dtype, fused)))
         if partials.dtype == mx.float32 and compiled_merge:
             return _merge_float32(partials, q.shape[-1]).reshape(q.shape)
         merged, _ = merge_stacked(*unpack_partial(partials, q.shape[-1]))

@@ -16,8 +16,10 @@ each rank receives only the keys its queries' windows reach, from their owners, 
 shard is forwarded. Under pass-Q the queries travel as before and each block is
 attended within the window (tiles behind it are skipped).
 
-Messages travel in the KV dtype (half precision on the GPU path; the partials' lse keeps
-its 32 bits: block.pack_partial) and every merge accumulates in float32. With fused
+K/V and Q messages travel in the KV dtype (half precision on the GPU path); a partial in
+the precision it was computed to (block.partial_dtype: the fused kernel's in the KV dtype,
+the tiled blocks' in float32; its lse keeps its 32 bits: block.pack_partial), and every
+merge accumulates in float32. With fused
 attention (the GPU path) each partial is fused.fused_partial, and one rank, which merges
 nothing, is a plain fused causal attention.
 """
@@ -30,7 +32,7 @@ import numpy as np
 from ..runtime.comm import Comm
 from ..runtime.device import Compute
 from .block import (block_attention, lse_width, merge_partials, merge_stacked, pack_partial,
-                    unpack_partial)
+                    partial_dtype, unpack_partial)
 from .fused import fused_output, fused_partial
 from .window import window_kv_attention
 
@@ -116,6 +118,7 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray], fused: bool 
     def attend(q, keys, values, q_pos, k_pos, scale, window=None):
         num_heads, _, head_dim = q.shape
         partials = [None] * size  # partials[o]: owner o's queries against my K/V
+        message = partial_dtype(keys.dtype, partial is fused_partial)
 
         def shape_of(owner):
             return (num_heads, query_positions[owner].size, head_dim)
@@ -123,10 +126,10 @@ def pass_q_attention(comm: Comm, query_positions: list[np.ndarray], fused: bool 
         for owner, visitor in ring_pass(comm, q, shape_of):
             out, lse = partial(visitor, keys, values, query_positions[owner], k_pos, scale,
                                window)
-            partials[owner] = pack_partial(out, lse, keys.dtype)
+            partials[owner] = pack_partial(out, lse, message)
             mx.eval(partials[owner])  # compute now, while the next transfer is in flight
         n_local = query_positions[rank].size
-        width = head_dim + lse_width(keys.dtype)
+        width = head_dim + lse_width(message)
         returned = comm.alltoallv_arrays(partials, [(num_heads, n_local, width)] * size)
         stacked = mx.stack(returned)  # (N, NH, n, d+w): my queries against every shard
         out, _ = merge_stacked(*unpack_partial(stacked, head_dim))
