@@ -46,6 +46,9 @@ def test_every_run_measured(check):
         r = row[run]
         assert r["prompt_tokens"] == 96 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
         assert len(r["peak_mem_bytes"]) == (2 if "N=2" in run else 1)
+        if run != "mlx-lm":  # the forecast spmd-cp checked the prompt against
+            assert r["memory_forecast"]["weights_bytes"] > 0
+            assert r["memory_forecast"]["activations_bytes"] > 0
     assert row["spmd-cp N=1"]["kv_dtype"] == "bfloat16"
     # Greedy continuations of the bf16 model on one rank: mlx-lm's own tokens.
     assert row["spmd-cp N=1"]["token_ids"] == row["mlx-lm"]["token_ids"]
@@ -54,18 +57,26 @@ def test_every_run_measured(check):
 
 def test_exactness_rows(check):
     rows = {(e["model"], e["run"]): e for e in check["exactness"]}
-    # N=1 vs mlx-lm, three algorithms at N=2, the rings again with float32 partials
-    assert len(rows) == 6
+    # mlx-lm against its float32 evaluation, N=1 vs mlx-lm, three algorithms at N=2, the
+    # rings again with float32 partials
+    assert len(rows) == 7
+    scale = rows[("bf16", "mlx-lm vs float32")]["max_dlogprob"]
+    assert 0 < scale < 0.5 and "vs_float32" not in rows[("bf16", "mlx-lm vs float32")]
     # Nothing merged: the same computation as mlx-lm's forward, position by position.
     for run in ("N=1 vs mlx-lm", "N=2 allgather-kv vs N=1"):
         assert rows[("bf16", run)]["max_dlogprob"] == 0.0, run
         assert rows[("bf16", run)]["argmax_agreement"] == 1.0
         assert rows[("bf16", run)]["positions"] == 63
+        # mlx-lm's own scores, so exactly as far from the float32 evaluation as mlx-lm
+        assert rows[("bf16", run)]["vs_float32"]["max_dlogprob"] == scale, run
     # The rings merge half-precision partials; on the CPU MLX's attention rounds scores
     # to bf16 as well (see test_gpu_path), so only a loose bound holds here.
     for run in ("pass-kv", "pass-q", "pass-kv tiled", "pass-q tiled"):
         assert rows[("bf16", f"N=2 {run} vs N=1")]["max_dlogprob"] < 0.2
         assert rows[("bf16", f"N=2 {run} vs N=1")]["positions"] == 63
+        assert rows[("bf16", f"N=2 {run} vs N=1")]["vs_float32"]["max_dlogprob"] < 0.2
+    assert "| max |dlogprob| vs float32 |" in check["_markdown"]
+    assert "| forecast GiB (MLX arrays) |" in check["_markdown"]
     assert "| 96 | spmd-cp N=2 |" in check["_markdown"]
     assert "| 96 | spmd-cp N=1 --prefill-chunk 2048 |" in check["_markdown"]
     assert "| 96 | spmd-cp N=2 --attention-kernel tiled |" in check["_markdown"]
