@@ -27,10 +27,13 @@ sizes with --device gpu, so the flow cannot rot while no GPU is at hand).
    with flags spmd-cp already has (*_REMEDIES): the rings with their partials in float32
    tiles (``--attention-kernel tiled``: one rounding to the model's dtype, after the
    merge, where the fused kernel's partials are rounded before it too), scored for
-   exactness and timed at N = 2 for what that costs, and N = 1 with the prompt in
-   2,048-token chunks (``--prefill-chunk 2048``, mlx-lm's step: whether the whole
-   prompt's activations were the memory above mlx-lm's). They run right after the runs
-   they are compared with.
+   exactness and timed at N = 2 for what that costs, and N = 1 with the whole prompt in
+   one chunk (``--prefill-chunk 0``: what the first H100 run measured at 2.7-3.0x
+   mlx-lm's memory, beside the default's 2,048-token chunks, mlx-lm's step). They run
+   right after the runs they are compared with.
+
+Scores take the whole document in one chunk (``--prefill-chunk 0``), as mlx-lm's forward
+does; the speed step's greedy tokens check the default's chunks against mlx-lm's.
 
 Every step logs as it goes and rewrites OUT/gpu_check.json and OUT/gpu_check.md, so a run
 stopped at any point leaves what it measured. Runs that fail are recorded with their
@@ -63,7 +66,7 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
 # Remedies (--remedies): run name -> extra flags, beside the runs they remedy.
-SPEED_REMEDIES = {"spmd-cp N=1 --prefill-chunk 2048": (1, ["--prefill-chunk", "2048"]),
+SPEED_REMEDIES = {"spmd-cp N=1 --prefill-chunk 0": (1, ["--prefill-chunk", "0"]),
                   "spmd-cp N=2 --attention-kernel tiled": (2, ["--attention-kernel", "tiled"])}
 EXACT_REMEDIES = {f"{algo} tiled": (algo, ["--attention-kernel", "tiled"])
                   for algo in ("pass-kv", "pass-q")}
@@ -302,7 +305,8 @@ def exactness(check: Check, models: dict, document: Path):
             out = work / f"{name}_n{n}_{run.replace(' ', '_')}.jsonl"
             r = check.run(what, spmd_cp(check.args.device, n, "score", "--model", model,
                                         "--text-file", document, "--output", out,
-                                        "--overwrite", "--cp-algo", algo, "--json", *flags))
+                                        "--overwrite", "--cp-algo", algo, "--json",
+                                        "--prefill-chunk", "0", *flags))
             if r is not None:
                 scores[(n, run)] = read_scores(out)
         reference, r = None, None

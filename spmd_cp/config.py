@@ -75,7 +75,10 @@ class RunConfig(_Settings):
 
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     cp_algo: str = "auto"
-    prefill_chunk: int = 0  # 0: the whole prompt in one chunk
+    # Tokens prefilled per chunk; 0: the whole prompt in one chunk; None: auto, decided
+    # with the compute path (cli/steps.py: mlx-lm's 2,048-token step on the GPU path at
+    # one rank, else the whole prompt).
+    prefill_chunk: int | None = None
     max_context: int | None = None  # None: the model's own limit
     # On the CPU dequantized float32 weights run much faster than quantized ones.
     keep_quantized: bool = False

@@ -41,7 +41,7 @@ def check(tmp_path_factory) -> dict:
 def test_every_run_measured(check):
     assert check["failures"] == [] and check["skipped"] == []
     (row,) = check["speed"]
-    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=1 --prefill-chunk 2048", "spmd-cp N=2",
+    for run in ("mlx-lm", "spmd-cp N=1", "spmd-cp N=1 --prefill-chunk 0", "spmd-cp N=2",
                 "spmd-cp N=2 --attention-kernel tiled"):
         r = row[run]
         assert r["prompt_tokens"] == 96 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
@@ -52,7 +52,7 @@ def test_every_run_measured(check):
     assert row["spmd-cp N=1"]["kv_dtype"] == "bfloat16"
     # Greedy continuations of the bf16 model on one rank: mlx-lm's own tokens.
     assert row["spmd-cp N=1"]["token_ids"] == row["mlx-lm"]["token_ids"]
-    assert row["spmd-cp N=1 --prefill-chunk 2048"]["token_ids"] == row["mlx-lm"]["token_ids"]
+    assert row["spmd-cp N=1 --prefill-chunk 0"]["token_ids"] == row["mlx-lm"]["token_ids"]
 
 
 def test_exactness_rows(check):
@@ -78,5 +78,5 @@ def test_exactness_rows(check):
     assert "| max |dlogprob| vs float32 |" in check["_markdown"]
     assert "| forecast GiB (MLX arrays) |" in check["_markdown"]
     assert "| 96 | spmd-cp N=2 |" in check["_markdown"]
-    assert "| 96 | spmd-cp N=1 --prefill-chunk 2048 |" in check["_markdown"]
+    assert "| 96 | spmd-cp N=1 --prefill-chunk 0 |" in check["_markdown"]
     assert "| 96 | spmd-cp N=2 --attention-kernel tiled |" in check["_markdown"]

@@ -141,10 +141,29 @@ def test_bf16_model_keeps_a_bf16_cache_and_mlx_lm_precision(n, half_models, docu
         where = f"N={n} {algo}"
         np.testing.assert_array_equal(tokens, ids[1:], err_msg=where)
         assert summary["kv_dtype"] == "bfloat16" and summary["compute_path"] == "gpu"
+        # --prefill-chunk auto: mlx-lm's step at one rank, the whole prompt at three
+        assert summary["prefill_chunk"] == (2048 if n == 1 else 0), where
         assert summary["backend"] in ("cpu", "metal", "cuda") and summary["warmup_s"] > 0
         assert sum(summary["kv_cache_bytes"]) == per_token * len(ids), where
         assert_within_half_precision(logprob, half, full, n == 1 or algo == "allgather-kv",
                                      where)
+
+
+def test_one_rank_prefills_a_long_document_in_mlx_lm_steps(half_models, tmp_path):
+    """--prefill-chunk auto on the GPU path at one rank: a document over 2,048 tokens is
+    prefilled in mlx-lm's 2,048-token steps (the later chunk attends to the cached
+    one), and its scores are still mlx-lm's bf16 forward over the whole document."""
+    rng = np.random.default_rng(3)
+    words = "the cat sat on a mat and then it ran to the door of the house".split()
+    document = tmp_path / "long.txt"
+    document.write_text(" ".join(rng.choice(words, 2600)))
+    ids, half, _ = mlx_lm_logprobs(half_models["bf16"], document.read_text())
+    assert len(ids) > 2048
+    summary, tokens, logprob = score(1, half_models["bf16"], document,
+                                     tmp_path / "long.jsonl", "auto")
+    assert summary["prefill_chunk"] == 2048
+    np.testing.assert_array_equal(tokens, ids[1:])
+    np.testing.assert_allclose(logprob, half, rtol=0, atol=1e-5)
 
 
 # The CPU path's --keep-quantized runs: tests/test_tensor_parallel.py (N = 1 and 2,

@@ -29,6 +29,7 @@ def test_attention_kernel_flag_reaches_the_ranks(tiny_models, tmp_path):
                           "fused"]).last_json()
     assert (summary["compute_path"], summary["attention_kernel"]) == ("cpu", "fused")
     assert summary["kv_dtype"] == "float32"  # --kv-dtype auto: score decodes nothing
+    assert summary["prefill_chunk"] == 0  # --prefill-chunk auto: the whole prompt here
     records = [json.loads(line) for line in out.read_text().splitlines()]
     ids, reference, _ = mlx_lm_logprobs(tiny_models["llama"], text)
     assert [r["token"] for r in records] == ids[1:].tolist()

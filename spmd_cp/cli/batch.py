@@ -88,7 +88,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     if spmd.on_root(comm, check) == 0:
         return
     loaded = steps.resolve_model(comm, run, decode)
-    run = steps.settle_kv_dtype(comm, loaded, run, decode)
+    run = steps.settle_run(comm, loaded, run, decode)
     engine = steps.make_engine(comm, loaded, run, decode)
     cache = engine.new_cache()
     root = RootSide(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None

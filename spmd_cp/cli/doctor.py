@@ -278,11 +278,11 @@ def decode_plan_report(comm, run) -> dict:
     from ..attention.calibrate import uncounted
     from ..config import DecodeConfig
     from ..models.loader import load_model
-    from .steps import make_engine, settle_kv_dtype
+    from .steps import make_engine, settle_run
 
     loaded = load_model(run.model_path, weight_cache=run.weight_cache)
     with uncounted(comm):
-        run = settle_kv_dtype(comm, loaded, run, DecodeConfig())
+        run = settle_run(comm, loaded, run, DecodeConfig())
         plan = make_engine(comm, loaded, run).prepare_decode()
     return {**plan.as_dict(), "kv_dtype": run.kv_dtype}  # --kv-dtype auto's, settled
 

@@ -54,7 +54,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     if meta is not None:
         spmd.on_root(comm, refuse_other_model, meta, args.load_cache, checksum)
     loaded = steps.load_checked_model(comm, run, path)
-    run = steps.settle_kv_dtype(comm, loaded, run, decode)
+    run = steps.settle_run(comm, loaded, run, decode)
     engine = steps.make_engine(comm, loaded, run, decode)
     cache, conversation = open_cache(comm, engine, loaded, args, meta)
     prompt_ids, reused, forecast, max_tokens = spmd.on_root(

@@ -76,8 +76,8 @@ def common_options(fn):
         click.option("--cp-algo", type=click.Choice(PREFILL_ALGOS), default=d("cp_algo"),
                      show_default=True, help="Context-parallel prefill attention."),
         click.option("--prefill-chunk", type=click.IntRange(min=0), default=d("prefill_chunk"),
-                     show_default=True,
-                     help="Prefill the prompt in chunks of this many tokens (0: one chunk)."),
+                     metavar="N", help="Prefill in chunks of N tokens (0: one chunk). Default: "
+                     "2048 on the GPU path at one rank (mlx-lm's step), else one chunk."),
         click.option("--max-context", type=click.IntRange(min=1), default=d("max_context"),
                      help="Refuse prompts longer than this (default: the model's limit)."),
         click.option("--keep-quantized", is_flag=True,

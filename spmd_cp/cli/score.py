@@ -37,7 +37,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
     text = spmd.on_root(comm, validate, run, args)
     loaded = steps.resolve_model(comm, run)  # no decode step: no shadows
-    run = steps.settle_kv_dtype(comm, loaded, run)
+    run = steps.settle_run(comm, loaded, run)
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()

@@ -79,7 +79,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         for directory, meta in zip(args.preload, metas):
             spmd.on_root(comm, refuse_other_model, meta, directory, checksum)
         loaded = steps.load_checked_model(comm, run, path)
-        run = steps.settle_kv_dtype(comm, loaded, run, decode)
+        run = steps.settle_run(comm, loaded, run, decode)
         engine = steps.make_engine(comm, loaded, run, decode)
         warm_up(engine)
         buffer_cache = bound_buffer_cache(engine.model.compute)

@@ -179,6 +179,33 @@ AUTO_KV_HALF = "float16"
 AUTO_KV_FALLBACK = "float32"
 
 
+# --prefill-chunk auto: mlx-lm's prefill step on the GPU path at one rank. There the
+# whole prompt in one fused call peaked at 2.7-3.0x mlx-lm's memory on an H100 (8K and 32K
+# tokens, docs/GPU.md); in mlx-lm's steps one rank runs mlx-lm's own shapes. Ranks of a
+# larger job hold a shard each (measured at mlx-lm's peak or below) and a chunk would
+# send the cache around the ring again, and the CPU path's activations are forecast
+# and measured whole (docs/CPU_SPEED.md): both keep the whole prompt.
+GPU_PREFILL_STEP = 2048
+
+
+def settle_run(comm: Comm, loaded, run: RunConfig,
+               decode: DecodeConfig | None = None) -> RunConfig:
+    """``run`` with its auto settings decided once, the same on every rank, before the
+    engine, the forecast and any prefill: ``--prefill-chunk`` and ``--kv-dtype``."""
+    return settle_kv_dtype(comm, loaded, settle_prefill_chunk(comm, run), decode)
+
+
+def settle_prefill_chunk(comm: Comm, run: RunConfig) -> RunConfig:
+    """``run`` with ``--prefill-chunk`` auto decided (GPU_PREFILL_STEP says how)."""
+    if run.prefill_chunk is not None:
+        return run
+    chunk = GPU_PREFILL_STEP if compute_of(run).gpu and comm.size == 1 else 0
+    if chunk and comm.rank == 0:
+        log.info("--prefill-chunk auto: %d (mlx-lm's prefill step, on the GPU path at one "
+                 "rank)", chunk)
+    return dataclasses.replace(run, prefill_chunk=chunk)
+
+
 def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
                     decode: DecodeConfig | None = None) -> RunConfig:
     """``run`` with ``--kv-dtype auto`` decided once, the same on every rank (collective
@@ -219,7 +246,7 @@ def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = Decod
     (the same rules the decode plan applies)."""
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     use_polynomial_exp(run.fast_exp)
-    run = settle_kv_dtype(comm, loaded, run, decode)  # where the command has not yet
+    run = settle_run(comm, loaded, run, decode)  # where the command has not yet
     model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run))
     if decode.decode_step == "native":
         refuse_native_decode(spmd.first_reason(comm, native_obstacle(model)))

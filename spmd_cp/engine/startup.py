@@ -33,11 +33,12 @@ def require_same_path(comm: Comm, compute: Compute):
 
 def startup_fields(engine: Engine, warmup_s: float) -> dict:
     """A summary's ``warmup_s`` and this rank's ``backend``, ``device``, ``compute_path``,
-    ``attention_kernel`` and ``kv_dtype``."""
+    ``attention_kernel``, ``kv_dtype`` and ``prefill_chunk`` (0: the whole prompt)."""
     compute = engine.model.compute
     dtype = str(engine.model.kv_dtype).removeprefix("mlx.core.")
     return {"warmup_s": round(warmup_s, 6), **BackendInfo.of(compute).as_dict(),
-            "attention_kernel": "fused" if compute.fused else "tiled", "kv_dtype": dtype}
+            "attention_kernel": "fused" if compute.fused else "tiled", "kv_dtype": dtype,
+            "prefill_chunk": engine.prefill_chunk}
 
 
 def warm_up(engine: Engine, enabled: bool | None = None, decode: bool = True) -> float:
