@@ -19,9 +19,9 @@ attended within the window (tiles behind it are skipped).
 K/V and Q messages travel in the KV dtype (half precision on the GPU path); a partial in
 the precision it was computed to (block.partial_dtype: the fused kernel's in the KV dtype,
 the tiled blocks' in float32; its lse keeps its 32 bits: block.pack_partial), and every
-merge accumulates in float32. With fused
-attention (the GPU path) each partial is fused.fused_partial, and one rank, which merges
-nothing, is a plain fused causal attention.
+merge accumulates in float32. With fused attention (the GPU path) each partial is
+fused.fused_partial, and one rank, which merges nothing, is a plain fused causal
+attention.
 """
 
 from __future__ import annotations
