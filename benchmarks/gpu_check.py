@@ -32,6 +32,10 @@ sizes with --device gpu, so the flow cannot rot while no GPU is at hand).
    mlx-lm's memory, beside the default's 2,048-token chunks, mlx-lm's step). They run
    right after the runs they are compared with.
 
+5. Where one rank's decode step spends its time, at each prompt size: benchmarks/
+   decode_probe.py (the host building the step's graph, then MLX evaluating it), spmd-cp
+   beside mlx-lm in one process.
+
 Scores take the whole document in one chunk (``--prefill-chunk 0``), as mlx-lm's forward
 does; the speed step's greedy tokens check the default's chunks against mlx-lm's.
 
@@ -340,6 +344,25 @@ def exactness(check: Check, models: dict, document: Path):
         check.save()
 
 
+PROBE = Path(__file__).resolve().parent / "decode_probe.py"
+
+
+def decode_probe(check: Check, model: str, sizes: list[int]):
+    """benchmarks/decode_probe.py at every prompt size, in one process."""
+    what = "decode probe " + " ".join(map(str, sizes))
+    if not check.in_time(what):
+        return
+    r = check.run(what, bl.mpi_cmd(1, sys.executable, PROBE, "--model", model,
+                                   "--contexts", *sizes, "--device", check.args.device))
+    if r is not None:
+        check.data["decode_probe"] = r["decode_probe"]
+        for row in r["decode_probe"]:
+            bl.log(f"  {row['context']}: " + ", ".join(
+                f"{name} build {row[name]['build_ms']:.2f} / eval {row[name]['eval_ms']:.2f} ms"
+                for name in ("mlx-lm", "spmd-cp")))
+        check.save()
+
+
 # -- output -----------------------------------------------------------------------------
 def machine() -> dict:
     import importlib.metadata as md
@@ -416,6 +439,13 @@ def markdown(data: dict) -> str:
                             bl.fmt((e.get("vs_float32") or {}).get("max_dlogprob"), 5)]
                            for e in data["exactness"]]))
     lines.append("\n" + EXACTNESS_NOTE)
+    if data.get("decode_probe"):
+        lines.append("\n## One rank's decode step (benchmarks/decode_probe.py)\n")
+        lines.append(bl.table(
+            ["context", "run", "build ms", "eval ms", "build + eval ms"],
+            [[row["context"], name, bl.fmt(row[name]["build_ms"]),
+              bl.fmt(row[name]["eval_ms"]), bl.fmt(row[name]["step_ms"])]
+             for row in data["decode_probe"] for name in ("mlx-lm", "spmd-cp")]))
     if data["skipped"] or data["failures"]:
         lines.append("\n## Not measured\n")
         lines += [f"- skipped: {s}" for s in data["skipped"]]
@@ -466,10 +496,12 @@ def main():
         prompts[size].write_text(text)
     sizes = sorted(args.sizes)
     # The most said in the least time, should the machine be taken back: the smallest size,
-    # the bf16 model's exactness, the other sizes, then the 4-bit model's exactness.
+    # the bf16 model's exactness, the decode probe, the other sizes, then the 4-bit
+    # model's exactness.
     speed(check, models, sizes[0], prompts[sizes[0]])
     if "bf16" in args.exact_models:
         exactness(check, {"bf16": models["bf16"]}, prompts[args.exact_tokens])
+    decode_probe(check, models["bf16"], sizes)
     for size in sizes[1:]:
         speed(check, models, size, prompts[size])
     if "q4" in args.exact_models:

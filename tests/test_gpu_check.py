@@ -80,3 +80,14 @@ def test_exactness_rows(check):
     assert "| 96 | spmd-cp N=2 |" in check["_markdown"]
     assert "| 96 | spmd-cp N=1 --prefill-chunk 0 |" in check["_markdown"]
     assert "| 96 | spmd-cp N=2 --attention-kernel tiled |" in check["_markdown"]
+
+
+def test_decode_probe_rows(check):
+    """One rank's decode step timed apart, spmd-cp beside mlx-lm, at the prompt size."""
+    (row,) = check["decode_probe"]
+    assert row["context"] == 96
+    for name in ("mlx-lm", "spmd-cp"):
+        assert 0 < row[name]["build_ms"] <= row[name]["step_ms"]
+        assert 0 < row[name]["eval_ms"] <= row[name]["step_ms"]
+    assert row["spmd-cp"]["decode_step"] == "graph"  # the GPU path's step
+    assert "| 96 | spmd-cp |" in check["_markdown"]
