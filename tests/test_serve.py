@@ -460,9 +460,47 @@ def test_client_disconnect_cancels_its_generation(server):
     assert chat(server, QUESTION, max_tokens=4).usage.completion_tokens > 0
 
 
-def test_sigterm_stops_every_rank_with_status_0(server):
-    """Last: it ends the module's server."""
-    os.killpg(server.proc.pid, signal.SIGTERM)
+def test_sigterm_finishes_the_answer_refuses_the_queue_and_stops_every_rank(server):
+    """Last: it ends the module's server. SIGTERM while one request is answered and
+    another waits: the answer is finished to its last token, the waiting client gets a
+    503 ``shutting_down`` (through the openai package), and every rank exits 0."""
+    body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 48, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    queued = {}
+
+    def ask_while_busy():
+        try:
+            chat(server, QUESTION, max_tokens=4)
+            queued["answer"] = "answered"
+        except openai.APIStatusError as error:
+            queued["answer"] = (error.status_code, error.body)
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = sock.recv(4096)
+        while b"data: " not in head:  # generating
+            more = sock.recv(4096)
+            assert more, head
+            head += more
+        waiter = threading.Thread(target=ask_while_busy)
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while server.get("/health")[1]["queue_length"] < 1:
+            assert time.monotonic() < deadline, "the second request was never queued"
+            time.sleep(0.05)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        stream = head
+        while chunk := sock.recv(65536):
+            stream += chunk
+    waiter.join(REQUEST_TIMEOUT_S)
+    events = [json.loads(line[len(b"data: "):]) for line in stream.split(b"\n")
+              if line.startswith(b"data: {")]
+    assert stream.rstrip().endswith(b"data: [DONE]"), stream[-300:]
+    assert events[-1]["usage"]["completion_tokens"] == 48, events[-1]
+    assert queued["answer"][0] == 503, queued
+    assert queued["answer"][1]["code"] == "shutting_down", queued
     try:
         code = server.proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
