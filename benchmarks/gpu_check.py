@@ -65,6 +65,9 @@ SHAPES = {
     # Llama 3.2 1B's layer shapes (16 layers, 2048 wide, 32 query / 8 KV heads of 64).
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
                num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    # The GPU path's arithmetic on a CPU at a size it prefills 4K tokens of in seconds.
+    "small": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=1024,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=32),
     # For the CPU test of this script: the flow at a size that runs in seconds.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
