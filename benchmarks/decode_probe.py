@@ -39,8 +39,7 @@ def timed_steps(build, steps: int) -> dict:
         start = time.perf_counter()
         out = build()
         built = time.perf_counter()
-        mx.eval(out)
-        mx.synchronize()
+        mx.eval(out)  # returns once the step is computed
         done = time.perf_counter()
         build_s.append(built - start)
         eval_s.append(done - built)
@@ -48,6 +47,12 @@ def timed_steps(build, steps: int) -> dict:
     return {name: round(statistics.median(values) * 1e3, 4)
             for name, values in (("build_ms", build_s), ("eval_ms", eval_s),
                                  ("step_ms", step_s))}
+
+
+def warm_timed_steps(build, steps: int) -> dict:
+    """``timed_steps`` after three steps that compile this shape's kernels."""
+    timed_steps(build, 3)
+    return timed_steps(build, steps)
 
 
 def mlx_lm_steps(model_path: str, prompt: np.ndarray, steps: int) -> dict:
@@ -60,8 +65,7 @@ def mlx_lm_steps(model_path: str, prompt: np.ndarray, steps: int) -> dict:
         model(mx.array(prompt[begin:begin + 2048])[None], cache=cache)
         mx.eval([c.state for c in cache])
     token = mx.array([[int(prompt[-1])]])
-    timed_steps(lambda: model(token, cache=cache), 3)  # compile this shape's kernels
-    result = timed_steps(lambda: model(token, cache=cache), steps)
+    result = warm_timed_steps(lambda: model(token, cache=cache), steps)
     del model, cache
     mx.clear_cache()
     return result
@@ -84,8 +88,7 @@ def spmd_cp_steps(model_path: str, prompt: np.ndarray, steps: int, device: str) 
     engine.prefill(cache, prompt)
     engine.prepare_decode()
     token = mx.array(int(prompt[-1]))  # lazy, as the overlapped one-rank loop feeds it
-    timed_steps(lambda: engine.decode_step(cache, token, wait=False), 3)
-    result = timed_steps(lambda: engine.decode_step(cache, token, wait=False), steps)
+    result = warm_timed_steps(lambda: engine.decode_step(cache, token, wait=False), steps)
     result["decode_step"] = engine.plan.step
     del engine, cache, loaded
     mx.clear_cache()

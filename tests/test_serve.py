@@ -7,6 +7,7 @@ launcher's whole process group. The last test stops the server with SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -435,10 +436,12 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     assert chat(server, QUESTION, max_tokens=4).usage.completion_tokens > 0
 
 
-def test_client_disconnect_cancels_its_generation(server):
-    _, before = server.get("/health")
-    body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0,
-                       "stream": True}).encode()
+@contextlib.contextmanager
+def streaming_completion(server, options: dict):
+    """A raw socket streaming a greedy count ("1, 2, 3, 4, 5,"), yielded with what it has
+    received once the first token is out (the request is being answered)."""
+    body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "temperature": 0, "stream": True,
+                       **options}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\n"
@@ -448,6 +451,12 @@ def test_client_disconnect_cancels_its_generation(server):
             more = sock.recv(4096)
             assert more, head
             head += more
+        yield sock, head
+
+
+def test_client_disconnect_cancels_its_generation(server):
+    _, before = server.get("/health")
+    with streaming_completion(server, {"max_tokens": 2000}) as (sock, head):
         assert head.startswith(b"HTTP/1.0 200"), head
     deadline = time.monotonic() + 30  # 2000 tokens would take minutes
     while time.monotonic() < deadline:
@@ -464,8 +473,6 @@ def test_sigterm_finishes_the_answer_refuses_the_queue_and_stops_every_rank(serv
     """Last: it ends the module's server. SIGTERM while one request is answered and
     another waits: the answer is finished to its last token, the waiting client gets a
     503 ``shutting_down`` (through the openai package), and every rank exits 0."""
-    body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "max_tokens": 48, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     queued = {}
 
     def ask_while_busy():
@@ -475,15 +482,8 @@ def test_sigterm_finishes_the_answer_refuses_the_queue_and_stops_every_rank(serv
         except openai.APIStatusError as error:
             queued["answer"] = (error.status_code, error.body)
 
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        head = sock.recv(4096)
-        while b"data: " not in head:  # generating
-            more = sock.recv(4096)
-            assert more, head
-            head += more
+    usage = {"max_tokens": 48, "stream_options": {"include_usage": True}}
+    with streaming_completion(server, usage) as (sock, head):
         waiter = threading.Thread(target=ask_while_busy)
         waiter.start()
         deadline = time.monotonic() + 30

@@ -21,6 +21,9 @@ threshold the two are compared by estimated time per layer (``estimate_layer_sec
 
 with kv = 2 (T+P)/N * NKV * d * e bytes per ring step, q = T/N * NH * d * e, and o =
 (N-1) T/N * NH * (d+1) * e the partials returned by the Alltoallv (which nothing hides).
+e is the K/V element size the attention reads; the returned partials count at it too,
+which they are but for the tiled blocks on the GPU path (--attention-kernel tiled, not
+the default there), whose partials travel in float32 (block.partial_dtype).
 pass-KV is taken only where what it adds to the attention is estimated at least a
 quarter below what pass-Q adds (``EXTRA_MARGIN``); at the Yang et al. crossover pass-KV's
 addition drops to nothing where transfers cost compute no drag, so the crossover stays

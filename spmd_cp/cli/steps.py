@@ -182,7 +182,7 @@ AUTO_KV_FALLBACK = "float32"
 # --prefill-chunk auto: mlx-lm's prefill step on the GPU path at one rank. There the
 # whole prompt in one fused call peaked at 2.7-3.0x mlx-lm's memory on an H100 (8K and 32K
 # tokens, docs/GPU.md); in mlx-lm's steps one rank runs mlx-lm's own shapes. Ranks of a
-# larger job hold a shard each (measured at mlx-lm's peak or below) and a chunk would
+# larger job hold a shard each (N = 2 measured 0.99-1.02x mlx-lm's peak) and a chunk would
 # send the cache around the ring again; the CPU path's tiled attention bounds its
 # activations as the forecast models them (engine/forecast.py): both take it whole.
 GPU_PREFILL_STEP = 2048
