@@ -8,12 +8,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "spmd_cp"
 # Lowest first; packages in one layer may import each other (the front ends: the command
-# line and the HTTP server). errors.py and config.py sit under all of them.
+# line and the HTTP server). errors.py, config.py and text_input.py sit under all of them.
 LAYER_OF = {name: level for level, names in enumerate(
     [("runtime",), ("kernels",), ("blas",), ("attention",), ("models",), ("engine",), ("cli", "server")])
     for name in names}
 LAYERS = list(LAYER_OF)
-BASE = {"errors", "config"}
+BASE = {"errors", "config", "text_input"}
 
 
 def imported_layers(path: Path):

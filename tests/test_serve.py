@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -33,6 +34,9 @@ openai = pytest.importorskip("openai", reason="the openai client: pip install op
 
 START_DEADLINE_S = 300
 REQUEST_TIMEOUT_S = 180
+# Waits for a condition the server reaches in seconds: a bound only a hang reaches, so
+# that a busy machine never fails a test.
+HANG_S = 300
 MAX_CONTEXT = 256  # small, so that an over-long prompt is cheap to send
 QUESTION = "What is the capital of France?"
 SAVED_QUESTION = "Describe a cat in one sentence."  # saved with generate, preloaded
@@ -52,7 +56,7 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
-    def get(self, path: str, timeout: float = 10) -> tuple[int, dict]:
+    def get(self, path: str, timeout: float = HANG_S) -> tuple[int, dict]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=timeout) as reply:
                 return reply.status, json.loads(reply.read())
@@ -105,7 +109,7 @@ def server(tmp_path_factory):
     saved = run_cli(2, ["generate", "--prompt", SAVED_QUESTION, "--max-tokens", "8",
                         "--max-context", str(MAX_CONTEXT), "--save-cache",
                         str(folder / "saved"), "--json"], timeout=300).last_json()
-    running = launch_server(port, log_path, ["--max-context", str(MAX_CONTEXT),
+    running = launch_server(port, log_path, ["--max-context", str(MAX_CONTEXT), "--json",
                                              "--preload-cache", str(folder / "saved")])
     running.saved, running.saved_dir = saved, folder / "saved"
     try:
@@ -239,6 +243,98 @@ def test_http_side_alone_api_key_and_loading():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def raw_post(port: int, body: bytes, path: str = "/v1/chat/completions",
+             timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, dict]:
+    """POST exact bytes (the openai client cannot send a lone surrogate) and read the
+    answer: (status, JSON body)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+
+
+def start_request(port: int, body: bytes) -> socket.socket:
+    """A connection whose whole request is sent; its answer is left unread."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=HANG_S)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def wait_for(condition, what: str):
+    deadline = time.monotonic() + HANG_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+class Records(logging.Handler):
+    """The log records of the ``spmd_cp`` logger (which does not propagate to pytest's)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_http_side_alone_bounds_stalled_clients_and_clients_that_leave(capfd):
+    """The HTTP layer without ranks, with small bounds: connections beyond the handlers
+    get a 503 with OpenAI's body, stalled ones are closed after the read timeout (which
+    frees their handlers), a request beyond the queue gets a 429 with a body, and a
+    client that leaves before its body is read costs one log line, no traceback."""
+    from spmd_cp.server import http_api
+
+    logger, caplog = logging.getLogger("spmd_cp"), Records()
+    level = logger.level
+    logger.addHandler(caplog)
+    logger.setLevel(logging.DEBUG)
+    state = http_api.ServerState(SamplingConfig(), api_key=None, max_queued=1)
+    httpd = http_api.make_server("127.0.0.1", 0, state, max_handlers=2, max_refusers=1,
+                                 read_timeout=5)
+    http_api.start(httpd)
+    port = httpd.server_address[1]
+    request = json.dumps({"prompt": "hi"}).encode()
+    try:
+        stalled = [socket.create_connection(("127.0.0.1", port), timeout=HANG_S)
+                   for _ in range(2)]  # they send nothing: both handlers wait on them
+        status, body = raw_post(port, request, "/v1/completions")
+        assert status == 503 and body["error"]["code"] == "server_overloaded", body
+        assert body["error"]["type"] == "server_error" and body["error"]["message"]
+        for sock in stalled:  # closed by the server after its read timeout
+            assert sock.recv(1) == b""
+            sock.close()
+        # The handlers are free again: one request waits in the queue (no ranks here
+        # take it), the next one finds the queue full.
+        waiting = start_request(port, request)
+        wait_for(lambda: state.queue.qsize() == 1, "the first request was never queued")
+        status, body = raw_post(port, request, "/v1/completions")
+        assert status == 429 and body["error"]["code"] == "queue_full", body
+        waiting.close()
+        assert state.queue.get(timeout=HANG_S).cancelled.wait(HANG_S)  # its client left
+        # A client that sends half its body and leaves.
+        with socket.create_connection(("127.0.0.1", port), timeout=HANG_S) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 100\r\n\r\n" + request[:5])
+        wait_for(lambda: any("closed after 5 of 100 body bytes" in r.getMessage()
+                             for r in caplog.records), "no log line for the client")
+        status, health = raw_post(port, b"{}", "/v1/nowhere")  # still answering
+        assert status == 404 and health["error"]["code"] == "not_found"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        logger.removeHandler(caplog)
+        logger.setLevel(level)
+    assert "Traceback" not in capfd.readouterr().err
+    assert not any(r.exc_info for r in caplog.records)
 
 
 # -- a real server -------------------------------------------------------------------
@@ -436,13 +532,85 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     assert chat(server, QUESTION, max_tokens=4).usage.completion_tokens > 0
 
 
+def test_text_not_unicode_and_deep_json_get_400_and_the_server_goes_on(server):
+    """A lone surrogate (JSON's "\\ud800") in a chat message, a completions prompt or a
+    stop string, and a body nested 100,000 deep: each a 400 in OpenAI's shape, before
+    the tokenizer; a client that leaves mid-body is dropped; the next request answered."""
+    lone = "hi \\ud800"  # as JSON text: the escape, not the character
+    cases = {
+        "messages[0].content": '{"messages": [{"role": "user", "content": "%s"}]}' % lone,
+        "prompt": '{"prompt": "%s", "max_tokens": 2}' % lone,
+        "stop[0]": '{"prompt": "Hello", "stop": ["%s"]}' % lone,
+    }
+    for param, body in cases.items():
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, reply = raw_post(server.port, body.encode(), path)
+        assert status == 400, reply
+        assert reply["error"] == {"message": f"'{param}' is not valid Unicode text: a lone "
+                                             f"surrogate U+D800 at character 3",
+                                  "type": "invalid_request_error", "param": param,
+                                  "code": "invalid_value"}
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, reply = raw_post(server.port, deep)
+    assert status == 400 and reply["error"]["code"] == "invalid_json", reply
+    assert "nested deeper than" in reply["error"]["message"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"pro")
+    assert chat(server, QUESTION, max_tokens=4).usage.completion_tokens > 0
+    assert "Traceback" not in server.log_path.read_text(errors="replace")
+
+
+def test_thirty_concurrent_clients_each_get_an_answer(server):
+    """30 clients at once: each gets an HTTP answer (200, or 429/503 with OpenAI's
+    body), none a reset; the server then answers normally."""
+    answers = [None] * 30
+
+    def ask(index: int):
+        try:
+            reply = chat(server, QUESTION, max_tokens=2)
+            answers[index] = (200, reply.choices[0].message.content)
+        except openai.APIStatusError as error:
+            answers[index] = (error.status_code, error.body)
+        except Exception as error:  # noqa: BLE001 - a reset or a timeout: the failure
+            answers[index] = ("no answer", repr(error))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_S)
+    expected = chat(server, QUESTION, max_tokens=2).choices[0].message.content
+    for status, body in answers:
+        if status == 200:
+            assert body == expected
+        else:
+            assert status in (429, 503) and body["code"] in ("queue_full",
+                                                             "server_overloaded"), body
+    assert sum(status == 200 for status, _ in answers) >= 1, answers
+
+
+def test_max_tokens_beyond_the_context_is_capped_as_generate_caps(server):
+    """max_tokens 10^9 on a 256-token context: the answer is cut where the context ends
+    (finish_reason "length"), with a warning naming the context, not a memory refusal."""
+    prompt = " one" * 240  # nearly fills the context: a short answer
+    reply = server.client().completions.create(model="any", prompt=prompt,
+                                               max_tokens=1_000_000_000, temperature=0)
+    usage = reply.usage
+    assert usage.prompt_tokens + usage.completion_tokens == MAX_CONTEXT, usage
+    assert reply.choices[0].finish_reason == "length"
+    assert (f"max_tokens 1000000000 capped at {usage.completion_tokens}: the prompt's "
+            f"{usage.prompt_tokens} tokens and the answer must fit the context of "
+            f"{MAX_CONTEXT} tokens") in server.log_path.read_text(errors="replace")
+
+
 @contextlib.contextmanager
 def streaming_completion(server, options: dict):
     """A raw socket streaming a greedy count ("1, 2, 3, 4, 5,"), yielded with what it has
     received once the first token is out (the request is being answered)."""
     body = json.dumps({"prompt": "1, 2, 3, 4, 5,", "temperature": 0, "stream": True,
                        **options}).encode()
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_S) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -458,7 +626,9 @@ def test_client_disconnect_cancels_its_generation(server):
     _, before = server.get("/health")
     with streaming_completion(server, {"max_tokens": 2000}) as (sock, head):
         assert head.startswith(b"HTTP/1.0 200"), head
-    deadline = time.monotonic() + 30  # 2000 tokens would take minutes
+    # Only a cancelled generation counts (2000 tokens would end "length"); the bound is
+    # for a hang.
+    deadline = time.monotonic() + HANG_S
     while time.monotonic() < deadline:
         _, health = server.get("/health")
         if health["requests_cancelled"] > before["requests_cancelled"] and not health["busy"]:
@@ -486,10 +656,9 @@ def test_sigterm_finishes_the_answer_refuses_the_queue_and_stops_every_rank(serv
     with streaming_completion(server, usage) as (sock, head):
         waiter = threading.Thread(target=ask_while_busy)
         waiter.start()
-        deadline = time.monotonic() + 30
-        while server.get("/health")[1]["queue_length"] < 1:
-            assert time.monotonic() < deadline, "the second request was never queued"
-            time.sleep(0.05)
+        wait_for(lambda: server.get("/health")[1]["queue_length"] >= 1,
+                 "the second request was never queued")
+        served_before = server.get("/health")[1]["requests_served"]
         os.killpg(server.proc.pid, signal.SIGTERM)
         stream = head
         while chunk := sock.recv(65536):
@@ -502,12 +671,18 @@ def test_sigterm_finishes_the_answer_refuses_the_queue_and_stops_every_rank(serv
     assert queued["answer"][0] == 503, queued
     assert queued["answer"][1]["code"] == "shutting_down", queued
     try:
-        code = server.proc.wait(timeout=60)
+        code = server.proc.wait(timeout=HANG_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the server did not stop within 60 s of SIGTERM:\n{server.log()}")
+        pytest.fail(f"the server did not stop within {HANG_S} s of SIGTERM:\n{server.log()}")
     assert code == 0, server.log()
     with pytest.raises(ProcessLookupError):  # no rank is left behind
         os.killpg(server.proc.pid, 0)
+    # --json: the server's last word is its summary (the streamed answer served, the
+    # queued one refused).
+    summary = json.loads([line for line in server.log_path.read_text().splitlines()
+                          if line.startswith("{")][-1])
+    assert summary["requests_served"] == served_before + 1, summary
+    assert summary["status"] == "stopping" and summary["ranks"] == 2, summary
 
 
 def rank_pid(port: int, rank: int) -> int:
@@ -548,10 +723,8 @@ def test_a_rank_killed_answers_503_and_every_rank_exits(tiny_models, tmp_path):
 
         waiting = threading.Thread(target=ask)
         waiting.start()
-        deadline = time.monotonic() + 30
-        while server.get("/health")[1]["queue_length"] < 1:
-            assert time.monotonic() < deadline, "the second request was never queued"
-            time.sleep(0.05)
+        wait_for(lambda: server.get("/health")[1]["queue_length"] >= 1,
+                 "the second request was never queued")
         os.kill(ranks[1], signal.SIGKILL)
         with pytest.raises(openai.APIError) as streamed:
             for _ in stream:
@@ -561,7 +734,7 @@ def test_a_rank_killed_answers_503_and_every_rank_exits(tiny_models, tmp_path):
         error = queued.get("error")
         assert error is not None and error.status_code == 503, (error, server.log())
         assert error.body["code"] == "rank_lost" and error.body["type"] == "server_error"
-        code = server.proc.wait(timeout=60)
+        code = server.proc.wait(timeout=HANG_S)
         assert code != 0, server.log()
         for pid in ranks:  # every rank is gone, none left waiting on the dead one
             assert not os.path.exists(f"/proc/{pid}") or \

@@ -118,11 +118,13 @@ def validate(run: RunConfig, args: BatchConfig):
     """Rank 0, before the model loads: the whole jobs file, the outputs, and what the
     output already answers: the pending jobs and how many were done before."""
     from ..errors import UserError
+    from ..text_input import check_text
     from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
     from .jobs import load_finished, read_jobs
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import log, model_inputs, trace_output
 
+    check_text(args.system, "--system")  # before anything is claimed
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
     outputs = [Output("--output", args.output, appended=True), trace_output(run)]

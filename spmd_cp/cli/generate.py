@@ -49,7 +49,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     from . import steps
     from .stream import AnswerStream
 
-    prompt_text, meta = spmd.on_root(comm, validate, run, args)
+    prompt_text, meta = spmd.on_root(comm, validate, run, sampling, args)
     path, checksum = steps.check_model(comm, run, decode)
     if meta is not None:
         spmd.on_root(comm, refuse_other_model, meta, args.load_cache, checksum)
@@ -82,12 +82,18 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
                 "memory_forecast": forecast, **metrics})
 
 
-def validate(run: RunConfig, args: GenerateConfig):
-    """Rank 0, before anything heavy: the prompt, the cache to continue, the outputs."""
+def validate(run: RunConfig, sampling: SamplingConfig, args: GenerateConfig):
+    """Rank 0, before anything heavy: the text arguments, the prompt, the cache to
+    continue, the outputs."""
     from ..engine.prompt_cache import META, read_meta
+    from ..text_input import check_text
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_prompt, trace_output
 
+    # First: nothing is claimed for a run that cannot tokenize its own arguments.
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system),
+                       *(("--stop", stop) for stop in sampling.stop)):
+        check_text(text, flag)
     # --save-cache may be the --load-cache directory: replacing a conversation by its
     # continuation is what --overwrite is for.
     cache_dir = Output("--save-cache", args.save_cache, directory=True,
@@ -125,7 +131,7 @@ def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
     if meta is None:
         return engine.new_cache(), new_conversation(args.system)
     cache = load_cache(comm, args.load_cache, meta, loaded.checksum, engine.model.num_layers,
-                       engine.model.kv_dtype)
+                       engine.model.kv_dtype, loaded.config.get("vocab_size"))
     log.info("prompt cache %s: %d tokens", args.load_cache, cache.num_tokens)
     return cache, meta["conversation"]
 

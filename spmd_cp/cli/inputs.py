@@ -197,13 +197,11 @@ def _read_fd(fd: int, bound: int, timeout: float, line_bound, too_large, idle, f
 
 
 def decode_text(data: bytes, what: str, path: str) -> str:
-    """UTF-8 text of ``data``, or one line naming the first bad byte."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        name = "standard input" if path == "-" else path
-        raise UserError(f"{what} {name} is not UTF-8 text (invalid byte at offset "
-                        f"{error.start})") from None
+    """UTF-8 text of ``data``, or one line naming the first bad byte (the rule for all
+    text: spmd_cp/text_input.py)."""
+    from ..text_input import decode_utf8
+
+    return decode_utf8(data, f"{what} {'standard input' if path == '-' else path}")
 
 
 def read_text(path: str, what: str, bound: int, timeout: float) -> str:

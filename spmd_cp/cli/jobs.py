@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import describe_range, in_range
 from ..errors import UserError
+from ..text_input import find_invalid_text
 
 # Bad lines spelled out in the error message; the line numbers are always all listed.
 MAX_DETAILED_LINES = 10
@@ -83,20 +84,6 @@ class Job:
         return None if self.prefix_file is None else (str(self.prefix_file), self.system)
 
 
-def _valid_unicode(value) -> bool:
-    """Whether every string in ``value`` can be written as UTF-8 (JSON's \\ud800 escapes
-    decode to lone surrogates, which cannot)."""
-    if isinstance(value, list):
-        return all(_valid_unicode(v) for v in value)
-    if not isinstance(value, str):
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _line_problems(record) -> list[str]:
     if not isinstance(record, dict):
         return [f"not a JSON object but {type(record).__name__}"]
@@ -109,9 +96,9 @@ def _line_problems(record) -> list[str]:
         elif not check(value):
             problems.append(f"{key!r} must be {must_be}, got {json.dumps(value)[:40]}")
     for key, value in record.items():
-        if key in FIELDS and not _valid_unicode(value):
-            problems.append(f"{key!r} is not valid Unicode text (a lone surrogate such as "
-                            f"\\ud800)")
+        invalid = find_invalid_text(value) if key in FIELDS else None
+        if invalid is not None:  # the rule for all text: spmd_cp/text_input.py
+            problems.append(f"{key!r} is not valid Unicode text ({invalid[1]})")
     has_prompt = record.get("prompt") is not None
     has_file = record.get("prompt_file") is not None
     if has_prompt == has_file:

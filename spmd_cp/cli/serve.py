@@ -106,6 +106,10 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         raise
     if comm.rank == 0:
         close_server(held, http_api.shutting_down())
+        if run.as_json:  # what GET /health said last, as the last stdout line
+            import json
+
+            print(json.dumps({**state.health(), "ranks": comm.size}), flush=True)
 
 
 def bound_buffer_cache(compute) -> int:
@@ -159,7 +163,8 @@ def preload(comm, engine, loaded, args: ServeConfig, metas: list[dict]):
     caches = ResidentCaches(engine, args.cache_entries)
     for directory, meta in zip(args.preload, metas):
         caches.add(load_cache(comm, directory, meta, loaded.checksum,
-                              engine.model.num_layers, engine.model.kv_dtype))
+                              engine.model.num_layers, engine.model.kv_dtype,
+                              loaded.config.get("vocab_size")))
         log.info("resident cache from %s: %d tokens", directory, caches.entries[-1].num_tokens)
     return caches
 

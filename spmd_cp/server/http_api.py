@@ -5,6 +5,15 @@ Nothing here touches MLX or MPI. A handler thread and the main thread meet in a
 ``Pending``: the main thread puts ("start" | "text" | "done" | "error", value) events
 on it; the handler sets ``cancelled`` when its client has gone (a failed write, or the
 socket closed while waiting), and the main thread stops that generation at its next token.
+
+Every client gets an HTTP answer, however many come at once: the kernel holds
+``LISTEN_BACKLOG`` connections not yet accepted (the standard library's 5 turned the
+rest away with a reset); ``MAX_HANDLERS`` connections are served at once, and beyond them
+up to ``MAX_REFUSERS`` more are answered 503 ``server_overloaded`` (beyond those, new
+connections wait in the backlog); ``MAX_QUEUED`` requests wait for the ranks, a request
+beyond them is answered 429 ``queue_full``. A client that sends nothing for
+``READ_TIMEOUT_S`` is closed, so stalled clients cannot hold the handlers. A client
+that leaves before its request is read costs one log line, not a traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import logging
 import queue
 import select
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -23,6 +33,12 @@ from .openai_api import ApiError, chunk, full_response, parse_json, parse_reques
 
 log = logging.getLogger("spmd_cp")
 MAX_BODY_BYTES = 64 << 20
+LISTEN_BACKLOG = 128  # connections the kernel holds until they are accepted
+MAX_HANDLERS = 64  # connections served at once, a thread each (the queued requests' too)
+MAX_REFUSERS = 16  # beyond those, connections answered 503 at once
+MAX_QUEUED = 32  # requests waiting for the ranks (one more is being answered)
+READ_TIMEOUT_S = 30.0  # a client silent this long while we read (or write) is closed
+DISCARD_BYTES = 1 << 20  # the most of an unread body read and dropped before a refusal
 POLL_S = 0.25  # how often a waiting handler looks at its client's socket
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -52,11 +68,11 @@ class Pending:
 class ServerState:
     """What the handlers share with the main thread."""
 
-    def __init__(self, defaults, api_key: str | None):
+    def __init__(self, defaults, api_key: str | None, max_queued: int = MAX_QUEUED):
         self.defaults = defaults  # SamplingConfig: the server's flags
         self.api_key = api_key
         self.model_id = "spmd-cp"
-        self.queue: queue.Queue = queue.Queue()
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self.ready = threading.Event()  # the model is loaded on every rank
         self.stopping = threading.Event()
         self.busy = False
@@ -95,32 +111,36 @@ def peer_closed(sock: socket.socket) -> bool:
         return True
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its request was read."""
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "spmd-cp"
     state: ServerState  # set on the subclass make_server builds
+    timeout = READ_TIMEOUT_S  # the socket's, for every read and write (socketserver)
+    overloaded = False  # True on the handler of a connection beyond MAX_HANDLERS
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         log.debug("http: %s - %s", self.address_string(), format % args)
 
     # -- plumbing ----------------------------------------------------------------------
-    def send_json(self, status: int, body: dict):
+    def send_json(self, status: int, body: dict, headers: dict | None = None):
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
     def send_api_error(self, error: ApiError):
         self.send_json(error.status, error.body())
 
-    def authorized(self) -> bool:
+    def key_given(self) -> bool:
         key = self.state.api_key
-        if key is None or self.headers.get("Authorization", "") == f"Bearer {key}":
-            return True
-        self.send_api_error(ApiError(401, "invalid or missing API key (Authorization: "
-                                          "Bearer ...)", code="invalid_api_key"))
-        return False
+        return key is None or self.headers.get("Authorization", "") == f"Bearer {key}"
 
     def read_body(self) -> dict:
         try:
@@ -129,7 +149,29 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(411, "a Content-Length header is required") from None
         if length < 0 or length > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
-        return parse_json(self.rfile.read(length))
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise ApiError(408, f"no data for {self.timeout:g} s while reading the request "
+                                f"body", code="request_timeout") from None
+        if len(raw) < length:
+            raise ClientGone(f"closed after {len(raw)} of {length} body bytes")
+        return parse_json(raw)
+
+    def discard_body(self):
+        """Read and drop a POST body this handler refuses unread (up to DISCARD_BYTES):
+        closing a socket with unread bytes sends a reset, which can reach the client
+        before the refusal does."""
+        try:
+            length = min(int(self.headers.get("Content-Length", "0")), DISCARD_BYTES)
+            self.rfile.read(max(length, 0))
+        except (ValueError, OSError):
+            pass
+
+    def refuse(self, error: ApiError, headers: dict | None = None):
+        """Answer ``error`` to a request whose body is still unread."""
+        self.discard_body()
+        self.send_json(error.status, error.body(), headers)
 
     # -- routes ------------------------------------------------------------------------
     def do_GET(self):  # noqa: N802 - http.server's name
@@ -137,8 +179,8 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/health":
             health = self.state.health()
             return self.send_json(200 if health["status"] == "ok" else 503, health)
-        if not self.authorized():
-            return
+        if not self.key_given():
+            return self.send_api_error(invalid_api_key())
         if path in ("/v1/models", "/models"):
             model = {"id": self.state.model_id, "object": "model", "created": 0,
                      "owned_by": "spmd-cp"}
@@ -147,22 +189,33 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         path = urlsplit(self.path).path.rstrip("/")
-        if not self.authorized():
-            return
+        if self.overloaded:
+            return self.refuse(server_overloaded(), {"Retry-After": "1"})
+        if not self.key_given():
+            return self.refuse(invalid_api_key())
         kind = ROUTES.get(path) or ROUTES.get("/v1" + path)
         if kind is None:
-            return self.send_api_error(ApiError(404, f"no route POST {path}", code="not_found"))
+            return self.refuse(ApiError(404, f"no route POST {path}", code="not_found"))
         try:
             request = parse_request(kind, self.read_body(), self.state.defaults)
         except ApiError as error:
             return self.send_api_error(error)
+        except ClientGone as gone:
+            log.info("http: %s %s", self.address_string(), gone)
+            self.close_connection = True
+            return
         if self.state.stopping.is_set():
             return self.send_api_error(shutting_down())
         pending = Pending(request)
         guardian = self.state.guardian
         if guardian is not None:
             pending.guard_id = guardian.hold(self.connection)
-        self.state.queue.put(pending)
+        try:
+            self.state.queue.put_nowait(pending)
+        except queue.Full:
+            if guardian is not None:
+                guardian.release(pending.guard_id)
+            return self.send_api_error(queue_full(self.state.queue.maxsize))
         try:
             (self.stream if request.stream else self.answer)(pending)
         except OSError:  # the client went away while we wrote
@@ -229,6 +282,21 @@ def shutting_down() -> ApiError:
                     code="shutting_down")
 
 
+def invalid_api_key() -> ApiError:
+    return ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                    code="invalid_api_key")
+
+
+def server_overloaded() -> ApiError:
+    return ApiError(503, "the server is serving as many connections as it may at once; "
+                         "retry later", kind="server_error", code="server_overloaded")
+
+
+def queue_full(size: int) -> ApiError:
+    return ApiError(429, f"{size} requests are waiting already; retry later",
+                    kind="rate_limit_error", code="queue_full")
+
+
 def rank_lost() -> ApiError:
     """The answer where the job ends on a failure (a rank gone, an abort): the one the
     guardian gives where rank 0 itself is gone first."""
@@ -236,12 +304,69 @@ def rank_lost() -> ApiError:
     return ApiError(503, error["message"], kind=error["type"], code=error["code"])
 
 
-def make_server(host: str, port: int, state: ServerState) -> ThreadingHTTPServer:
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer with a listen backlog and a bounded number of threads:
+    ``max_handlers`` serve, ``max_refusers`` more answer 503; with both taken, accepting
+    waits for a handler (new connections wait in the kernel's backlog)."""
+
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_handlers: int, max_refusers: int):
+        super().__init__(address, handler)
+        self.serving = threading.BoundedSemaphore(max_handlers)
+        self.refusing = threading.BoundedSemaphore(max_refusers)
+        self.refuser = type("Refusing" + handler.__name__, (handler,), {"overloaded": True})
+        self.closing = threading.Event()
+
+    def process_request(self, request, client_address):
+        slot = self.take_slot()
+        if slot is None:  # shutting down
+            self.shutdown_request(request)
+            return
+        threading.Thread(target=self.serve_connection, args=(request, client_address, slot),
+                         daemon=True).start()
+
+    def take_slot(self) -> threading.BoundedSemaphore | None:
+        for slot in (self.serving, self.refusing):
+            if slot.acquire(blocking=False):
+                return slot
+        while not self.closing.is_set():
+            if self.serving.acquire(timeout=0.2):
+                return self.serving
+        return None
+
+    def serve_connection(self, request, client_address, slot):
+        handler = self.refuser if slot is self.refusing else self.RequestHandlerClass
+        try:
+            handler(request, client_address, self)
+        except Exception:  # noqa: BLE001 - socketserver's own catch-all, logged below
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            slot.release()
+
+    def handle_error(self, request, client_address):
+        """A client that left or went silent: one line; anything else: the traceback,
+        in the log (socketserver prints it to stderr)."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.info("http: %s: the client left (%s)", client_address[0],
+                     type(error).__name__)
+        else:
+            log.error("http: the handler of %s failed", client_address[0], exc_info=True)
+
+    def shutdown(self):
+        self.closing.set()
+        super().shutdown()
+
+
+def make_server(host: str, port: int, state: ServerState, max_handlers: int = MAX_HANDLERS,
+                max_refusers: int = MAX_REFUSERS,
+                read_timeout: float = READ_TIMEOUT_S) -> BoundedHTTPServer:
     """Bind (OSError when the address is taken); serve with ``serve_forever``."""
-    handler = type("BoundHandler", (Handler,), {"state": state})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    handler = type("BoundHandler", (Handler,), {"state": state, "timeout": read_timeout})
+    return BoundedHTTPServer((host, port), handler, max_handlers, max_refusers)
 
 
 def start(server: ThreadingHTTPServer) -> threading.Thread:

@@ -3,7 +3,8 @@
 A request body is checked whole before it is queued: a field the server reads with the
 wrong type or out of range is a 400 with OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``; fields it does not read (``user``,
-``logit_bias``, ...) are ignored, as most OpenAI-compatible servers do.
+``logit_bias``, ...) are ignored, as most OpenAI-compatible servers do. A body nested
+deeper than ``MAX_JSON_DEPTH`` or holding text that is not valid Unicode is refused too.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import SamplingConfig, describe_range, in_range
+from ..text_input import find_invalid_text
 
 ROLES = ("system", "developer", "user", "assistant")
+# Deepest nesting of arrays and objects a body may have (a request needs 4: the body,
+# messages, a message, its content parts). Deeper bodies are refused, parsed or not.
+MAX_JSON_DEPTH = 64
 
 
 class ApiError(Exception):
@@ -48,15 +53,41 @@ class ApiRequest:
 
 
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object whose every string (keys too) is valid Unicode: the
+    rule for all text (spmd_cp/text_input.py), so the tokenizer never meets a lone
+    surrogate (``"\\ud800"``) and the whole body is checked in one place."""
+    too_deep = ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} "
+                             f"levels", code="invalid_json")
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}",
                        code="invalid_json") from None
+    except RecursionError:  # the parser's own bound, far deeper than ours
+        raise too_deep from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not "
                             f"{type(body).__name__}", code="invalid_json")
+    invalid = find_invalid_text(body)
+    if invalid is not None:
+        where, problem = invalid
+        raise ApiError(400, f"'{where}' is not valid Unicode text: {problem}",
+                       code="invalid_value", param=where)
     return body
+
+
+def json_depth(value) -> int:
+    """How deep arrays and objects nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                  else item))
+    return deepest
 
 
 def _is_int(value) -> bool:
