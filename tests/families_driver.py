@@ -61,7 +61,8 @@ def run_saved_cache(comm, model, checksum: str, directory: str) -> list[int]:
     engine = Engine(model, comm, algo="pass-kv", decode=DecodeConfig(decode_tp="off"))
     cache = engine.new_cache()
     engine.prefill(cache, ids[:CACHED])
-    save_cache(comm, cache, directory, checksum, conversation={})
+    save_cache(comm, cache, directory, checksum,
+               conversation={"messages": [], "text": ""})  # what generate saves first
     meta = comm.bcast_object(read_meta(directory) if comm.rank == 0 else None)
     again = Engine(model, comm, algo="pass-q", decode=DecodeConfig(decode_tp="off"))
     loaded = load_cache(comm, directory, meta, checksum, model.num_layers, model.kv_dtype)

@@ -135,7 +135,7 @@ def test_memory_forecast_refuses_and_names_what_fits(embedded_model, prompt_file
     assert proc.returncode == 2
     error = [line for line in proc.stderr.splitlines() if line.startswith("spmd-cp: error:")]
     assert len(error) == 1
-    assert "over the limit of 0.20 GB per rank" in error[0] and "+ process 0." in error[0]
+    assert "over the limit of 200.00 MB per rank" in error[0] and "+ process 0." in error[0]
     assert "it fits with" in error[0] or "no rank count fits" in error[0]
 
 

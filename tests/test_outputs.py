@@ -124,3 +124,23 @@ def test_job_lines_obey_the_flags_ranges(tmp_path):
     assert "'min_p' must be a number in [0, 1], got 1.5" in str(error.value)
     assert "'top_p' must be a number in [0, 1], got -0.1" in str(error.value)
     assert SAMPLING_RANGES["temp"] == (0, None)
+
+
+def test_a_device_that_refuses_every_write_is_refused_before_any_work(tmp_path):
+    """/dev/full takes no byte: refused as a write there would fail; /dev/null and a FIFO
+    nobody reads yet are taken as they are, without a byte written or a wait."""
+    import threading
+
+    assert refused([Output("--output", "/dev/full")], {}) == \
+        "cannot write /dev/full: No space left on device"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    check_outputs([Output("--output", "/dev/null"), Output("--trace", str(fifo))], {}, False)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(open(fifo, "rb").read()))
+    reader.start()  # a reader now: the probe opens the FIFO, writes nothing, closes it
+    while reader.is_alive() and not received:
+        check_outputs([Output("--trace", str(fifo))], {}, False)
+        reader.join(0.05)
+    reader.join(10)
+    assert received == [b""]

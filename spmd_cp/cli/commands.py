@@ -24,12 +24,16 @@ def trace_summary(trace_file):
 
     try:
         summary = summarize(trace_file)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        from ..runtime.spmd import EXIT_USER_ERROR
+
         # ValueError covers bad JSON and bad UTF-8 (a binary or truncated file).
         what = error.strerror if isinstance(error, OSError) else type(error).__name__
-        raise click.ClickException(
+        refused = click.ClickException(
             f"{trace_file} is not a readable spmd-cp trace ({what}); write one with "
-            f"--trace FILE") from None
+            f"--trace FILE")
+        refused.exit_code = EXIT_USER_ERROR  # bad input, as for every other command
+        raise refused from None
     click.echo(summary)
 
 

@@ -34,6 +34,36 @@ def _not_nan(ctx, param, value):
     return value
 
 
+# The rank process alone (interpreter, MLX, mpi4py, a tokenizer) holds more than this:
+# a smaller limit refuses every job, so it is refused as a typo (1KB for 1GB) at once.
+MIN_MEMORY_LIMIT = 64 << 20
+
+
+def _memory_size(ctx, param, value):
+    """--memory-limit: a size parse_bytes reads, at least MIN_MEMORY_LIMIT (kept as text)."""
+    from ..engine.forecast import describe_bytes, parse_bytes
+    from ..errors import UserError
+
+    if value is None:
+        return value
+    try:
+        size = parse_bytes(value)
+    except UserError as error:
+        raise RangeError(f"{param.opts[0]}: {error}") from None
+    if size < MIN_MEMORY_LIMIT:
+        raise RangeError(f"{param.opts[0]} must be at least {describe_bytes(MIN_MEMORY_LIMIT)} "
+                         f"(the rank process alone holds more), got {value} "
+                         f"({describe_bytes(size)})")
+    return value
+
+
+def memory_limit_option(default):
+    return click.option("--memory-limit", default=default, callback=_memory_size,
+                        metavar="SIZE",
+                        help="Refuse jobs whose forecast of resident memory exceeds this per "
+                             "rank, e.g. 2GB (default: this host's memory / its ranks).")
+
+
 def _apply(fn, options):
     for option in reversed(options):
         fn = option(fn)
@@ -89,10 +119,9 @@ def common_options(fn):
         click.option("--fast-exp/--no-fast-exp", default=d("fast_exp"), show_default=True,
                      help="Attention's exp and the MLP's SiLU as a compiled polynomial (x86 "
                           "CPU path), else MLX's own."),
-        click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line."),
-        click.option("--memory-limit", default=d("memory_limit"), metavar="SIZE",
-                     help="Refuse jobs whose forecast of resident memory exceeds this per "
-                          "rank, e.g. 2GB (default: this host's memory / its ranks)."),
+        click.option("--json", "as_json", is_flag=True,
+                     help="Print one JSON summary as the last stdout line."),
+        memory_limit_option(d("memory_limit")),
         click.option("--shard-weights", type=click.Choice(SHARD_WEIGHTS_MODES),
                      default=d("shard_weights"), show_default=True,
                      help="Each rank holds only layers i mod N and 1/N of the vocabulary; a "

@@ -9,6 +9,7 @@ everything when run as root. Standard library only.
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ def _check_file(output: Output, overwrite: bool):
         # A device or a pipe (/dev/stdout): written in place, nothing to replace.
         if not os.access(path, os.W_OK):
             raise UserError(f"output is not writable: {path}")
+        probe_device(path)
         return
     if path.exists() and not overwrite and not output.appended:
         raise UserError(f"output {path} exists; use --overwrite to replace it")
@@ -93,6 +95,24 @@ def _check_directory(output: Output, overwrite: bool):
     if not existing.is_dir():
         raise UserError(f"{output.flag} cannot be created under the file {existing}")
     probe_writable(existing, output.path)
+
+
+def probe_device(path: Path):
+    """Write nothing to a device or pipe: a write of zero bytes still fails where every
+    write would (/dev/full: ENOSPC), and puts nothing into one that works. A FIFO nobody
+    reads yet is not opened (ENXIO without blocking): its reader may come later."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as error:
+        if error.errno == errno.ENXIO:
+            return
+        raise UserError(f"cannot write {path}: {error.strerror}") from None
+    try:
+        os.write(fd, b"")
+    except OSError as error:
+        raise UserError(f"cannot write {path}: {error.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def probe_writable(directory: Path, named: str):

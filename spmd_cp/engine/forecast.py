@@ -114,11 +114,22 @@ def default_memory_limit() -> int:
 
 
 def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*", text.lower())
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([kmgt]?i?b?)?\s*", text.lower())
     if not match:
         raise UserError(f"cannot read a memory size from {text!r} (e.g. 2GB, 512MB)")
     unit = (match.group(2) or "b").rstrip("b").rstrip("i")
     return int(float(match.group(1)) * 1024 ** " kmgt".index(unit or " "))
+
+
+def describe_bytes(size: float) -> str:
+    """``size`` in the largest of bytes, KB, MB, GB (powers of 1024, as parse_bytes reads
+    them) that keeps it at least 1: "1,024 bytes" is "1.00 KB", 0.3 GiB "307.20 MB"."""
+    if size < 1024:
+        return f"{size:,.0f} bytes"
+    for unit in ("KB", "MB", "GB"):
+        size /= 1024
+        if size < 1024 or unit == "GB":
+            return f"{size:,.2f} {unit}"
 
 
 @dataclass
@@ -186,6 +197,5 @@ def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens:
         f"rank(s) (weights {need.weights / gb:.2f} + KV {need.kv / gb:.2f} + activations "
         f"{need.activations / gb:.2f} + process {need.process / gb:.2f}"
         + (f" + MLX's buffer cache {need.buffer_cache / gb:.2f}" if need.buffer_cache else "")
-        + "), over the limit of "
-        f"{limit / gb:.2f} GB per rank; "
+        + f"), over the limit of {describe_bytes(limit)} per rank; "
         + ("it fits with " + " or ".join(options) if options else "no rank count fits"))

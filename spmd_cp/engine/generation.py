@@ -37,11 +37,61 @@ class Generation:
     decode_setup_s: float = 0.0  # readying decode (Engine.prepare_decode) this time
 
 
+class IncrementalText:
+    """The text of a growing token list, decoding only a few tokens at its end for each
+    new one (linear in the answer's length, where decoding it all each time is quadratic).
+
+    As the tokenizers library's DecodeStream and vLLM's detokenizer: the text a new token
+    adds is decode(window + new) minus decode(window), the window being the tokens of the
+    last settled piece, so a decoder that treats the first token apart (a leading space
+    dropped) or a byte sequence spread over several tokens decodes as in the whole list.
+    Text that ends in an incomplete UTF-8 sequence (decoded as U+FFFD) stays ``pending``
+    until a later token completes it.
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.settled = ""  # text no later token changes
+        self._window = 0  # the settled piece's first token
+        self._read = 0  # tokens whose text is settled
+        self._window_text = ""  # decode(tokens[_window:_read])
+        self.pending = ""  # text of tokens[_read:], while incomplete
+        self.cut_inside_character = False  # the last token left a character incomplete
+
+    def add(self, token: int):
+        self.tokens.append(token)
+        text = self.decode(self.tokens[self._window:])
+        extends = text.startswith(self._window_text)
+        if extends and not text.endswith("\ufffd"):
+            self.settled += text[len(self._window_text):]
+            self.pending, self.cut_inside_character = "", False
+            self._window, self._read = self._read, len(self.tokens)
+            self._window_text = self.decode(self.tokens[self._window:self._read])
+            return
+        # An incomplete character, or a decoder that rewrote the window's end (a clean-up
+        # across the boundary; a byte-fallback run, every byte of which turns to U+FFFD
+        # while it is not UTF-8): wait for the next token, with a wider window.
+        self.pending = text[len(self._window_text):] if extends else ""
+        self.cut_inside_character = text.endswith("\ufffd")
+
+    def complete(self) -> str:
+        """The whole list's text: one decode of it all (exactly what decoding it at once
+        gives), or, where it ends inside a character, the settled text and the pending
+        tail's complete characters (the incomplete bytes dropped, as mlx-lm's streaming
+        detokenizers drop them)."""
+        if self.cut_inside_character:
+            return self.settled + self.pending.rstrip("\ufffd")
+        return self.decode(self.tokens)
+
+
 class TextStream:
-    """Decodes the whole token list each step and emits only text that is final.
+    """Decodes the answer token by token (IncrementalText) and emits only text that is
+    final.
 
     Text that may still become part of a stop string, or an incomplete UTF-8 sequence
-    (decoded as U+FFFD), is held back until the next token settles it.
+    (decoded as U+FFFD), is held back until the next token settles it. A stop string is
+    looked for only where new text could complete one.
     """
 
     def __init__(self, tokenizer, stop: list[str], write=None):
@@ -50,28 +100,48 @@ class TextStream:
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.write = write
         self.emitted = 0
-        self.text = ""
+        self.decoded = IncrementalText(tokenizer.decode)
+        self._searched = 0  # stop strings end past here, if anywhere
+        self._cut: str | None = None  # the text up to a stop string, once one appeared
+        self._complete: tuple[int, str] | None = None  # (tokens, their whole text)
+
+    @property
+    def text(self) -> str:
+        """The answer's text (up to a stop string, once one appeared); decoded whole once
+        per token count, read at the end."""
+        if self._cut is not None:
+            return self._cut
+        if self._complete is None or self._complete[0] != len(self.decoded.tokens):
+            self._complete = (len(self.decoded.tokens), self.decoded.complete())
+        return self._complete[1]
 
     def push(self, tokens: list[int]) -> bool:
-        """Decode ``tokens``; return True when a stop string has appeared."""
-        self.text = self.tokenizer.decode(tokens)
-        hits = [self.text.find(s) for s in self.stop if s in self.text]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self._emit(len(self.text))
-            return True
-        safe = len(self.text) - self.holdback
-        while safe > self.emitted and self.text[safe - 1] == "\ufffd":
-            safe -= 1
-        self._emit(safe)
+        """Take the tokens of ``tokens`` not seen yet; return True when a stop string has
+        appeared."""
+        for token in tokens[len(self.decoded.tokens):]:
+            self.decoded.add(token)
+        settled, pending = self.decoded.settled, self.decoded.pending
+        if self.stop:
+            start = max(0, self._searched - self.holdback)
+            tail = settled[start:] + pending
+            hits = [tail.find(s) for s in self.stop if s in tail]
+            self._searched = len(settled)
+            if hits:
+                self._cut = (settled + pending)[: start + min(hits)]
+                self._emit(len(self._cut), self._cut)
+                return True
+        # Pending text may still change; a stop string may begin in the settled text's
+        # last ``holdback`` characters and end in it.
+        self._emit(len(settled) - self.holdback, settled)
         return False
 
     def finish(self):
-        self._emit(len(self.text))
+        text = self.text
+        self._emit(len(text), text)
 
-    def _emit(self, upto: int):
+    def _emit(self, upto: int, text: str):
         if self.write is not None and upto > self.emitted:
-            self.write(self.text[self.emitted:upto])
+            self.write(text[self.emitted:upto])
         self.emitted = max(self.emitted, upto)
 
 

@@ -14,7 +14,9 @@ Layout of a cache directory for N ranks:
 
 Every rank writes and reads only its own shard: the cache is never gathered. Loading
 refuses, with one clear line, a cache from another model, another rank count, a
-missing or corrupt shard.
+missing or corrupt shard, and any field of meta.json or tensor of a shard that is not
+what ``save_cache`` writes (``check_meta``, ``check_shard``): a sha256 proves a shard
+is the one meta.json names, not that either was written by spmd-cp.
 
 Every file is written under a fresh name created by this process (O_CREAT | O_EXCL |
 O_NOFOLLOW) and renamed into place: a symlink planted in the directory under a final or
@@ -40,6 +42,10 @@ from ..errors import UserError
 
 FORMAT = 1
 META = "meta.json"
+# No tokenizer has this many tokens: ids at or past it are refused before the model
+# loads (those past the model's own vocabulary once it is known).
+MAX_TOKEN_ID = 1 << 31
+ROLES = ("system", "user", "assistant")
 
 
 def shard_name(rank: int, size: int) -> str:
@@ -127,18 +133,147 @@ def read_meta(directory: str, bound: int | None = None) -> dict:
         raise UserError(f"prompt cache {directory} is incomplete (no {META})") from None
     except (OSError, ValueError) as error:
         raise UserError(f"prompt cache {directory} is corrupt ({META}: {error})") from None
+    except RecursionError:
+        raise UserError(f"prompt cache {directory} is corrupt ({META} is nested too deeply)") \
+            from None
     if not isinstance(meta, dict):
         raise UserError(f"prompt cache {directory} is corrupt ({META} is not a JSON object)")
     if meta.get("format") != FORMAT:
         raise UserError(f"prompt cache {directory} has format {meta.get('format')!r}, "
                         f"this spmd-cp reads format {FORMAT}")
+    problem = meta_problem(meta)
+    if problem:
+        raise UserError(f"prompt cache {directory} is corrupt ({META}: {problem})")
     return meta
 
 
+# -- what a cache must hold (one schema, checked before any of it is used) --------------
+def _is_int(value, low: int, high: int | None = None) -> bool:
+    """An integer (JSON's, not a bool) in [low, high)."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value < high))
+
+
+def _is_text(value) -> bool:
+    """A string that is valid Unicode (JSON's \\ud800 escapes give lone surrogates)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_sha256(value) -> bool:
+    return (isinstance(value, str) and len(value) == 64
+            and all(c in "0123456789abcdef" for c in value))
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What is wrong with a meta.json of format 1, field by field (None: nothing).
+
+    The fields, as ``save_cache`` writes them: model_checksum (sha256 hex), cp_size
+    (ranks, >= 1), num_tokens, token_ids (num_tokens ids in [0, 2^31)), shard_sizes
+    (cp_size counts summing to num_tokens), decode_steps (<= num_tokens), decode_owner
+    (a rank), shard_sha256 (cp_size sha256 hex), conversation ({"messages": [{"role":
+    system/user/assistant, "content": text}], "text": text}).
+    """
+    fields = ("model_checksum", "cp_size", "num_tokens", "token_ids", "shard_sizes",
+              "decode_steps", "decode_owner", "shard_sha256", "conversation")
+    missing = [name for name in fields if name not in meta]
+    if missing:
+        return "no " + ", ".join(repr(name) for name in missing)
+    if not _is_sha256(meta["model_checksum"]):
+        return "'model_checksum' is not a sha256"
+    cp_size, num_tokens = meta["cp_size"], meta["num_tokens"]
+    if not _is_int(cp_size, 1):
+        return f"'cp_size' must be an integer >= 1, not {_shown(cp_size)}"
+    if not _is_int(num_tokens, 0):
+        return f"'num_tokens' must be an integer >= 0, not {_shown(num_tokens)}"
+    ids = meta["token_ids"]
+    if not isinstance(ids, list) or len(ids) != num_tokens:
+        return f"'token_ids' must be a list of num_tokens ({num_tokens}) token ids"
+    bad = next((i for i, t in enumerate(ids) if not _is_int(t, 0, MAX_TOKEN_ID)), None)
+    if bad is not None:
+        return f"'token_ids'[{bad}] is {_shown(ids[bad])}, not a token id"
+    sizes = meta["shard_sizes"]
+    if (not isinstance(sizes, list) or len(sizes) != cp_size
+            or not all(_is_int(n, 0) for n in sizes) or sum(sizes) != num_tokens):
+        return (f"'shard_sizes' must be cp_size ({cp_size}) counts summing to num_tokens "
+                f"({num_tokens})")
+    if not _is_int(meta["decode_steps"], 0, num_tokens + 1):
+        return f"'decode_steps' must be an integer in [0, {num_tokens}]"
+    if not _is_int(meta["decode_owner"], 0, cp_size):
+        return f"'decode_owner' must be a rank in [0, {cp_size - 1}]"
+    digests = meta["shard_sha256"]
+    if not (isinstance(digests, list) and len(digests) == cp_size
+            and all(_is_sha256(d) for d in digests)):
+        return f"'shard_sha256' must be cp_size ({cp_size}) sha256 digests"
+    return _conversation_problem(meta["conversation"])
+
+
+def _conversation_problem(conversation) -> str | None:
+    if not isinstance(conversation, dict):
+        return "'conversation' is not an object"
+    if not _is_text(conversation.get("text")):
+        return "'conversation.text' is not text"
+    messages = conversation.get("messages")
+    if not isinstance(messages, list):
+        return "'conversation.messages' is not a list"
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and message.get("role") in ROLES
+                and _is_text(message.get("content"))):
+            return (f"'conversation.messages'[{index}] is not a message (a role of "
+                    f"{'/'.join(ROLES)} and text content)")
+    return None
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_shard(arrays: dict, rank: int, meta: dict, num_layers: int) -> str | None:
+    """What is wrong with rank ``rank``'s shard (None: nothing): "positions", this rank's
+    shard size of increasing integer positions below num_tokens; and, for a shard that
+    holds any, "layer.<i>.keys"/"values" of every layer, (heads, shard size, dim) floats
+    of one shape each across the layers; no other tensor."""
+    size = meta["shard_sizes"][rank]
+    positions = arrays.get("positions")
+    if positions is None:
+        return "no 'positions' tensor"
+    if (positions.ndim != 1 or positions.size != size
+            or not mx.issubdtype(positions.dtype, mx.integer)):
+        return f"'positions' is not {size} integer positions"
+    values = np.asarray(positions, np.int64)
+    if size and (values[0] < 0 or values[-1] >= meta["num_tokens"]
+                 or np.any(np.diff(values) <= 0)):
+        return f"'positions' are not increasing positions below {meta['num_tokens']}"
+    layers = [f"layer.{i}.{part}" for i in range(num_layers) for part in ("keys", "values")]
+    expected = {"positions", *(layers if size else [])}
+    if set(arrays) != expected:
+        names = sorted(set(arrays) - expected) or sorted(expected - set(arrays))
+        which = "unexpected" if set(arrays) - expected else "missing"
+        return f"{which} tensors {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+    for part in ("keys", "values"):
+        shapes = {arrays[f"layer.{i}.{part}"].shape for i in range(num_layers)} if size else set()
+        if len(shapes) > 1 or any(len(s) != 3 or s[1] != size for s in shapes):
+            return f"the layers' {part} are not (heads, {size}, dim) arrays of one shape"
+    if size and not all(mx.issubdtype(arrays[name].dtype, mx.floating) for name in layers):
+        return "a layer's keys or values are not floating point"
+    return None
+
+
 def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
-               num_layers: int, dtype=None) -> ShardedKVCache:
+               num_layers: int, dtype=None, vocab_size: int | None = None) -> ShardedKVCache:
     """Every rank loads its own shard of a cache written for the same model and N
-    (``dtype``: the KV dtype of the engine that continues it)."""
+    (``meta``: as ``read_meta`` checked it; ``dtype``: the KV dtype of the engine that
+    continues it; ``vocab_size``: the model's, which every token id must be below)."""
+    if vocab_size and meta["token_ids"] and max(meta["token_ids"]) >= vocab_size:
+        raise UserError(f"prompt cache {directory} is corrupt ({META}: token id "
+                        f"{max(meta['token_ids'])} is past the model's vocabulary of "
+                        f"{vocab_size})")
     if meta["model_checksum"] != model_checksum:
         raise UserError(f"prompt cache {directory} was made with another model "
                         f"(checksum {meta['model_checksum'][:12]}..., this model "
@@ -152,19 +287,42 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
         try:
             if _sha256(path) != meta["shard_sha256"][comm.rank]:
                 raise UserError(f"prompt cache shard {path} is corrupt (sha256 mismatch)")
-            return mx.load(str(path))
+            arrays = mx.load(str(path))
         except FileNotFoundError:
             raise UserError(f"prompt cache shard missing: {path}") from None
         except (OSError, ValueError, RuntimeError) as error:
             raise UserError(f"prompt cache shard {path} is corrupt: {error}") from None
+        if not isinstance(arrays, dict):
+            raise UserError(f"prompt cache shard {path} is corrupt (not a safetensors file)")
+        problem = check_shard(arrays, comm.rank, meta, num_layers)
+        if problem:
+            raise UserError(f"prompt cache shard {path} is corrupt ({problem})")
+        return arrays
 
     arrays = spmd.everywhere(comm, read_shard)
+    layouts = comm.allgather_object(_layout(arrays))
+    if len({layout for layout in layouts if layout}) > 1:
+        raise UserError(f"prompt cache {directory} is corrupt (the shards' keys and values "
+                        f"differ in shape: {sorted(set(layouts) - {None})})")
     positions = comm.allgather_object(np.asarray(arrays["positions"], np.int64))
+    every = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int64)
+    if not np.array_equal(every, np.arange(meta["num_tokens"])):
+        raise UserError(f"prompt cache {directory} is corrupt (the shards' positions are not "
+                        f"0 .. {meta['num_tokens'] - 1} once each)")
     try:
         return ShardedKVCache.from_state(num_layers, comm.rank, positions, arrays, meta,
                                          dtype)
     except ValueError as error:
         raise UserError(f"prompt cache {directory} is corrupt ({error})") from None
+
+
+def _layout(arrays: dict):
+    """(heads, dim) of a shard's keys and values and their dtypes; None when it holds none."""
+    if "layer.0.keys" not in arrays:
+        return None
+    keys, values = arrays["layer.0.keys"], arrays["layer.0.values"]
+    return (keys.shape[0], keys.shape[2], values.shape[0], values.shape[2], str(keys.dtype),
+            str(values.dtype))
 
 
 def common_prefix_length(cached: np.ndarray, ids: np.ndarray) -> int:

@@ -5,9 +5,10 @@ Two ways an MPI job hangs forever:
   Sendrecv or collective that never completes. Every blocking call runs inside
   ``watchdog.waiting(what, peer)``; if one lasts longer than ``timeout`` the watchdog
   names what it waited for and calls MPI_Abort, which ends every rank.
-- Ctrl-C: mpiexec forwards SIGINT, but a rank blocked inside an MPI call never returns
-  to Python to raise KeyboardInterrupt. Python's C-level signal handler still writes
-  the signal number to the wakeup fd, which this thread watches, so it can abort.
+- Ctrl-C: mpiexec forwards SIGINT (Open MPI's mpirun sends SIGTERM, read the same
+  way), but a rank blocked inside an MPI call never returns to Python to raise
+  KeyboardInterrupt. Python's C-level signal handler still writes the signal number to
+  the wakeup fd, which this thread watches, so it can abort.
 
 Naming the culprit: the peer a rank waits on is often a victim too (in a ring, rank 1
 waits on rank 0, which waits on the hung rank 2). So before aborting, the watchdog asks
@@ -68,6 +69,12 @@ class Watchdog:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        # Open MPI's mpirun answers Ctrl-C with SIGCONT and SIGTERM to every rank (Hydra
+        # forwards the SIGINT): without a Python handler SIGTERM ends a rank silently,
+        # before the wakeup fd hears of it. Read it as Ctrl-C unless the program chose
+        # otherwise (serve installs its own).
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         self._read_fd = read_fd
         self._thread = threading.Thread(target=self._watch, name="spmd-cp-watchdog", daemon=True)
         self._thread.start()
