@@ -3,10 +3,15 @@
 Run as a script (the re-exec preloads the forward): random matrices quantized by MLX,
 dequantized to float32 as a GGUF load does (float32 scales and biases), registered, then
 MLX's decode-shaped products checked against float64 numpy on the float32 matrices, and
-how many products the shadows served. Prints one line: RESULT {json}.
+how many products the shadows served. Then GGUF's other block types: random blocks of
+each (tests/gguf_files.py), the float32 matrix ``gguf.quants.dequantize`` makes of them.
+``SHADOW_DRIVER_PART=blocks`` runs the block types alone (a build without the vector
+kernels registers nothing else). Prints one line: RESULT {json}.
 """
 
+import ctypes
 import json
+import os
 
 from spmd_cp import blas
 
@@ -15,7 +20,9 @@ blas.ensure_fast_blas()
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from spmd_cp.models.quantized_shadows import SHADOWS, Packed, available  # noqa: E402
+from gguf_files import random_tensor  # noqa: E402
+from spmd_cp.models.quantized_shadows import (  # noqa: E402
+    BLOCK_TYPES, SHADOWS, Blocks, Packed, available)
 
 rng = np.random.default_rng(0)
 
@@ -57,59 +64,130 @@ def times_transposed(x: mx.array, weights: mx.array) -> dict:
     return measured(lambda: x @ weights.T, wanted)
 
 
-cases, registered = {}, {}
-for name, shape in {"q4g32": (1536, 576, 4, 32), "q8g32": (300, 576, 8, 32),
-                    "q4g64": (128, 256, 4, 64, mx.bfloat16), "q8g64": (96, 512, 8, 64, mx.float32),
-                    "other": (200, 576, 4, 32), "third": (40, 576, 8, 32)}.items():
-    weights, packed = packed_matrix(*shape)
-    registered[name] = SHADOWS.register(weights, packed)
-    cases[name] = times_transposed(row(shape[1]), weights)
-    if name == "q4g64":  # bfloat16 scales, a column copy: a strided view of their bits
-        copy = mx.contiguous(weights[:, 64:192])
-        SHADOWS.register_columns(copy, weights, 64, 192)
-        cases["columns bfloat16"] = times_transposed(row(128), copy)
-    if name == "q4g32":
-        big, big_packed = weights, packed
-    elif name == "other":
-        other = weights
-    elif name == "third":
-        third = weights
+def affine_cases(cases: dict, registered: dict) -> dict:
+    """MLX's affine triples: registrations, products, refusals."""
+    for name, shape in {"q4g32": (1536, 576, 4, 32), "q8g32": (300, 576, 8, 32),
+                        "q4g64": (128, 256, 4, 64, mx.bfloat16),
+                        "q8g64": (96, 512, 8, 64, mx.float32),
+                        "other": (200, 576, 4, 32), "third": (40, 576, 8, 32)}.items():
+        weights, packed = packed_matrix(*shape)
+        registered[name] = SHADOWS.register(weights, packed)
+        cases[name] = times_transposed(row(shape[1]), weights)
+        if name == "q4g64":  # bfloat16 scales, a column copy: a strided view of their bits
+            copy = mx.contiguous(weights[:, 64:192])
+            SHADOWS.register_columns(copy, weights, 64, 192)
+            cases["columns bfloat16"] = times_transposed(row(128), copy)
+        if name == "q4g32":
+            big, big_packed = weights, packed
+        elif name == "other":
+            other = MATRICES["affine 576"] = weights
+        elif name == "third":
+            third = weights
 
-# A view of whole rows of a registered matrix: found by its address.
-cases["rows"] = times_transposed(row(576), big[100:700])
-# Copies of columns, their shadow a view of the packed columns: 288 wide ends in half
-# a block of 4-bit weights; 64 wide starts inside the packed rows.
-for start, stop in [(64, 352), (32, 96)]:
-    copy = mx.contiguous(big[:, start:stop])
-    mx.eval(copy)
-    SHADOWS.register_columns(copy, big, start, stop)
-    cases[f"columns {start}:{stop}"] = times_transposed(row(stop - start), copy)
-# Rows of three registered matrices (4- and 8-bit) copied into one: one product reads
-# across the three shadows.
-sources = [big[1000:], other, third[:10]]
-stacked = mx.concatenate(sources)
-mx.eval(stacked)
-SHADOWS.register_stacked(stacked, sources)
-cases["stacked"] = times_transposed(row(576), stacked)
-# alpha and beta (c = alpha x W.T + beta c)
-x, c = row(576), row(1536)
-wanted = 0.5 * np.array(x, np.float64) @ np.array(big, np.float64).T + 2.0 * np.array(c)
-cases["alpha beta"] = measured(lambda: mx.addmm(c, x, big.T, alpha=0.5, beta=2.0), wanted)
-# Two rows at once are not a matrix-vector product: the BLAS computes them.
-xs = mx.array(rng.standard_normal((2, 576)).astype(np.float32))
-cases["two rows"] = times_transposed(xs, big)
+    # A view of whole rows of a registered matrix: found by its address.
+    cases["rows"] = times_transposed(row(576), big[100:700])
+    # Copies of columns, their shadow a view of the packed columns: 288 wide ends in half
+    # a block of 4-bit weights; 64 wide starts inside the packed rows.
+    for start, stop in [(64, 352), (32, 96)]:
+        copy = mx.contiguous(big[:, start:stop])
+        mx.eval(copy)
+        SHADOWS.register_columns(copy, big, start, stop)
+        cases[f"columns {start}:{stop}"] = times_transposed(row(stop - start), copy)
+    # Rows of three registered matrices (4- and 8-bit) copied into one: one product reads
+    # across the three shadows.
+    sources = [big[1000:], other, third[:10]]
+    stacked = mx.concatenate(sources)
+    mx.eval(stacked)
+    SHADOWS.register_stacked(stacked, sources)
+    cases["stacked"] = times_transposed(row(576), stacked)
+    # alpha and beta (c = alpha x W.T + beta c)
+    x, c = row(576), row(1536)
+    wanted = 0.5 * np.array(x, np.float64) @ np.array(big, np.float64).T + 2.0 * np.array(c)
+    cases["alpha beta"] = measured(lambda: mx.addmm(c, x, big.T, alpha=0.5, beta=2.0), wanted)
+    # Two rows at once are not a matrix-vector product: the BLAS computes them.
+    xs = mx.array(rng.standard_normal((2, 576)).astype(np.float32))
+    cases["two rows"] = times_transposed(xs, big)
 
-# Refusals: one weight a float32 step off, a second registration of the same memory, a
-# bit width the kernel does not read. Products of a refused matrix are the BLAS's.
-weights, packed = packed_matrix(64, 576, 4, 32)
-nudged = np.array(weights)
-nudged[7, 300] = np.nextafter(nudged[7, 300], np.float32(np.inf))
-nudged = mx.array(nudged)
-refusals = {"nudged": SHADOWS.register(nudged, packed),
-            "again": SHADOWS.register(big, big_packed),
-            "2-bit": SHADOWS.register(*packed_matrix(64, 576, 2, 32))}
-cases["nudged"] = times_transposed(row(576), nudged)
+    # Refusals: one weight a float32 step off, a second registration of the same memory, a
+    # bit width the kernel does not read. Products of a refused matrix are the BLAS's.
+    weights, packed = packed_matrix(64, 576, 4, 32)
+    nudged = np.array(weights)
+    nudged[7, 300] = np.nextafter(nudged[7, 300], np.float32(np.inf))
+    nudged = mx.array(nudged)
+    refusals = {"nudged": SHADOWS.register(nudged, packed),
+                "again": SHADOWS.register(big, big_packed),
+                "2-bit": SHADOWS.register(*packed_matrix(64, 576, 2, 32))}
+    cases["nudged"] = times_transposed(row(576), nudged)
 
-print("RESULT " + json.dumps({"available": available(), "registered": registered,
+    return refusals
+
+
+def block_matrix(kind: str, rows: int, cols: int):
+    """(float32 matrix, its Blocks): random blocks of GGUF type ``kind``, the matrix as the
+    gguf package's reference dequantizes them (independently of spmd-cp's code)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = np.ascontiguousarray(random_tensor(kind, (rows, cols), block_rng))
+    values = np.asarray(dequantize(data, qtype), np.float32).reshape(rows, cols)
+    return mx.array(values), Blocks(data, int(qtype), cols)
+
+
+def block_cases(cases: dict, registered: dict) -> dict:
+    """Per type: a whole matrix, a view of its rows, a copy of columns on block boundaries
+    (served) and one off them (no shadow: the BLAS); the same float32 matrix with one
+    block byte changed is refused. Then rows of three types' matrices copied into one,
+    and alpha and beta."""
+    refusals, matrices = {}, {}
+    for kind in BLOCK_TYPES:
+        values = 32 if kind in ("Q5_0", "Q5_1", "IQ4_NL") else 256
+        rows, cols = 96, 768 if values == 256 else 576
+        weights, blocks = block_matrix(kind, rows, cols)
+        changed = np.array(blocks.data)
+        changed[rows // 2, 5] ^= 0x11  # a byte of one block (values or sub-block scales)
+        refusals[f"{kind} changed"] = SHADOWS.register(mx.array(np.array(weights)),
+                                                       Blocks(changed, blocks.kind, cols))
+        registered[kind] = SHADOWS.register(weights, blocks)
+        matrices[kind] = MATRICES[kind] = weights
+        cases[kind] = times_transposed(row(cols), weights)
+        cases[f"{kind} rows"] = times_transposed(row(cols), weights[10:70])
+        for start, stop, name in [(values, 3 * values, "columns"), (16, 16 + values, "off")]:
+            copy = mx.contiguous(weights[:, start:stop])
+            mx.eval(copy)
+            SHADOWS.register_columns(copy, weights, start, stop)
+            cases[f"{kind} {name}"] = times_transposed(row(stop - start), copy)
+    # Rows of three types' matrices copied into one: one product across three shadows.
+    sources = [matrices["Q4_K"][5:40], matrices["Q6_K"], matrices["IQ4_XS"][:7]]
+    stacked = mx.concatenate(sources)
+    mx.eval(stacked)
+    SHADOWS.register_stacked(stacked, sources)
+    cases["blocks stacked"] = times_transposed(row(768), stacked)
+    x, c, big = row(768), row(96), matrices["Q6_K"]
+    wanted = 0.5 * np.array(x, np.float64) @ np.array(big, np.float64).T + 2.0 * np.array(c)
+    cases["blocks alpha beta"] = measured(lambda: mx.addmm(c, x, big.T, alpha=0.5, beta=2.0),
+                                          wanted)
+    return refusals
+
+
+block_rng = np.random.RandomState(1)
+MATRICES = {}  # registered matrices by name
+cases, registered, refusals = {}, {}, {}
+if os.environ.get("SHADOW_DRIVER_PART") != "blocks":
+    refusals.update(affine_cases(cases, registered))
+refusals.update(block_cases(cases, registered))
+if "affine 576" in MATRICES:
+    # q/k/v rows of a Q5_0 and a Q8_0 model copied into one (a Gemma's, split): block
+    # and affine shadows read across in one product.
+    sources = [MATRICES["Q5_0"][:30], MATRICES["affine 576"], MATRICES["IQ4_NL"][50:]]
+    stacked = mx.concatenate(sources)
+    mx.eval(stacked)
+    SHADOWS.register_stacked(stacked, sources)
+    cases["mixed stacked"] = times_transposed(row(576), stacked)
+
+# Whether the block kernels run as vector code here (a plain C build: not)
+block_vectors = bool(ctypes.CDLL(None).spmd_cp_block_shadow_vectors())
+print("RESULT " + json.dumps({"available": available(), "block_vectors": block_vectors,
+                              "registered": registered,
                               "refusals": refusals, "refused": SHADOWS.refused,
                               "cases": cases}), flush=True)

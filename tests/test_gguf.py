@@ -13,7 +13,7 @@ import pytest
 from mlx_lm import generate
 from numpy_reference import reference_logits
 
-from spmd_cp.models import gguf
+from spmd_cp.models import gguf, gguf_config, gguf_tokenizer
 from spmd_cp.models.gguf import default_model_path, load_gguf
 
 # 21 tokens: words, digits, punctuation.
@@ -241,6 +241,29 @@ def test_gemma_sentencepiece_vocabulary_encodes_as_sentencepiece(tmp_path):
         gguf.build_tokenizer({**meta, "general.architecture": "qwen2"})
 
 
+def test_tokenizer_kept_in_the_cache_encodes_as_the_one_built(metadata, tmp_path,
+                                                               monkeypatch):
+    """A built tokenizer is kept in the cache directory and read from there by the next
+    load; it encodes, decodes and streams as the one built from the metadata (transformers'
+    own converter is the reference above); a damaged copy is built again."""
+    monkeypatch.setenv("SPMD_CP_CACHE", str(tmp_path))
+    spm_meta, processor = sentencepiece_gguf_metadata()
+    for meta, texts in ((metadata, TEXTS), (spm_meta, SPM_TEXTS)):
+        built = gguf.build_tokenizer(meta)
+        assert gguf_tokenizer._cache_path(meta).is_file()
+        cached = gguf.build_tokenizer(meta)
+        for text in texts:
+            ids = built.encode(text)
+            assert cached.encode(text) == ids and cached.decode(ids) == built.decode(ids)
+        assert type(cached.detokenizer) is type(built.detokenizer)
+        assert cached.bos_token_id == built.bos_token_id
+        assert cached.eos_token_ids == built.eos_token_ids
+    assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 2
+    gguf_tokenizer._cache_path(spm_meta).write_text("{not json")
+    again = gguf.build_tokenizer(spm_meta)
+    assert again.encode(SPM_TEXTS[0]) == [2] + processor.encode(SPM_TEXTS[0])
+
+
 # Gemma 3's Hugging Face configs (google/gemma-3-1b-it, google/gemma-3-27b-it text_config):
 # what llama.cpp's gemma3 does not read from the file but must come out the same.
 GEMMA3_HF = {
@@ -267,10 +290,10 @@ def test_gemma3_config_where_the_file_is_silent(size):
         ("attention.key_length", hf["head_dim"]), ("attention.layer_norm_rms_epsilon", 1e-6),
         ("rope.freq_base", 1e6), ("attention.sliding_window", hf["sliding_window"]))}}
     tensors = {"token_embd.weight": mx.zeros((8, hf["hidden_size"]))}
-    config = gguf.gguf_config(meta, tensors)
+    config = gguf_config.gguf_config(meta, tensors)
     assert {k: config[k] for k in hf} == hf
     assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10000.0)
     assert config["tie_word_embeddings"] and config["model_type"] == "gemma3_text"
     del meta["gemma3.attention.sliding_window"]
-    config = gguf.gguf_config(meta, tensors)
+    config = gguf_config.gguf_config(meta, tensors)
     assert (config["sliding_window"], config["sliding_window_pattern"]) == (None, 1)

@@ -1,6 +1,7 @@
 """Quantized shadows: decode's matrix-vector products read a quantized model's packed
-weights (models/quantized_shadows.py, kernels/gemv_forward.c), against numpy and against the
-float32 path (--no-quantized-decode, OpenBLAS's sgemv)."""
+weights (models/quantized_shadows.py, kernels/gemv_forward.c and gguf_blocks.h), against
+numpy, the gguf package's reference dequantizer and the float32 path
+(--no-quantized-decode, OpenBLAS's sgemv)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ needs_shadow_kernel = pytest.mark.skipif(
     reason="the shadow kernel needs an x86 CPU with AVX2, FMA and F16C (Linux)")
 SHADOW_CASES = ["q4g32", "q8g32", "q4g64", "q8g64", "columns bfloat16", "other", "third",
                 "rows", "columns 64:352", "columns 32:96", "stacked", "alpha beta"]
+BLOCK_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+DIFFERS = "its packed form does not reproduce the float32 weights"
 
 
 def run_driver(tmp_path, **env) -> dict:
@@ -32,22 +35,56 @@ def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
     """4- and 8-bit matrices in groups of 32 and 64, scales and biases kept as float16,
     bfloat16 or float32, register (their packed form gives the float32 values bit for
     bit, as numpy dequantizes it); whole matrices, row views, column copies (one ending in
-    half a block) and rows of three matrices copied into one are each one product the
-    shadows serve, equal to float64 numpy to float32 rounding, alpha and beta included.
-    Two rows, a matrix one float32 step off its packed form, a second registration of
-    the same memory and 2-bit weights stay with the BLAS."""
+    half a block) and rows of three matrices copied into one (also GGUF blocks and MLX
+    triples together) are each one product the shadows serve, equal to float64 numpy to
+    float32 rounding, alpha and beta included. Two rows, a matrix one float32 step off
+    its packed form, a second registration of the same memory and 2-bit weights stay
+    with the BLAS. Then GGUF's block types (``check_block_cases``)."""
     on = run_driver(tmp_path)
-    assert on["available"] and all(on["registered"].values()), on
+    assert on["available"] and on["block_vectors"] and all(on["registered"].values()), on
     for name in SHADOW_CASES:
         assert on["cases"][name]["served"] == 1, (name, on["cases"][name])
     for name in ("two rows", "nudged"):
         assert on["cases"][name]["served"] == 0, (name, on["cases"][name])
     assert not any(on["refusals"].values())
-    assert on["refused"] == {"its packed form does not reproduce the float32 weights": 1,
+    assert on["cases"]["mixed stacked"]["served"] == 1, on["cases"]["mixed stacked"]
+    assert on["refused"] == {DIFFERS: 1 + len(BLOCK_TYPES),
                              "its memory is registered already": 1,
                              "a bit width, group size or row width the kernel does not read": 1}
-    for name, case in on["cases"].items():
+    check_block_cases(on)
+
+
+def check_block_cases(result: dict):
+    """The driver's GGUF block types (random blocks, the float32 matrix made by
+    ``gguf.quants.dequantize``): every type registers with its true blocks and is refused
+    with one block byte changed; whole matrices, row views, column copies on block
+    boundaries and rows of three types copied into one are served, each product within
+    float32 rounding of float64 numpy's; a column copy off the block boundaries is left
+    to the BLAS."""
+    for kind in BLOCK_TYPES:
+        assert result["registered"][kind] is True, (kind, result["registered"])
+        assert result["refusals"][f"{kind} changed"] is False, kind
+        for case in (kind, f"{kind} rows", f"{kind} columns"):
+            assert result["cases"][case]["served"] == 1, (case, result["cases"][case])
+        assert result["cases"][f"{kind} off"]["served"] == 0, kind
+    for case in ("blocks stacked", "blocks alpha beta"):
+        assert result["cases"][case]["served"] == 1, (case, result["cases"][case])
+    for name, case in result["cases"].items():
         assert case["error"] < 1e-6, (name, case)  # relative to the largest output
+
+
+@needs_openblas
+@needs_c_helpers
+def test_block_shadows_in_plain_c(tmp_path):
+    """The forward built as plain C alone (-DSPMD_CP_PORTABLE: what an ARM CPU or an x86
+    without AVX2 runs): GGUF's block types still register, by the reference dequantizer
+    alone, and their products equal numpy's to float32 rounding."""
+    from test_prefill_attention import plain_c_compiler
+
+    result = run_driver(tmp_path, CC=plain_c_compiler(tmp_path), SHADOW_DRIVER_PART="blocks")
+    assert result["available"] and not result["block_vectors"], result
+    assert result["refused"] == {DIFFERS: len(BLOCK_TYPES)}, result["refused"]
+    check_block_cases(result)
 
 
 def packed_bytes(model: str) -> int:
@@ -116,3 +153,49 @@ def test_mlx_format_quantized_model_reads_packed_weights(tiny_models, tmp_path):
     assert "quantized decode: 22 matrices read packed" in on.stderr, on.stderr
     assert "ready; quantized decode: 25 matrices read packed" in on.stderr, on.stderr
     assert on.last_json()["token_ids"] == off.last_json()["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def block_types_file(tmp_path_factory) -> str:
+    """A random two-layer Qwen2 GGUF whose matrices are of every block type (K-quants, Q5,
+    IQ4; also Q8_0, Q4_0, Q4_1 and float ones): tests/test_gguf_types.py's model."""
+    from test_gguf_types import TYPES, qwen2_file
+
+    return str(qwen2_file(tmp_path_factory.mktemp("blocks") / "block-types.gguf", TYPES))
+
+
+@needs_openblas
+@needs_c_helpers
+@needs_shadow_kernel
+def test_generate_reads_gguf_blocks_and_gives_the_float32_paths_tokens(block_types_file,
+                                                                       tmp_path):
+    """Greedy generate at N = 2 with the split decode step on a random model of every
+    block type: its 13 block-quantized matrices read packed (10 as the file's blocks,
+    memory-mapped), the split step's down column copies (cut at 256, on block
+    boundaries) too, and the same tokens as the float32 path. The packed forms are
+    counted in model_bytes and in the memory forecast, byte for byte."""
+    import gguf
+
+    args = ["generate", "--model", block_types_file, "--prompt", "The quick brown fox",
+            "--max-tokens", "12", "--json", "--no-chat-template", "--decode-tp", "on"]
+    env = {"SPMD_CP_CACHE": str(tmp_path / "cache")}
+    on = run_cli(2, args, env=env)
+    off = run_cli(2, args + ["--no-quantized-decode"], env=env)
+    assert "quantized decode: 13 matrices read packed" in on.stderr, on.stderr
+    assert "ready; quantized decode: 15 matrices read packed" in on.stderr, on.stderr
+    assert "matrices read packed" not in off.stderr
+    got, want = on.last_json(), off.last_json()
+    assert got["token_ids"] == want["token_ids"]
+    # the file's blocks as stored; Q4_0 / Q4_1 / Q8_0 as MLX's words and float16
+    # scales and biases (4 bytes a group of 32)
+    as_mlx = {"Q4_0": 16 + 4, "Q4_1": 16 + 4, "Q8_0": 32 + 4}
+    expected = 0
+    for tensor in gguf.GGUFReader(block_types_file).tensors:
+        kind = tensor.tensor_type.name
+        if len(tensor.shape) == 2 and kind in BLOCK_TYPES:
+            expected += int(tensor.n_bytes)
+        elif len(tensor.shape) == 2 and kind in as_mlx:
+            expected += int(tensor.n_elements) // 32 * as_mlx[kind]
+    assert [a - b for a, b in zip(got["model_bytes"], want["model_bytes"])] == [expected] * 2
+    forecast = got["memory_forecast"]["weights_bytes"] - want["memory_forecast"]["weights_bytes"]
+    assert forecast == expected

@@ -269,7 +269,9 @@ def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 
     limit = max_context or loaded.max_context
     if limit is not None and ids.size + reserve > limit:
         extra = f" + {reserve} tokens to generate" if reserve else ""
-        raise UserError(f"prompt has {ids.size} tokens{extra}, more than --max-context {limit}")
+        whose = f"--max-context {limit}" if max_context else \
+            f"the model's context of {limit} tokens"
+        raise UserError(f"prompt has {ids.size} tokens{extra}, more than {whose}")
     return ids
 
 

@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "cpu_features.h"
+#include "gguf_blocks.h"
 #ifdef HAVE_X86_VECTORS
 #include <immintrin.h>
 #endif
@@ -143,6 +144,15 @@ static void few_rows_streamed(int m, int n, int k, float alpha, const float *a,
  * registration finds which and the kernel repeats it. AVX2, FMA and F16C only: scalar
  * dequantization would be slower than reading the float32 matrix, so without them
  * nothing registers.
+ *
+ * A matrix of one of GGUF's other block types (Q5_0, Q5_1, Q2_K ... Q6_K, IQ4_NL,
+ * IQ4_XS: gguf_blocks.h) is registered with the file's block bytes as they are
+ * ("block shadows", spmd_cp_block_shadow_register): registration dequantizes every row
+ * with the reference arithmetic and with the kernel's own dequantizer and compares
+ * both with the matrix bit for bit. The kernel dequantizes each row's blocks in
+ * registers and sums their products with x in float32 (eight lanes, four
+ * accumulators): with AVX2, FMA and F16C vector code, elsewhere the reference
+ * dequantizer into a buffer and plain loops (block shadows register on every CPU).
  */
 enum { MAX_SHADOWS = 8192 };
 enum { SHADOW_FUSED = 1, SHADOW_UNFUSED = 0, SHADOW_DIFFERS = -1, SHADOW_UNSUPPORTED = -2,
@@ -164,6 +174,9 @@ typedef struct {
   size_t packed_step, group_step; /* a column slice's rows are further apart than its width */
   int group_kind;                 /* GROUP_FLOAT32, GROUP_FLOAT16 or GROUP_BFLOAT16 */
   int group_shift;                /* log2(group) where a power of two, else -1 */
+  const block_format *format;     /* a block shadow's type (bits 0), or NULL */
+  block_fn dequantize;            /* its dequantizer the checks used: the vector one
+                                   * (then the kernel is the vector one) or the reference */
 } shadow;
 
 static shadow shadows[MAX_SHADOWS]; /* sorted by `weights` */
@@ -637,6 +650,29 @@ static int shadow_matches(const shadow *s, int fused, float *row_buffer) {
 #endif
 }
 
+/* Where a shadow of the matrix at `weights` goes in the sorted registry, or
+ * SHADOW_FULL, or SHADOW_OVERLAPS (memory an earlier registration covers: a lookup has
+ * one answer). */
+static int free_place(const float *weights, int rows, int cols) {
+  if (shadow_count == MAX_SHADOWS) return SHADOW_FULL;
+  const float *end = weights + (size_t)rows * cols;
+  int at = shadow_count;
+  while (at > 0 && shadows[at - 1].weights > weights) at--;
+  if ((at > 0 && shadows[at - 1].end > weights) || (at < shadow_count &&
+                                                     shadows[at].weights < end))
+    return SHADOW_OVERLAPS;
+  return at;
+}
+
+/* Published for the compute thread: entries above `at` move up one first (a lookup
+ * racing with this sees a consistent prefix only when registration precedes use, as
+ * it does: the model's matrices at load, the split step's before its first step). */
+static void publish(shadow s, int at) {
+  for (int i = shadow_count; i > at; i--) shadows[i] = shadows[i - 1];
+  shadows[at] = s;
+  __atomic_store_n(&shadow_count, shadow_count + 1, __ATOMIC_RELEASE);
+}
+
 /* Register the packed form of a float32 matrix (rows x cols, row-major): packed rows
  * `packed_step` bytes apart, scale and bias rows `group_step` values apart (a column
  * slice of a packed matrix is a view), stored as `group_kind`. Answers SHADOW_FUSED or
@@ -662,15 +698,11 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
       packed_step < (size_t)cols * bits / 8 || group_step < (size_t)(cols / group) ||
       group_kind < GROUP_FLOAT32 || group_kind > GROUP_BFLOAT16)
     return SHADOW_UNSUPPORTED;
-  if (shadow_count == MAX_SHADOWS) return SHADOW_FULL;
-  const float *end = weights + (size_t)rows * cols;
-  int at = shadow_count;
-  while (at > 0 && shadows[at - 1].weights > weights) at--;
-  if ((at > 0 && shadows[at - 1].end > weights) || (at < shadow_count &&
-                                                     shadows[at].weights < end))
-    return SHADOW_OVERLAPS;
-  shadow s = {weights, end, rows, cols, bits, group, 0, (const uint8_t *)packed, scales,
-              biases, packed_step, group_step, group_kind, -1};
+  int at = free_place(weights, rows, cols);
+  if (at < 0) return at;
+  shadow s = {weights, weights + (size_t)rows * cols, rows, cols, bits, group, 0,
+              (const uint8_t *)packed, scales, biases, packed_step, group_step, group_kind,
+              -1, NULL, NULL};
   for (int shift = 0; shift < 31; shift++)
     if (group == 1 << shift) s.group_shift = shift;
   /* Fused first: one instruction a weight where both reproduce the matrix, as they do
@@ -679,13 +711,54 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
                 ? SHADOW_FUSED
                 : shadow_matches(&s, SHADOW_UNFUSED, row_buffer) ? SHADOW_UNFUSED : SHADOW_DIFFERS;
   if (s.fused == SHADOW_DIFFERS) return SHADOW_DIFFERS;
-  /* Published for the compute thread: entries above `at` move up one first (a lookup
-   * racing with this sees a consistent prefix only when registration precedes use, as
-   * it does: the model's matrices at load, the split step's before its first step). */
-  for (int i = shadow_count; i > at; i--) shadows[i] = shadows[i - 1];
-  shadows[at] = s;
-  __atomic_store_n(&shadow_count, shadow_count + 1, __ATOMIC_RELEASE);
+  publish(s, at);
   return s.fused;
+}
+
+/* Register a float32 matrix (rows x cols, row-major) with its GGUF blocks of `type`
+ * (gguf_blocks.h), row r at blocks + r * row_step bytes (a column slice's rows lie
+ * further apart than its width). Answers SHADOW_FUSED where every row's blocks
+ * dequantize to the matrix's row bit for bit, by the reference arithmetic and by the
+ * kernel's own, else SHADOW_DIFFERS, SHADOW_UNSUPPORTED (a type not read here, a row
+ * not whole blocks), SHADOW_FULL or SHADOW_OVERLAPS. The caller keeps both alive and
+ * unchanged for the life of the process. row_buffer: cols floats of scratch. */
+int spmd_cp_block_shadow_register(const float *weights, int rows, int cols, int type,
+                                  const void *blocks, size_t row_step, float *row_buffer) {
+  const block_format *format = block_format_of(type);
+  if (format == NULL || rows <= 0 || cols <= 0 || cols % format->values ||
+      row_step < (size_t)cols / format->values * format->bytes)
+    return SHADOW_UNSUPPORTED;
+  int at = free_place(weights, rows, cols);
+  if (at < 0) return at;
+  block_fn kernel = format->reference;
+#ifdef HAVE_X86_VECTORS
+  if (format->vectors != NULL && vectors_usable()) kernel = format->vectors;
+#endif
+  int count = cols / format->values;
+  for (int row = 0; row < rows; row++) {
+    const uint8_t *p = (const uint8_t *)blocks + (size_t)row * row_step;
+    const float *want = weights + (size_t)row * cols;
+    format->reference(p, count, row_buffer);
+    if (memcmp(row_buffer, want, (size_t)cols * sizeof(float))) return SHADOW_DIFFERS;
+    if (kernel != format->reference) {
+      kernel(p, count, row_buffer);
+      if (memcmp(row_buffer, want, (size_t)cols * sizeof(float))) return SHADOW_DIFFERS;
+    }
+  }
+  shadow s = {weights, weights + (size_t)rows * cols, rows, cols, 0, format->values,
+              SHADOW_FUSED, (const uint8_t *)blocks, NULL, NULL, row_step, 0, 0, -1, format,
+              kernel};
+  publish(s, at);
+  return SHADOW_FUSED;
+}
+
+/* Whether block shadows are read with vector code here (else the plain C kernel). */
+int spmd_cp_block_shadow_vectors(void) {
+#ifdef HAVE_X86_VECTORS
+  return vectors_usable();
+#else
+  return 0;
+#endif
 }
 
 /* Whether registrations can succeed here (an x86 CPU with AVX2, FMA and F16C). */
@@ -744,26 +817,89 @@ static inline void prefetch_row(const shadow *s, int row) {
 }
 #endif
 
+#ifdef HAVE_X86_VECTORS
+/* c[j] = alpha (row first_row + j of block shadow s) . x + beta c[j], j < rows: each
+ * row's blocks dequantized in registers, their products with x summed in four
+ * accumulators of eight lanes (the type's block_dot_fn, gguf_blocks.h). */
+AVX2_TARGET static void block_rows_avx2(const shadow *s, int first_row, int rows, float alpha,
+                                        const float *x, float beta, float *c) {
+  const block_format *f = s->format;
+  block_dot_fn dot = (block_dot_fn)f->dot;
+  int count = s->cols / f->values;
+  size_t row_bytes = (size_t)count * f->bytes;
+  for (int j = 0; j < rows; j++) {
+    const uint8_t *p = s->packed + (size_t)(first_row + j) * s->packed_step;
+    if (j + PREFETCH_ROWS < rows) {
+      const char *ahead = (const char *)p + PREFETCH_ROWS * s->packed_step;
+      for (size_t at = 0; at < row_bytes; at += CACHE_LINE) prefetch(ahead + at);
+    }
+    __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    dot(p, count, x, sum);
+    float value = horizontal_sum(_mm256_add_ps(_mm256_add_ps(sum[0], sum[1]),
+                                               _mm256_add_ps(sum[2], sum[3])));
+    c[j] = beta == 0.0f ? alpha * value : alpha * value + beta * c[j];
+  }
+}
+#endif
+
+/* block_rows_avx2 in plain C: the reference dequantizer, dot()'s sums. */
+static void block_rows_plain(const shadow *s, int first_row, int rows, float alpha,
+                             const float *x, float beta, float *c) {
+  const block_format *f = s->format;
+  int count = s->cols / f->values, per_call = BLOCK_VALUES_MAX / f->values;
+  float buffer[BLOCK_VALUES_MAX];
+  for (int j = 0; j < rows; j++) {
+    const uint8_t *p = s->packed + (size_t)(first_row + j) * s->packed_step;
+    float value = 0.0f;
+    for (int b = 0; b < count; b += per_call) {
+      int n = count - b < per_call ? count - b : per_call;
+      s->dequantize(p + (size_t)b * f->bytes, n, buffer);
+      value += dot(buffer, x + (size_t)b * f->values, n * f->values);
+    }
+    c[j] = beta == 0.0f ? alpha * value : alpha * value + beta * c[j];
+  }
+}
+
+static void block_rows(const shadow *s, int first_row, int rows, float alpha, const float *x,
+                       float beta, float *c) {
+#ifdef HAVE_X86_VECTORS
+  if (s->dequantize != s->format->reference) {
+    block_rows_avx2(s, first_row, rows, alpha, x, beta, c);
+    return;
+  }
+#endif
+  block_rows_plain(s, first_row, rows, alpha, x, beta, c);
+}
+
 /* c (n values) = alpha x B' + beta c, B' the n rows from row first_row of shadow
  * `index` on (through the shadows after it where they continue the matrix); 0 where it
  * could not (no memory for x's lanes): the caller computes it instead. */
 static int shadow_product(int index, int first_row, int n, float alpha, const float *x,
                           float beta, float *c) {
+  const shadow *s = &shadows[index];
 #ifdef HAVE_X86_VECTORS
   static __thread float *lanes; /* x in the kernel's lane order, grown as needed */
   static __thread int lanes_size;
-  const shadow *s = &shadows[index];
-  int padded = padded_columns(s->cols, s->bits);
-  if (lanes_size < padded) {
+  int lanes_bits = 0;           /* the bit width `lanes` holds x for, 0: none yet */
+  int padded = padded_columns(s->cols, 4); /* the most any bit width pads to */
+  if (lanes_size < padded) { /* before any output is written */
     float *grown = realloc(lanes, padded * sizeof(float));
     if (grown == NULL) return 0;
     lanes = grown, lanes_size = padded;
   }
+#endif
   for (int done = 0; done < n; s++, first_row = 0) {
-    if (done == 0 || s->bits != s[-1].bits) lanes_of(x, s->cols, 32 / s->bits, lanes);
+    int rows = s->rows - first_row < n - done ? s->rows - first_row : n - done;
+    if (s->format != NULL) {
+      block_rows(s, first_row, rows, alpha, x, beta, c + done);
+      done += rows;
+      continue;
+    }
+#ifdef HAVE_X86_VECTORS
+    if (s->bits != lanes_bits) lanes_of(x, s->cols, 32 / s->bits, lanes), lanes_bits = s->bits;
     shadow_dot_fn dot = dot_for(s, s->fused);
     shadow_dot2_fn dot2 = dot2_for(s, s->fused);
-    int rows = s->rows - first_row < n - done ? s->rows - first_row : n - done;
     for (int j = 0; j < rows; j += 2) {
       for (int ahead = j + PREFETCH_ROWS; ahead < j + PREFETCH_ROWS + 2 && ahead < rows; ahead++)
         prefetch_row(s, first_row + ahead); /* the hardware alone fetched 6 GB/s here */
@@ -778,13 +914,12 @@ static int shadow_product(int index, int first_row, int n, float alpha, const fl
       }
     }
     done += rows;
+#else
+    return 0; /* no affine shadow registers without the vector kernels */
+#endif
   }
   __atomic_fetch_add(&shadow_products, 1, __ATOMIC_RELAXED);
   return 1;
-#else
-  (void)index, (void)first_row, (void)n, (void)alpha, (void)x, (void)beta, (void)c;
-  return 0;
-#endif
 }
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,

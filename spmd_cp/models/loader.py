@@ -21,7 +21,7 @@ from ..runtime.paths import cache_dir
 from .checksum import model_checksum
 from . import quantized_shadows
 from ..errors import UserError
-from .gguf_header import read_gguf_tensors
+from .gguf_header import forget_layouts, read_gguf_tensors
 from .safetensors_header import check_safetensors
 from .shape import SLIDING_WINDOW_MODEL_TYPES, SUPPORTED_MODEL_TYPES, ModelShape, shape_of_config
 
@@ -69,6 +69,7 @@ def check_model_path(path: str) -> Path:
         if not _readable(p):
             raise UserError(f"model file is not readable: {path}")
         _check_file(p, read_gguf_tensors)
+        _check_tensor_types(p, path)
         return p
     if not (p / "config.json").is_file():
         raise UserError(f"model directory has no config.json: {path}")
@@ -98,6 +99,15 @@ def _check_config(config: dict, model_type: str, path: str):
                         f"{what[:MAX_ERROR_CHARS]}") from None
 
 
+def _check_tensor_types(p: Path, path: str):
+    """Refuse a GGUF with a tensor of a type no reader here reads, naming both."""
+    from .gguf_types import refusal
+
+    _, infos = read_gguf_tensors(str(p))  # the header just checked (kept, not re-read)
+    if why := refusal((info.name, info.ggml_type) for info in infos):
+        raise UserError(f"cannot load model {path}: {why}")
+
+
 def _check_file(file: Path, check):
     try:
         check(str(file))
@@ -122,6 +132,8 @@ def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = Tr
         if len(what) > MAX_ERROR_CHARS:
             what = what[:MAX_ERROR_CHARS] + "..."
         raise UserError(f"cannot load model {path}: {what}") from None
+    finally:
+        forget_layouts()
 
 
 def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool,

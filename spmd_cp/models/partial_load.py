@@ -121,13 +121,10 @@ def text_prefix(config: dict) -> str:
 def read_config(files, path: Path, tokenizer: bool = True) -> tuple[dict, object]:
     """(HF-style config, tokenizer or None) from the file headers and tokenizer files."""
     if isinstance(files, GGUFFile):
-        from .gguf import build_tokenizer, gguf_config
+        from .gguf import header_config
 
-        meta = dict(files.metadata)
-        meta["tokenizer.ggml.token_type"] = np.array(meta["tokenizer.ggml.token_type"])
         try:
-            return (gguf_config(meta, files.header_tensors()),
-                    build_tokenizer(meta) if tokenizer else None)
+            return header_config(files, tokenizer)
         except ValueError as error:
             raise UserError(f"{path}: {error}") from None
     from mlx_lm.utils import load_config, load_tokenizer
@@ -312,18 +309,21 @@ def weight_layout(path: str, keep_quantized: bool = False,
                                                     f"{base}lm_head."))]
     return WeightLayout(packed, compute, _compute_bytes(specs, vocab, form),
                         _compute_bytes(specs, other, form),
-                        _shadow_bytes(specs, form) if packed_decode else 0)
+                        _shadow_bytes(specs, form, files) if packed_decode else 0)
 
 
-def _shadow_bytes(specs: dict, form: ComputeForm) -> int:
+def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
     """Bytes of the packed forms a replicated load registers as quantized shadows
-    (models/quantized_shadows.py: the packed words, the scales and biases as stored)."""
+    (models/quantized_shadows.py: the packed words, the scales and biases as stored; a
+    GGUF's other block types as the file's blocks)."""
     from . import quantized_shadows
 
     if not (form.float32_arithmetic and form.dequantize and form.float32) or \
             not quantized_shadows.available():
         return 0
-    total = 0
+    total = getattr(files, "block_shadow_bytes", lambda: 0)()
+    if not quantized_shadows.reads_affine():
+        return total
     for name, (shape, dtype) in specs.items():
         base = name[: -len(".weight")] if name.endswith(".weight") else None
         if base is None or f"{base}.scales" not in specs:

@@ -1,6 +1,6 @@
 """Quantized shadows: decode's matrix-vector products read a quantized model's packed weights.
 
-A quantized model's matrices (GGUF Q4_0/Q4_1/Q8_0, MLX's affine 4- and 8-bit) are
+A quantized model's matrices (GGUF's block types, MLX's affine 4- and 8-bit) are
 dequantized to float32 at load on the CPU (MLX's quantized matmul is slow there), and
 every decode step then reads 4 bytes a weight where the file held 5/8 of a byte.
 kernels/gemv_forward.c, which already takes MLX's matrix-vector products ahead of the BLAS,
@@ -10,15 +10,23 @@ packed form dequantizes to the matrix's float32 values bit for bit and refuses i
 otherwise. A product then has exactly the float32 matrix's weights and differs from
 sgemv's only in the order of its sums (float32 rounding, as between two BLAS builds).
 
+Two forms: MLX's affine triple (``Packed``: GGUF Q4_0/Q4_1/Q8_0 as MLX reads them, MLX's
+own 4- and 8-bit), read with AVX2, FMA and F16C only; and the file's own blocks of GGUF's
+other types (``Blocks``: Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL, IQ4_XS; kernels/gguf_blocks.h),
+memory-mapped from the file, read with AVX2 and F16C where the CPU has them and by plain
+C elsewhere.
+
 Shadows follow the decode step's slices: a view of whole rows of a registered matrix is
 found by its address; a copy (the split step's column slices of o and down, its joined
 q/k/v rows) is registered with a view of the matching part of the packed form
-(``register_columns``, ``register_stacked``): no packed bytes beyond the model's.
+(``register_columns``, ``register_stacked``): no packed bytes beyond the model's. A
+column slice that does not fall on group or block boundaries (for the K-quants and
+IQ4_XS, 256 inputs) has no shadow: decode reads its float32 copy.
 
 Registered arrays are kept for the life of the process: the C side holds their
 addresses. ``--no-quantized-decode`` turns shadows off (decode reads float32).
 Without the forward preloaded (macOS, a GPU, no C compiler, ``SPMD_CP_GEMV_FORWARD=0``)
-or without AVX2, FMA and F16C nothing registers and nothing changes.
+nothing registers and nothing changes; without AVX2, FMA and F16C only ``Blocks`` do.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import numpy as np
 log = logging.getLogger("spmd_cp")
 
 KERNEL_BITS = (4, 8)  # the bit widths gemv_forward.c's kernel reads
+# GGUF types whose blocks gemv_forward.c reads as they are (gguf_blocks.h)
+BLOCK_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # spmd_cp_shadow_register's answers (gemv_forward.c)
 FUSED, UNFUSED, DIFFERS, UNSUPPORTED, FULL, OVERLAPS = 1, 0, -1, -2, -3, -4
 REFUSALS = {DIFFERS: "its packed form does not reproduce the float32 weights",
@@ -96,16 +106,49 @@ class Packed:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A matrix (rows, cols) as a GGUF file stores it in a type of ``BLOCK_TYPES``: ``data``
+    uint8 (rows, row bytes), each row's blocks contiguous (a column slice's rows lie
+    further apart than their width), ``kind`` the GGML type id."""
+
+    data: np.ndarray
+    kind: int
+    cols: int
+
+    @property
+    def block(self) -> tuple[int, int]:
+        from .gguf_types import block_of
+
+        return block_of(self.kind)
+
+    def rows(self, start: int, stop: int) -> Blocks:
+        return Blocks(self.data[start:stop], self.kind, self.cols)
+
+    def columns(self, start: int, stop: int) -> Blocks | None:
+        """Inputs [start, stop), or None where a cut falls inside a block."""
+        values, size = self.block
+        if start % values or stop % values:
+            return None
+        return Blocks(self.data[:, start // values * size:stop // values * size], self.kind,
+                      stop - start)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.shape[0] * self.data.shape[1]
+
+
 @functools.lru_cache(maxsize=1)
 def _library():
-    """The preloaded forward's registration entry points where registrations can succeed
-    (kernels/gemv_forward.c on an x86 CPU with AVX2, FMA and F16C), or None."""
+    """The preloaded forward's registration entry points (kernels/gemv_forward.c), or
+    None: (affine register, block register, products, whether affine shadows register
+    here: an x86 CPU with AVX2, FMA and F16C)."""
     try:
         scope = ctypes.CDLL(None)
         register = scope.spmd_cp_shadow_register
+        register_blocks = scope.spmd_cp_block_shadow_register
         products = scope.spmd_cp_shadow_products
-        if not scope.spmd_cp_shadow_usable():
-            return None
+        affine = bool(scope.spmd_cp_shadow_usable())
     except (OSError, AttributeError):
         return None
     register.restype = ctypes.c_int
@@ -114,14 +157,22 @@ def _library():
                          ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     products.restype = ctypes.c_longlong
     products.argtypes = []
-    return register, products
+    register_blocks.restype = ctypes.c_int
+    register_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return register, register_blocks, products, affine
 
 
 def available() -> bool:
     """Whether load_model can register shadows for a quantized file's matrices (on the
-    CPU, with the forward preloaded on a CPU it runs on; ``--no-quantized-decode`` asks
-    it not to)."""
+    CPU, with the forward preloaded; ``--no-quantized-decode`` asks it not to)."""
     return mx.default_device() == mx.cpu and _library() is not None
+
+
+def reads_affine() -> bool:
+    """Whether MLX's affine triples (GGUF Q4_0/Q4_1/Q8_0, MLX's 4- and 8-bit) register
+    here: ``available`` on an x86 CPU with AVX2, FMA and F16C."""
+    return available() and _library()[3]
 
 
 def availability() -> str:
@@ -129,8 +180,11 @@ def availability() -> str:
     if mx.default_device() != mx.cpu:
         return "not used (the GPU computes quantized weights as they are)"
     if _library() is None:
-        return "not available (needs the sgemv forward on an x86 CPU with AVX2, FMA and F16C)"
-    return "on (4- and 8-bit weights read packed)"
+        return "not available (needs the sgemv forward, built and preloaded on Linux)"
+    if not _library()[3]:
+        return ("on (GGUF's K-quant, Q5 and IQ4 blocks, in plain C; not 4- and 8-bit "
+                "affine weights: they need AVX2, FMA and F16C)")
+    return "on (4- and 8-bit weights and GGUF's K-quant, Q5 and IQ4 blocks read packed)"
 
 
 def _rows(a: mx.array) -> np.ndarray | None:
@@ -148,7 +202,7 @@ class _Entry:
     address: int
     rows: int
     cols: int
-    packed: Packed
+    packed: Packed | Blocks
 
 
 class Shadows:
@@ -173,14 +227,18 @@ class Shadows:
     def products(self) -> int:
         """Matrix-vector products the shadows served in this process so far."""
         library = _library()
-        return int(library[1]()) if library else 0
+        return int(library[2]()) if library else 0
 
-    def register(self, matrix: mx.array, packed: Packed) -> bool:
+    def register(self, matrix: mx.array, packed: Packed | Blocks) -> bool:
         """Register ``packed`` as the shadow of the float32 ``matrix`` (rows, cols, rows
         contiguous); False (counted in ``refused``) where the C side refuses it or cannot
         be asked."""
         library = _library() if available() else None
         if library is None or matrix.dtype != mx.float32 or matrix.ndim != 2:
+            return False
+        if isinstance(packed, Blocks):
+            return self._register_blocks(library[1], matrix, packed)
+        if not library[3]:
             return False
         weights = _rows(matrix)
         group_params = [packed.scales, packed.biases]
@@ -197,9 +255,24 @@ class Shadows:
                             words.ctypes.data, words.strides[0], scales.ctypes.data,
                             biases.ctypes.data, scales.strides[0] // scales.itemsize,
                             GROUP_KINDS[packed.scales.dtype], scratch.ctypes.data)
+        return self._registered(answer, weights, matrix, packed)
+
+    def _register_blocks(self, register, matrix: mx.array, packed: Blocks) -> bool:
+        weights, data = _rows(matrix), packed.data
+        rows, cols = matrix.shape
+        if weights is None or not weights.flags.c_contiguous or data.dtype != np.uint8 or \
+                data.ndim != 2 or data.strides[1] != 1 or data.strides[0] < data.shape[1] or \
+                data.shape[0] != rows or packed.cols != cols:
+            return self._refuse("its layout does not match the float32 matrix")
+        scratch = np.empty(cols, np.float32)
+        answer = register(weights.ctypes.data, rows, cols, packed.kind, data.ctypes.data,
+                          data.strides[0], scratch.ctypes.data)
+        return self._registered(answer, weights, matrix, packed)
+
+    def _registered(self, answer: int, weights: np.ndarray, matrix: mx.array, packed) -> bool:
         if answer not in (FUSED, UNFUSED):
             return self._refuse(REFUSALS.get(answer, f"answer {answer}"))
-        self._entries.append(_Entry(weights.ctypes.data, rows, cols, packed))
+        self._entries.append(_Entry(weights.ctypes.data, *matrix.shape, packed))
         self._kept.append(matrix)
         return True
 
@@ -207,7 +280,7 @@ class Shadows:
         self.refused[why] = self.refused.get(why, 0) + 1
         return False
 
-    def packed_of(self, matrix: mx.array) -> Packed | None:
+    def packed_of(self, matrix: mx.array) -> Packed | Blocks | None:
         """The packed form of a registered matrix, or of a view of whole rows of one."""
         if not self._entries or matrix.dtype != mx.float32 or matrix.ndim != 2:
             return None
@@ -268,7 +341,7 @@ SHADOWS = Shadows()
 
 def register_model(model, packed: dict) -> int:
     """Register every float32 parameter of ``model`` named in ``packed`` ({parameter name:
-    Packed}); the number registered. Logs what was refused, once."""
+    Packed or Blocks}); the number registered. Logs what was refused, once."""
     from mlx.utils import tree_flatten
 
     if not packed:

@@ -4,10 +4,11 @@ A rank of a sharded run (engine/weights.py) holds only its own layers and its sl
 the vocabulary, so it must never load the whole file, not even transiently: these
 readers find each tensor's byte range in the file's header and read only that range.
 
-Both present tensors under mlx-lm's parameter names in the form the file stores them
+Both present tensors under mlx-lm's parameter names in the form a rank holds them
 ("packed"): a GGUF Q4_0 / Q4_1 / Q8_0 tensor becomes the MLX affine triple (weight,
-scales, biases; group size 32) bit for bit as ``mx.load`` makes it, other GGUF tensors
-become float32 as ``gguf.convert_weights`` makes them; safetensors come as stored.
+scales, biases; group size 32) bit for bit as ``mx.load`` makes it, every other GGUF
+type float32 (gguf_types.py: the gguf package's dequantizer, rows of a block-quantized
+matrix cut on block boundaries); safetensors come as stored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import gguf_types
 from .gguf import _CONFIG_TENSORS, GROUP_SIZE, _mlx_name, model_type_of, norm_shift
 from .gguf_header import read_gguf_layout
 
@@ -33,8 +35,7 @@ _SAFETENSORS_DTYPES = {
     "I8": (np.int8, mx.int8),
 }  # fmt: skip
 
-GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 1, 2, 3, 8
-_GGML_BLOCK_BYTES = {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q8_0: 34}  # per 32 values
+GGML_F32 = 0
 
 
 def _read(path: str, offset: int, count: int, dtype) -> np.ndarray:
@@ -116,9 +117,9 @@ class GGUFFile:
         specs = {}
         for name, gguf_name in self.names.items():
             info = self.infos[gguf_name]
-            if info.kind in _GGML_BLOCK_BYTES:
+            if gguf_types.is_affine(info.kind):
                 *rows, cols = info.shape  # rows: (experts, out) for a mixture's experts
-                bits = 8 if info.kind == GGML_Q8_0 else 4
+                bits = gguf_types.affine_bits(info.kind)
                 base = name[: -len(".weight")]
                 specs[name] = ((*rows, cols * bits // 32), mx.uint32)
                 specs[f"{base}.scales"] = ((*rows, cols // GROUP_SIZE), mx.float16)
@@ -127,27 +128,32 @@ class GGUFFile:
                 specs[name] = (info.shape, mx.float32)
         return specs
 
+    def block_shadow_bytes(self) -> int:
+        """Bytes of the matrices decode reads as the file's own blocks (the 2-D tensors of
+        a type in quantized_shadows.BLOCK_TYPES: gguf.packed_weights)."""
+        from .quantized_shadows import BLOCK_TYPES
+
+        return sum(math.prod(gguf_types.byte_shape(info.shape, info.kind))
+                   for info in (self.infos[g] for g in self.names.values())
+                   if gguf_types.name_of(info.kind) in BLOCK_TYPES and len(info.shape) == 2)
+
     def read(self, name: str, rows=None) -> dict:
-        """{name: array} (a triple for a quantized weight): the tensor or rows [a, b)."""
+        """{name: array} (a triple for a Q4_0 / Q4_1 / Q8_0 weight): the tensor or rows
+        [a, b) of its first axis (whole rows: a block never spans two)."""
         info = self.infos[self.names[name]]
         a, b = _rows(info.shape, rows)
-        cols = math.prod(info.shape[1:])
-        if info.kind in (GGML_F32, GGML_F16):
-            np_dtype = np.float32 if info.kind == GGML_F32 else np.float16
-            data = _read(self.path, info.offset + a * cols * np.dtype(np_dtype).itemsize,
-                         (b - a) * cols, np_dtype)
-            shape = (b - a,) + info.shape[1:] if info.shape else ()
-            array = mx.array(data.reshape(shape)).astype(mx.float32)
+        shape = (b - a, *info.shape[1:]) if info.shape else ()
+        values, size = gguf_types.block_of(info.kind)
+        row = math.prod(info.shape[1:])  # values a row, a multiple of the block (or 1)
+        raw = _read(self.path, info.offset + a * row // values * size,
+                    (b - a) * row // values * size, np.uint8)
+        if not gguf_types.is_affine(info.kind):
+            array = mx.array(gguf_types.to_float32(raw, info.kind, shape))
             shift = norm_shift(self.names[name], self.model_type)  # as gguf.convert_weights
             return {name: array - shift if shift else array}
-        if info.kind not in _GGML_BLOCK_BYTES:
-            raise ValueError(f"GGUF tensor {self.names[name]} has unsupported type {info.kind}")
-        block = _GGML_BLOCK_BYTES[info.kind]
-        row_bytes = cols // 32 * block
-        raw = _read(self.path, info.offset + a * row_bytes, (b - a) * row_bytes, np.uint8)
-        triple = unpack_blocks(raw.reshape(b - a, cols // 32, block), info.kind)
-        lead = (b - a, *info.shape[1:-1])  # a mixture's experts: (experts, out)
-        weight, scales, biases = (mx.array(t.reshape(*lead, -1)) for t in triple)
+        cols = info.shape[-1]
+        triple = gguf_types.unpack_rows(raw.reshape(-1, cols // values, size), info.kind)
+        weight, scales, biases = (mx.array(t.reshape(*shape[:-1], -1)) for t in triple)
         base = name[: -len(".weight")]
         return {name: weight, f"{base}.scales": scales, f"{base}.biases": biases}
 
@@ -157,30 +163,6 @@ class _Tensor:
     shape: tuple  # numpy order
     kind: int  # GGML type
     offset: int  # absolute, in the file
-
-
-def unpack_blocks(blocks: np.ndarray, kind: int):
-    """(rows, blocks, block bytes) GGML blocks -> MLX (weight uint32, scales, biases).
-
-    MLX packs value k of each group at bits ``bits * k`` of little-endian uint32 words;
-    GGML's Q4 blocks hold value j in the low nibble of byte j and value j + 16 in its
-    high nibble. Offsets: Q4_0 stores q - 8, Q8_0 signed bytes (MLX's are unsigned, so
-    +128); -8 d and -128 d are exact in float16.
-    """
-    rows, groups = blocks.shape[:2]
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-    if kind == GGML_Q8_0:
-        values = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return (values.reshape(rows, -1).view(np.uint32), d,
-                (d * np.float16(-128)).astype(np.float16))
-    qs = blocks[..., 4:] if kind == GGML_Q4_1 else blocks[..., 2:]
-    values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (rows, groups, 32)
-    packed = values[..., 0::2] | (values[..., 1::2] << 4)
-    weight = np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
-    if kind == GGML_Q4_1:
-        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-        return weight, d, m
-    return weight, d, (d * np.float16(-8)).astype(np.float16)
 
 
 def open_tensor_files(path: str):
