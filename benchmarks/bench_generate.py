@@ -2,7 +2,7 @@
 
     python benchmarks/bench_generate.py                          # N = 1 2, 2 rounds
     python benchmarks/bench_generate.py --ranks 1 2 4 --rounds 2 --tokens 64
-    python benchmarks/bench_generate.py --baseline /work/main/.venv/bin/spmd-cp  # + N=2 of it
+    python benchmarks/bench_generate.py --baseline ../spmd-cp-BASE/.venv/bin/spmd-cp  # + N=2
     python benchmarks/bench_generate.py --baseline OTHER --baseline-ranks 1 2
     python benchmarks/bench_generate.py --compare-flags=--no-fast-exp --baseline-ranks 1 2
     python benchmarks/bench_generate.py --compare-env SPMD_CP_HUGE_PAGES=off --baseline-ranks 1 2
@@ -129,6 +129,15 @@ def summarize(runs: list[dict], configs: list[tuple]) -> list[list]:
     return rows
 
 
+def command_env(setting: str, path) -> str:
+    """--compare-env's NAME=VALUE with each entry of a *PATH variable passed through
+    ``path`` (made whole to run, relative to the repository root to record)."""
+    name, _, value = setting.partition("=")
+    if not name.endswith("PATH") or not value:
+        return setting
+    return f"{name}=" + os.pathsep.join(path(entry) for entry in value.split(os.pathsep))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,7 +156,14 @@ def main():
                         help="also run this code with these generate flags, e.g. "
                              "--no-fast-exp (instead of --baseline)")
     args = parser.parse_args()
-    command = "python benchmarks/bench_generate.py " + shlex.join(sys.argv[1:])
+    command = bl.command_line("bench_generate.py", sys.argv[1:])
+    recorded = {**vars(args), "baseline": args.baseline and bl.from_root(args.baseline),
+                "compare_env": args.compare_env and command_env(args.compare_env, bl.from_root)}
+    # The runs start in the prompt's folder: paths given relative to here are made whole.
+    if args.baseline:
+        args.baseline = os.path.abspath(args.baseline)
+    if args.compare_env:
+        args.compare_env = command_env(args.compare_env, os.path.abspath)
     if 1 not in args.ranks:
         parser.error("--ranks must include 1 (the reference)")
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
@@ -157,7 +173,7 @@ def main():
         other = None
         if args.compare_env:
             name, _, value = args.compare_env.partition("=")
-            other = (args.compare_env, bl.SPMD_CP, {**env, name: value}, ())
+            other = (recorded["compare_env"], bl.SPMD_CP, {**env, name: value}, ())
         elif args.compare_flags:
             other = (args.compare_flags, bl.SPMD_CP, env, tuple(shlex.split(args.compare_flags)))
         elif args.baseline:
@@ -181,7 +197,7 @@ def main():
         bl.header("spmd-cp generate --json, N ranks side by side", command),
         f"started {started}; prompt: {prompt_tokens} tokens (chat template included) "
         f"from {source}; {args.tokens} greedy tokens; OPENBLAS_NUM_THREADS=1; default flags"
-        + (f"; baseline: {args.baseline}" if other and other[0] == "baseline"
+        + (f"; baseline: {recorded['baseline']}" if other and other[0] == "baseline"
            else "")
         + (f"; also with {other[0]}" if other and other[0] != "baseline" else ""),
         bl.table(["code", "ranks", "runs", "prefill tok/s", "decode tok/s", "decode vs N=1",
@@ -191,7 +207,7 @@ def main():
                   "decode tok/s", "tokens", "prefill algo", "--decode-tp auto chose",
                   "others' cores"], run_rows)])
     print(markdown)
-    bl.save(args.name, {"args": vars(args), "command": command, "machine": bl.machine(),
+    bl.save(args.name, {"args": recorded, "command": command, "machine": bl.machine(),
                         "started": started, "prompt_source": source,
                         "prompt_tokens": prompt_tokens, "runs": runs}, markdown)
 

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import shutil
 import signal
 import statistics
@@ -296,6 +297,24 @@ def save(name: str, payload: dict, markdown: str | None = None) -> Path:
     if markdown is not None:
         (RESULTS / f"{name}.md").write_text(markdown + "\n")
     return path
+
+
+def from_root(path: str) -> str:
+    """A path as a result file records it: relative to the repository root. An absolute
+    path names one machine's directories; a relative one reruns from any checkout laid
+    out alike (another checkout beside it: ``../spmd-cp-COMMIT``)."""
+    return os.path.relpath(os.path.abspath(path), ROOT)
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command a result file records: ``python benchmarks/SCRIPT ARGS``, every
+    absolute path among the arguments (alone, or after ``NAME=`` or ``--flag=``) made
+    relative to the repository root (``from_root``)."""
+    def portable(arg: str) -> str:
+        head, sep, value = arg.rpartition("=")
+        return head + sep + from_root(value) if value.startswith("/") else arg
+
+    return f"python benchmarks/{script} " + shlex.join(portable(arg) for arg in argv)
 
 
 def header(title: str, command: str) -> str:

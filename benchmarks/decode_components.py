@@ -290,7 +290,7 @@ def launch(column: tuple, args) -> dict:
                      "--kv-dtype", args.kv_dtype, "--tokens", args.tokens, "--skip",
                      args.skip, "--inner", args.inner)
     result = bl.run_json(cmd, env=bl.bench_env(threads, PYTHONPATH=path))
-    result["_variant"], result["_tree"] = name, path
+    result["_variant"], result["_tree"] = name, bl.from_root(path)
     for context in args.contexts:
         steps = [r[str(context)]["plain_ms"] for r in result["per_rank"]]
         bl.log(f"{name}, {context} tokens: step {max(steps):.2f} ms (others "
@@ -364,7 +364,7 @@ def main():
     if args.worker:
         worker(args)
         return
-    command = "python benchmarks/decode_components.py " + " ".join(sys.argv[1:])
+    command = bl.command_line("decode_components.py", sys.argv[1:])
     runs = []
     for _ in range(args.rounds):
         for column in columns(args):

@@ -31,3 +31,18 @@ def test_a_run_that_finishes_returns_its_last_json_line():
     result = benchlib.run_json(["bash", "-c", "echo noise; echo '{\"tok_s\": 12.5}'"],
                                quiet_wait=0)
     assert result["tok_s"] == 12.5 and result["_returncode"] == 0
+
+
+def test_a_recorded_command_names_no_absolute_path():
+    # Result files record the command to rerun: another checkout beside this one must be
+    # recorded as ../NAME, not as the directory one machine had it in.
+    root = benchlib.ROOT
+    sibling = root.parent / "spmd-cp-base"
+    argv = ["--trees", f"base={sibling}", f"this={root}", "--baseline",
+            str(sibling / ".venv/bin/spmd-cp"), "--compare-env", f"PYTHONPATH={sibling}",
+            "--rounds", "2", "--name", "a b"]
+    command = benchlib.command_line("bench_generate.py", argv)
+    assert command == ("python benchmarks/bench_generate.py --trees base=../spmd-cp-base "
+                       "this=. --baseline ../spmd-cp-base/.venv/bin/spmd-cp --compare-env "
+                       "PYTHONPATH=../spmd-cp-base --rounds 2 --name 'a b'")
+    assert benchlib.from_root(root / "benchmarks" / "results") == "benchmarks/results"
