@@ -267,6 +267,34 @@ def run_json(cmd: list[str], env: dict | None = None, timeout: float = 3600,
     return result
 
 
+def llama_cpp_greedy(model: str, prompt: str, threads: int, tokens: int,
+                     n_batch: int = 512) -> dict:
+    """(In a child process of its own) llama.cpp's prefill of the text in file ``prompt``
+    (``n_batch`` tokens a batch; llama-cpp-python's default) and ``tokens`` greedy tokens
+    one at a time, on ``threads`` threads: the figures the drivers set beside spmd-cp's
+    ``--json``."""
+    from llama_cpp import Llama
+
+    text = Path(prompt).read_text()
+    llm = Llama(model_path=model, n_ctx=0, n_threads=threads, n_threads_batch=threads,
+                n_batch=n_batch, verbose=False)
+    ids = llm.tokenize(text.encode(), add_bos=True)
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(ids)
+    answer = [llm.sample(temp=0.0)]
+    prefilled = time.perf_counter()
+    for _ in range(tokens - 1):
+        llm.eval([answer[-1]])
+        answer.append(llm.sample(temp=0.0))
+    done = time.perf_counter()
+    return {"prompt_tokens": len(ids), "ttft_s": prefilled - start,
+            "prefill_tok_s": len(ids) / (prefilled - start),
+            "decode_tok_s": (tokens - 1) / (done - prefilled),
+            "text": llm.detokenize(answer).decode(errors="replace"),
+            "llama_cpp_python": __import__("llama_cpp").__version__}
+
+
 def mpi_cmd(ranks: int, *args) -> list[str]:
     return [MPIEXEC, "-n", str(ranks), *map(str, args)]
 
@@ -304,6 +332,16 @@ def from_root(path: str) -> str:
     path names one machine's directories; a relative one reruns from any checkout laid
     out alike (another checkout beside it: ``../spmd-cp-COMMIT``)."""
     return os.path.relpath(os.path.abspath(path), ROOT)
+
+
+def portable_text(text: str, **places: str | Path) -> str:
+    """``text`` (captured output, a process's command line) as a result file records it:
+    this interpreter's environment written ``$VENV``, each of ``places`` (a run's scratch
+    folder, say) ``$NAME``, the repository ``.``: no directory only one machine had."""
+    for name, path in sorted({"VENV": sys.prefix, **places}.items(),
+                             key=lambda item: -len(str(item[1]))):
+        text = text.replace(str(path), f"${name.upper()}")
+    return text.replace(str(ROOT), ".")
 
 
 def command_line(script: str, argv: list[str]) -> str:

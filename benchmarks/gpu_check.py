@@ -184,6 +184,14 @@ def mlx_lm_scores(model, tokenizer, path: str) -> dict:
 
 
 # -- the runs ---------------------------------------------------------------------------
+def recorded_command(argv: list[str]) -> str:
+    """The command as the result file records it: ``--out`` as the folder's name (where it
+    was on the machine that ran it is nobody else's path)."""
+    kept = [Path(arg).name if previous == "--out" else arg
+            for previous, arg in zip([None, *argv], argv)]
+    return "python benchmarks/gpu_check.py " + shlex.join(kept)
+
+
 class Check:
     """The state of one check run: results so far, written out after every step."""
 
@@ -192,8 +200,7 @@ class Check:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.start = time.perf_counter()
-        self.data: dict = {"command": "python benchmarks/gpu_check.py "
-                                      + shlex.join(sys.argv[1:]),
+        self.data: dict = {"command": recorded_command(sys.argv[1:]),
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "machine": machine(), "speed": [], "exactness": [],
                            "skipped": [], "failures": []}

@@ -99,32 +99,6 @@ def found(text: str) -> bool:
     return text.strip().upper().startswith(CODE_WORD)
 
 
-def llama_worker(model: str, prompt: str, threads: int, tokens: int) -> dict:
-    """(In the child process) llama.cpp's prefill and greedy answer."""
-    from llama_cpp import Llama
-
-    text = Path(prompt).read_text()
-    llm = Llama(model_path=model, n_ctx=0, n_threads=threads, n_threads_batch=threads,
-                n_batch=N_BATCH, verbose=False)
-    ids = llm.tokenize(text.encode(), add_bos=True)
-    llm.reset()
-    start = time.perf_counter()
-    llm.eval(ids)
-    token = llm.sample(temp=0.0)
-    prefilled = time.perf_counter()
-    answer = [token]
-    for _ in range(tokens - 1):
-        llm.eval([token])
-        token = llm.sample(temp=0.0)
-        answer.append(token)
-    done = time.perf_counter()
-    return {"prompt_tokens": len(ids), "ttft_s": prefilled - start,
-            "prefill_tok_s": len(ids) / (prefilled - start),
-            "decode_tok_s": (tokens - 1) / (done - prefilled),
-            "text": llm.detokenize(answer).decode(errors="replace"),
-            "llama_cpp_python": __import__("llama_cpp").__version__}
-
-
 def variants_for(cores: int, llama: bool) -> list[tuple[str, str, int, int]]:
     """(name, system, ranks, threads per rank): llama.cpp on the cores, spmd-cp at one rank
     on the cores, one rank per core, and four ranks (oversubscribed where cores < 4)."""
@@ -234,7 +208,8 @@ def main():
         return
     model = args.model or default_model()
     if args.llama_worker:
-        print(json.dumps(llama_worker(model, args.llama_worker, args.threads, args.tokens)))
+        print(json.dumps(bl.llama_cpp_greedy(model, args.llama_worker, args.threads,
+                                             args.tokens, N_BATCH)))
         return
     try:
         import llama_cpp  # noqa: F401

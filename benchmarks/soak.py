@@ -201,8 +201,10 @@ def batch(args, tag: str, out: list) -> dict:
     out.append(f"\nleft after the job: {left2 or 'nothing'} (pgrep -af {tag}; the "
                f"{len(sampler2.seen)} sampled pids)")
     return {"part2": {"returncode": proc.returncode, "wall_s": wall2, "results": results,
-                      "series": sampler2.series, "cmds": sampler2.cmds, "leftovers": left2,
-                      "stderr": stderr[-3000:]}}
+                      "series": sampler2.series, "leftovers": left2,
+                      "cmds": {pid: bl.portable_text(cmd, scratch=jobs.parent)
+                               for pid, cmd in sampler2.cmds.items()},
+                      "stderr": bl.portable_text(stderr[-3000:], scratch=jobs.parent)}}
 
 
 def main():

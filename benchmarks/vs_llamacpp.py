@@ -87,28 +87,6 @@ def make_prompt(tokens: int, directory: Path) -> tuple[Path, int]:
     return path, len(tokenizer.encode(text))
 
 
-def llama_worker(prompt: str, threads: int, tokens: int) -> dict:
-    """(In the child process) llama.cpp's prefill and greedy decode of ``prompt``."""
-    from llama_cpp import Llama
-
-    text = Path(prompt).read_text()
-    llm = Llama(model_path=gguf_path(), n_ctx=0, n_threads=threads, n_threads_batch=threads,
-                n_batch=N_BATCH, verbose=False)
-    ids = llm.tokenize(text.encode(), add_bos=True)
-    llm.reset()
-    start = time.perf_counter()
-    llm.eval(ids)
-    token = llm.sample(temp=0.0)
-    prefilled = time.perf_counter()
-    for _ in range(tokens - 1):
-        llm.eval([token])
-        token = llm.sample(temp=0.0)
-    done = time.perf_counter()
-    return {"prompt_tokens": len(ids), "prefill_tok_s": len(ids) / (prefilled - start),
-            "decode_tok_s": (tokens - 1) / (done - prefilled),
-            "llama_cpp_python": __import__("llama_cpp").__version__}
-
-
 def run_variant(variant: tuple, prompt: Path, tokens: int, kv_dtype: str | None) -> dict:
     name, system, ranks, threads = variant
     if system == "llama.cpp":
@@ -164,7 +142,8 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llama_worker:
-        print(json.dumps(llama_worker(args.llama_worker, args.threads, args.tokens)))
+        print(json.dumps(bl.llama_cpp_greedy(gguf_path(), args.llama_worker, args.threads,
+                                             args.tokens, N_BATCH)))
         return
     if args.cores < 2:
         parser.error("--cores: at least 2")

@@ -126,3 +126,24 @@ def test_the_walks_see_what_they_check():
     assert cited("vs_mlx_lm", "result file `vs_mlx_lm`")
     assert cited("gpu_check_h100", "benchmarks/results/gpu_check_h100.{json,md}")
     assert not cited("vs_llamacpp", "`vs_llamacpp_default`, vs_llamacpp_n2_3k.md")
+
+
+# A directory of one machine: a home, a working copy, a venv or scratch folder under /tmp.
+# The paths spmd-cp itself writes (/tmp/spmdcp-netns, /tmp/spmd-cp-run-N) and the GPU
+# machine's prepared setup (/tmp/gpu, benchmarks/gpu/README.md) are what a reader meets.
+MACHINE_PATH = re.compile(r"(?<![\w.$-])/(?:work|root|home|Users)/[\w.-]+"
+                          r"|/tmp/(?!spmdcp-netns\b|spmd-cp-run-|gpu/|gpu\b)[\w.-]+")
+
+
+def test_no_result_file_or_doc_names_a_directory_of_one_machine():
+    """Commands and outputs as a reader can rerun and meet them: relative paths, or the
+    places spmd-cp itself writes."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted(p for p in RESULTS.iterdir() if p.suffix in (".json", ".md"))]
+    found = [f"{page.relative_to(ROOT)}:{number}: {match.group(0)}"
+             for page in pages
+             for number, line in enumerate(page.read_text().splitlines(), 1)
+             for match in [MACHINE_PATH.search(line)] if match]
+    assert len(pages) > 20  # the walk saw the pages
+    assert not found, "paths of one machine (give the command as a user would run it):\n" + \
+        "\n".join(found)

@@ -145,7 +145,7 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     from ..config import sampling_problem
     from ..engine.prompt_cache import common_prefix_length
     from ..errors import UserError
-    from .steps import cap_to_context, check_memory, log, prompt_parts_for, tokenize_checked
+    from .steps import cap_to_context, check_memory, prompt_parts_for, tokenize_checked
 
     problem = sampling_problem(sampling, loaded.config.get("vocab_size"))
     if problem:
@@ -154,11 +154,7 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     ids = tokenize_checked(loaded, text, run.max_context, user_spans=spans,
                            parse_special=run.parse_special)
     max_tokens = cap_to_context(sampling.max_tokens, len(ids),
-                                run.max_context or loaded.max_context)
-    if max_tokens < sampling.max_tokens:
-        log.warning("--max-tokens %d capped at %d: the prompt's %d tokens and the answer "
-                    "must fit the context of %d tokens", sampling.max_tokens, max_tokens,
-                    len(ids), run.max_context or loaded.max_context)
+                                run.max_context or loaded.max_context, "--max-tokens")
     forecast = check_memory(comm, loaded, run, len(ids) + max_tokens,
                             len(ids) - min(cache.num_tokens, len(ids) - 1),
                             split_decode=may_split and max_tokens > 1)

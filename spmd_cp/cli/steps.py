@@ -275,9 +275,15 @@ def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 
     return ids
 
 
-def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None) -> int:
-    """Tokens to generate after ``prompt_tokens``, within the model's ``context``."""
-    return max_tokens if not context else max(0, min(max_tokens, context - prompt_tokens))
+def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None,
+                   name: str | None = None) -> int:
+    """Tokens to generate after ``prompt_tokens``, within the model's ``context``; a cap
+    of the setting ``name`` (``--max-tokens``, ``max_tokens``) is warned about."""
+    capped = max_tokens if not context else max(0, min(max_tokens, context - prompt_tokens))
+    if name and capped < max_tokens:
+        log.warning("%s %d capped at %d: the prompt's %d tokens and the answer must fit the "
+                    "context of %d tokens", name, max_tokens, capped, prompt_tokens, context)
+    return capped
 
 
 def memory_limit(run: RunConfig) -> int:

@@ -39,6 +39,7 @@ from ..runtime import spmd
 from .cache import ShardedKVCache
 from ..runtime.comm import Comm
 from ..errors import UserError
+from ..text_input import unicode_problem
 
 FORMAT = 1
 META = "meta.json"
@@ -155,14 +156,9 @@ def _is_int(value, low: int, high: int | None = None) -> bool:
 
 
 def _is_text(value) -> bool:
-    """A string that is valid Unicode (JSON's \\ud800 escapes give lone surrogates)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    """A string that is valid Unicode (the rule of spmd_cp/text_input.py: JSON's \\ud800
+    escapes give lone surrogates)."""
+    return isinstance(value, str) and unicode_problem(value) is None
 
 
 def _is_sha256(value) -> bool:

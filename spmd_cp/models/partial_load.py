@@ -321,7 +321,7 @@ def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
     if not (form.float32_arithmetic and form.dequantize and form.float32) or \
             not quantized_shadows.available():
         return 0
-    total = getattr(files, "block_shadow_bytes", lambda: 0)()
+    total = files.block_shadow_bytes()
     if not quantized_shadows.reads_affine():
         return total
     for name, (shape, dtype) in specs.items():

@@ -76,6 +76,10 @@ class SafetensorsFiles:
         """{name: (shape, MLX dtype)} of every tensor, from the headers alone."""
         return {name: (e[3], e[2]) for name, e in self.entries.items()}
 
+    def block_shadow_bytes(self) -> int:
+        """No GGUF blocks here (MLX's quantized triples count through ``specs``)."""
+        return 0
+
     def read(self, name: str, rows=None) -> dict:
         """{name: array}: the tensor, or rows [a, b) of its first axis."""
         path, np_dtype, mx_dtype, shape, offset = self.entries[name]

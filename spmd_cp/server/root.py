@@ -80,7 +80,7 @@ class RootSide:
         kept, the entries evicted), the sampling; checked: the context and the memory
         forecast with the resident entries kept: the busiest rank's (every part the
         most any rank holds), MLX's buffer cache at its bound included where bounded."""
-        from ..cli.steps import cap_to_context, check_memory, log, tokenize_checked
+        from ..cli.steps import cap_to_context, check_memory, tokenize_checked
         from ..engine.forecast import kv_tokens_per_rank
         from ..runtime.resident import outside_mlx_bytes
         from .resident import held_room
@@ -95,13 +95,10 @@ class RootSide:
                            param="messages" if request.kind == "chat" else "prompt") from None
         # As generate does: an answer longer than the context leaves is cut there (its
         # finish_reason "length"), not refused for the memory it would never use.
-        context = self.run.max_context or self.loaded.max_context
-        max_tokens = cap_to_context(sampling.max_tokens, len(ids), context)
-        if max_tokens < sampling.max_tokens:
-            log.warning("max_tokens %d capped at %d: the prompt's %d tokens and the answer "
-                        "must fit the context of %d tokens", sampling.max_tokens, max_tokens,
-                        len(ids), context)
-            sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        max_tokens = cap_to_context(sampling.max_tokens, len(ids),
+                                    self.run.max_context or self.loaded.max_context,
+                                    "max_tokens")
+        sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
 
         forecast = {}
         total = len(ids) + sampling.max_tokens  # the request's entry, once answered
