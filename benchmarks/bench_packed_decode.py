@@ -31,10 +31,23 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import benchlib as bl  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 GPL = Path("/usr/share/common-licenses/GPL-3")
 FALLBACK = RESULTS / "prompts" / "prompt_4096.txt"
 RUN_LIMIT_S = 900  # a run that takes longer is hung
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as a result file records it: paths relative to the repository (the
+    embedded model's inside the venv), the baseline's copy of the package as BASE."""
+    argv = list(argv)
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--baseline-pythonpath":
+            argv[i + 1] = "BASE"
+    return bl.portable_text(bl.command_line("bench_packed_decode.py", argv))
 
 
 def make_prompt(model: str, target_tokens: int, directory: Path) -> tuple[Path, int]:
@@ -143,7 +156,7 @@ def main():
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
-    meta = {"command": "python benchmarks/bench_packed_decode.py " + " ".join(sys.argv[1:]),
+    meta = {"command": command_line(sys.argv[1:]),
             "cpu": f"{cpu}, {os.cpu_count()} cores",
             "date": subprocess.run(["date", "-u", "+%Y-%m-%d"], capture_output=True,
                                    text=True).stdout.strip(),

@@ -268,15 +268,15 @@ def run_json(cmd: list[str], env: dict | None = None, timeout: float = 3600,
 
 
 def llama_cpp_greedy(model: str, prompt: str, threads: int, tokens: int,
-                     n_batch: int = 512) -> dict:
+                     n_batch: int = 512, n_ctx: int = 0) -> dict:
     """(In a child process of its own) llama.cpp's prefill of the text in file ``prompt``
     (``n_batch`` tokens a batch; llama-cpp-python's default) and ``tokens`` greedy tokens
     one at a time, on ``threads`` threads: the figures the drivers set beside spmd-cp's
-    ``--json``."""
+    ``--json``. ``n_ctx``: its context (0: the model's, whose KV cache it allocates)."""
     from llama_cpp import Llama
 
     text = Path(prompt).read_text()
-    llm = Llama(model_path=model, n_ctx=0, n_threads=threads, n_threads_batch=threads,
+    llm = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 n_batch=n_batch, verbose=False)
     ids = llm.tokenize(text.encode(), add_bos=True)
     llm.reset()

@@ -185,9 +185,52 @@ if "affine 576" in MATRICES:
     SHADOWS.register_stacked(stacked, sources)
     cases["mixed stacked"] = times_transposed(row(576), stacked)
 
+
+
+def released_cases(cases: dict) -> dict:
+    """Matrices whose float32 memory is handed back (a packed-only load): their memory
+    reads as zeros after, yet a prefill's many rows (tiles dequantized for the BLAS), one
+    row (the packed kernel), a row view, a stacked copy and an embedding's lookup all
+    give the float32 matrix's answers; ``filled`` puts the values back for a copy."""
+    checks = {}
+    names = [n for n in ("affine 576", "Q4_K", "Q6_K", "IQ4_XS", "Q5_0") if n in MATRICES]
+    for name in names:
+        weights = MATRICES[name]
+        values = np.array(weights)  # the float32 matrix, kept here as the reference
+        many = mx.array(rng.standard_normal((33, weights.shape[1])).astype(np.float32))
+        ids = np.array([0, 7, weights.shape[0] - 1, 7], np.int32)
+        SHADOWS.release(weights)
+        interior = np.asarray(weights).reshape(-1)[2048:-2048]
+        checks[f"{name} reads zeros"] = bool(interior.size and not interior.any())
+        reference = np.array(many, np.float64) @ values.astype(np.float64).T
+        cases[f"{name} released rows"] = measured(lambda: many @ weights.T, reference)
+        cases[f"{name} released row"] = measured(
+            lambda: many[:1] @ weights.T, reference[:1])
+        cases[f"{name} released view"] = measured(
+            lambda: many @ weights[3:40].T, reference[:, 3:40])
+        checks[f"{name} lookup"] = bool(np.array_equal(
+            np.array(SHADOWS.lookup(weights, ids)), values[ids]))
+        with SHADOWS.filled([weights]):
+            copy = mx.contiguous(weights[:, :64])
+            mx.eval(copy)
+        checks[f"{name} filled copy"] = bool(np.array_equal(np.array(copy), values[:, :64]))
+        checks[f"{name} released again"] = not np.asarray(weights).reshape(-1)[2048:-2048].any()
+    return checks
+
+
+if os.environ.get("SHADOW_DRIVER_RELEASE") == "misuse":
+    # A product that reads released memory as the BLAS's own operand: the process stops.
+    weights = MATRICES["Q4_K"]
+    SHADOWS.release(weights)
+    mx.eval(weights @ mx.ones((weights.shape[1], 3)))
+    print("RESULT {}", flush=True)
+    raise SystemExit(0)
+released = released_cases(cases) if os.environ.get("SHADOW_DRIVER_PART") != "blocks" else {}
+
 # Whether the block kernels run as vector code here (a plain C build: not)
 block_vectors = bool(ctypes.CDLL(None).spmd_cp_block_shadow_vectors())
 print("RESULT " + json.dumps({"available": available(), "block_vectors": block_vectors,
                               "registered": registered,
                               "refusals": refusals, "refused": SHADOWS.refused,
+                              "released": released,
                               "cases": cases}), flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -177,6 +178,27 @@ def test_cache_room_is_what_its_buffers_take_within_a_growth_step():
     room = cache.capacity
     cache.truncate(10)
     assert cache.capacity == room and cache.nbytes == 2 * 2 * 3 * 10 * 4 * 4
+
+
+def test_a_cache_filled_in_one_step_holds_contiguous_rows():
+    """A layer's first append of exactly whole growth steps, in a half-precision cache,
+    from a transposed view (as a projection's heads are): the buffers hold the values
+    as contiguous rows, as the native decode step writes into them in place (an update
+    of the whole buffer once came back as the transposed view itself)."""
+    from spmd_cp.engine.cache import LayerKV
+
+    rng = np.random.default_rng(3)
+    for n in (LayerKV.step, 2 * LayerKV.step, LayerKV.step - 1):
+        layer = LayerKV(mx.float16)
+        rows = rng.standard_normal((n, 3, 64)).astype(np.float32)
+        keys = mx.array(rows).transpose(1, 0, 2)  # (heads, n, d), not contiguous
+        layer.update_and_fetch(keys, keys * 2)
+        mx.eval(layer.keys, layer.values)
+        for buffer, scale in ((layer.keys, 1), (layer.values, 2)):
+            view = np.asarray(buffer.view(mx.uint16))
+            assert view.flags["C_CONTIGUOUS"], (n, view.strides)
+            want = (scale * rows.transpose(1, 0, 2)).astype(np.float16)
+            assert np.array_equal(np.asarray(buffer[:, :n]), want)
 
 
 def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):

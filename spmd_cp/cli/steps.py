@@ -13,7 +13,6 @@ import socket
 import sys
 import time
 
-import mlx.core as mx
 import numpy as np
 
 from ..attention.exp import use_polynomial_exp
@@ -35,7 +34,7 @@ from ..runtime import allocator, huge_pages, scheduling, spmd
 from ..runtime.comm import Comm
 from ..runtime.device import Compute, compiled_kernels_work
 from ..runtime.faults import layer_hook
-from ..runtime.resident import outside_mlx_bytes, resident_peak_bytes
+from ..runtime.resident import mlx_peak_bytes, outside_mlx_bytes, resident_peak_bytes
 from .outputs import Output
 from .retired import honour_retired
 from .sharding import wants_sharding, weight_plan
@@ -151,8 +150,10 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
         loaded = spmd.everywhere(comm, load_rank_share, path, comm.rank, comm.size,
                                  run.keep_quantized)
     else:
+        # packed_only: a GGUF's quantized matrices held as the file stores them
+        # (models/packed_load.py), where decode reads them packed
         loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized, decode,
-                                 run.weight_cache)
+                                 run.weight_cache, True)
     # From here on every rank is in lockstep: a long wait means a peer is gone.
     spmd.hot_phase(comm, run.comm_timeout)
     allocator.release_free_memory()  # the load's copies, before the forecast measures
@@ -308,7 +309,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     from ..engine.decode_choice import split_copy_bytes
 
     limit = memory_limit(run)
-    replicated = model_nbytes(loaded.model) + SHADOWS.nbytes  # registered at load
+    replicated = model_nbytes(loaded.model)
     if split_decode and getattr(loaded, "share", None) is None:
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)
@@ -326,7 +327,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
 # -- results ---------------------------------------------------------------------------
 def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
     """Per-rank lists (rank order) of memory, KV and communication figures, on rank 0."""
-    mine = {"peak_mem_bytes": int(mx.get_peak_memory()),
+    mine = {"peak_mem_bytes": mlx_peak_bytes(),
             "resident_peak_bytes": resident_peak_bytes(), "kv_cache_bytes": int(cache.nbytes),
             "comm_bytes": int(comm.bytes_sent), "model_bytes": int(model_bytes),
             # of comm_bytes, pass-KV's for sliding-window layers, and a full ring's for them
@@ -347,9 +348,12 @@ def model_bytes(engine: Engine, loaded) -> int:
 
 
 def model_nbytes(model) -> int:
+    """Bytes of weights a rank holds for ``model``: its parameters, less the float32
+    matrices released for their packed forms, plus the packed forms decode reads
+    (models/quantized_shadows.py)."""
     from mlx.utils import tree_flatten
 
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return SHADOWS.held_bytes(v for _, v in tree_flatten(model.parameters())) + SHADOWS.nbytes
 
 
 def algos_used(engine: Engine) -> str:

@@ -46,8 +46,14 @@ class LayerKV:
             return self.fetch() if self.keys is not None else (keys, values)
         self._make_room(n, keys.shape[0], keys.shape[2], keys.dtype, values.dtype)
         self.buffers_version = next(_BUFFER_VERSIONS)
-        self.keys[:, self.offset : self.offset + n] = keys
-        self.values[:, self.offset : self.offset + n] = values
+        if self.offset == 0 and n == self.keys.shape[1]:
+            # MLX answers an update of the whole buffer with the update itself, which may
+            # be a transposed view of the projection: the buffers must be contiguous rows
+            # (the native decode step writes into them in place).
+            self.keys, self.values = mx.contiguous(keys), mx.contiguous(values)
+        else:
+            self.keys[:, self.offset : self.offset + n] = keys
+            self.values[:, self.offset : self.offset + n] = values
         self.offset += n
         return self.keys[:, : self.offset], self.values[:, : self.offset]
 

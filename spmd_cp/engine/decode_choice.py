@@ -88,11 +88,30 @@ def split_copy_bytes(model, cp_size: int) -> int:
     from .tp_decode import joined_qkv_bytes  # MLX graph code; this module stays pure
 
     parts = [LayerParts.of(layer) for layer in model.layers]
-    modules = [p.down for p in parts if p.down is not None]
+    modules = [p.down for p in parts if p.down is not None and not _stays_packed(p.down, cp_size)]
     total = sum(v.nbytes for m in modules for _, v in tree_flatten(m.parameters()))
     total += sum(expert_bytes(p.feed_forward) for p in parts
                  if not p.is_swiglu and hasattr(p.feed_forward, "switch_mlp"))
-    return -(-total // cp_size) + sum(joined_qkv_bytes(layer, cp_size) for layer in model.layers)
+    joined = sum(joined_qkv_bytes(layer, cp_size) for layer, p in zip(model.layers, parts)
+                 if not _stays_packed(p.qkv[0], None))
+    return -(-total // cp_size) + joined
+
+
+def _stays_packed(module, cp_size: int | None) -> bool:
+    """Whether the split step's copy of ``module``'s weight (its columns cut for
+    ``cp_size`` ranks; None: its rows) is released once registered, as a packed-only
+    model's matrices are (models/packed_load.py): it then holds no float32 bytes."""
+    from ..models.quantized_shadows import SHADOWS
+    from .weight_slices import split_ranges
+
+    weight = module.get("weight") if isinstance(module, dict) else None
+    if weight is None or weight.ndim != 2 or not SHADOWS.is_released(weight):
+        return False
+    if cp_size is None:
+        return True
+    packed = SHADOWS.packed_of(weight)
+    return packed is not None and all(packed.columns(a, b) is not None
+                                      for a, b in split_ranges(weight.shape[1], cp_size))
 
 
 def estimate_split(weight_bytes: int, cp_size: int, num_layers: int, stream_bytes_per_s: float,

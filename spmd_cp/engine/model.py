@@ -28,6 +28,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.gemma3_text import clip_residual
 
 from ..attention.exp import swiglu
+from ..models.quantized_shadows import embedding_rows
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from .layer_form import embedding_scale, layer_forms
@@ -288,7 +289,8 @@ class CPModel:
         modules = modules or self.layers
         norm, rope_matrix = self._norm_and_rope(modules, ids.shape[0], runs)
         row_form = rope_matrix is not None  # one token on the CPU path: (1, D) rows
-        h = self.embed_tokens(ids if row_form else ids[None])  # (1, D) or (1, n, D)
+        # (1, D) or (1, n, D); a packed-only embedding's rows come from its packed form
+        h = embedding_rows(self.embed_tokens, ids if row_form else ids[None])
         if self.embed_scale is not None:
             h = h * self.embed_scale.astype(h.dtype)
         layers = zip(modules, projections or self.replicated, cache.layers, self.forms)

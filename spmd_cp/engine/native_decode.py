@@ -44,6 +44,7 @@ import numpy as np
 from ..blas.libraries import rank_threads
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_PIECES, Layer, Matrix
+from ..models.quantized_shadows import SHADOWS
 from ..runtime.comm import offsets
 from ..runtime.trace import span
 from .layer_parts import LayerParts, head_counts
@@ -174,7 +175,9 @@ class NativeDecoder:
         self.head_dim = None
         self.held = _Held()
         self.layers = [self._layer(i, layer) for i, layer in enumerate(model.layers)]
-        self.embedding = _view(model.embed_tokens["weight"])
+        self.embedding_table = model.embed_tokens["weight"]
+        self.embedding = _view(self.embedding_table)
+        self.embedding_released = SHADOWS.is_released(self.embedding_table)
         self.norm, self.norm_eps = _norm_weight(model.norm)
         if split is not None:
             head, self.vocab_sizes = split.head, split.vocab_sizes
@@ -335,7 +338,10 @@ class NativeDecoder:
         (V,) on rank 0, None on the other ranks."""
         lib, comm, size = self.library, self.comm, self.comm.size
         split = self.split is not None
-        np.copyto(self.h, self.embedding[token])
+        if self.embedding_released:  # its rows live in the packed form only
+            SHADOWS.lookup(self.embedding_table, [token], self.h[None])
+        else:
+            np.copyto(self.h, self.embedding[token])
         rotations = self._rotations(position)
         scores = self._scores(cache.layers[0].offset + 1)
         a = self._addresses

@@ -37,8 +37,10 @@ def weight_bytes(model: CPModel, loaded) -> int:
     """Bytes of weights this rank holds at its peak: everything for a replicated model;
     for a sharded one its layers, its vocabulary rows, the norms and the largest window
     of other ranks' layers (and converted copies) the store held at once; the packed
-    forms decode reads in place of float32 matrices (quantized_shadows.py)."""
-    held = sum(a.nbytes for _, a in tree_flatten(loaded.model.parameters())) + SHADOWS.nbytes
+    forms decode reads in place of float32 matrices (quantized_shadows.py), less the
+    float32 matrices released for them (models/packed_load.py)."""
+    held = SHADOWS.held_bytes(a for _, a in tree_flatten(loaded.model.parameters())) + \
+        SHADOWS.nbytes
     store = model.layers
     if isinstance(store, LayerStore):
         held += store.share.owned_bytes() + store.peak_held_bytes

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
@@ -266,7 +267,10 @@ class TensorParallelDecoder:
         for layer in model.layers:
             if not self.layers:
                 cut_from = describe_weights(layer, model)
-            self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded))
+            # A packed-only matrix's memory holds its values again while its slices
+            # are copied (models/packed_load.py), one layer at a time.
+            with SHADOWS.filled([a for _, a in tree_flatten(layer.parameters())]):
+                self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded))
             self.modules.append(LayerShell(layer) if sharded else layer)
         if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows
             self.head, self.vocab_sizes = model.lm_head.project, model.lm_head.widths
@@ -285,7 +289,8 @@ class TensorParallelDecoder:
     def nbytes(self) -> int:
         """Bytes of the weight slices this rank holds for the split step beyond the
         loaded weights (views into those are not counted twice)."""
-        return sum(t.nbytes for piece in self.layers for m in piece.own for t in m.arrays) + \
+        return SHADOWS.held_bytes(t for piece in self.layers for m in piece.own
+                                  for t in m.arrays) + \
             sum(piece.own_experts for piece in self.layers)
 
     def forward(self, token: int, position: np.ndarray, cache, attend, store: bool,

@@ -39,6 +39,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "cpu_features.h"
 #include "gguf_blocks.h"
@@ -177,10 +180,13 @@ typedef struct {
   const block_format *format;     /* a block shadow's type (bits 0), or NULL */
   block_fn dequantize;            /* its dequantizer the checks used: the vector one
                                    * (then the kernel is the vector one) or the reference */
+  int released;                   /* the float32 memory's pages handed back: the matrix is
+                                   * read from its packed form only (spmd_cp_shadow_release) */
 } shadow;
 
 static shadow shadows[MAX_SHADOWS]; /* sorted by `weights` */
 static int shadow_count;
+static int released_count; /* shadows whose float32 memory is released */
 static long long shadow_products; /* products served, for tests and traces */
 
 #ifdef HAVE_X86_VECTORS
@@ -428,6 +434,47 @@ SHADOW_ROW(row4_fused, 4, 1)
 SHADOW_ROW(row8_unfused, 8, 0)
 SHADOW_ROW(row8_fused, 8, 1)
 
+/* The eight vectors v[s] (lane k: weight 8k + s of a 4-bit block) as the block's 64
+ * weights in column order: an 8 x 8 transpose, stored at out. */
+AVX2_TARGET static inline void store_transposed8(const __m256 v[8], float *out) {
+  __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
+  __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
+  __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]);
+  __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]);
+  __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+  __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+  __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+  __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+  _mm256_storeu_ps(out + 0, _mm256_permute2f128_ps(b0, b4, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(b1, b5, 0x20));
+  _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(b2, b6, 0x20));
+  _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(b3, b7, 0x20));
+  _mm256_storeu_ps(out + 32, _mm256_permute2f128_ps(b0, b4, 0x31));
+  _mm256_storeu_ps(out + 40, _mm256_permute2f128_ps(b1, b5, 0x31));
+  _mm256_storeu_ps(out + 48, _mm256_permute2f128_ps(b2, b6, 0x31));
+  _mm256_storeu_ps(out + 56, _mm256_permute2f128_ps(b3, b7, 0x31));
+}
+
+/* SHADOW_ROW for 4-bit rows of whole blocks, the weights put in column order by a
+ * transpose in registers (the same values: prefill dequantizes whole matrices a tile
+ * at a time with it, where the lane-by-lane stores cost as much as the product). */
+#define SHADOW_ROW4_WHOLE(NAME, FUSED)                                                 \
+  AVX2_TARGET static void NAME(const shadow *sh, int row, float *out) {              \
+    SHADOW_ROW_START(4, FUSED);                                                        \
+    (void)blocks;                                                                      \
+    for (int b = 0; b < whole; b++) {                                                  \
+      __m256i words = block_words(p, b, whole);                                        \
+      int first = first_group(sh, b, BLOCK);                                           \
+      __m256 scale = per_lane(scales, kind, first, two, groups);                       \
+      __m256 bias = per_lane(biases, kind, first, two, groups);                        \
+      __m256 v[8];                                                                     \
+      UNROLLED for (int s = 0; s < 8; s++) v[s] = SHADOW_WEIGHTS(s);                   \
+      store_transposed8(v, out + (size_t)b * BLOCK);                                   \
+    }                                                                                  \
+  }
+SHADOW_ROW4_WHOLE(row4_whole_unfused, 0)
+SHADOW_ROW4_WHOLE(row4_whole_fused, 1)
+
 typedef float (*shadow_dot_fn)(const shadow *, int, const float *);
 typedef void (*shadow_dot2_fn)(const shadow *, int, const float *, float *);
 
@@ -441,10 +488,17 @@ static shadow_dot_fn dot_for(const shadow *s, int fused) {
   return fused ? dot8_fused : dot8_unfused;
 }
 
-static int row_matches(const shadow *s, int row, int fused, float *out) {
-  if (s->bits == 4) (fused ? row4_fused : row4_unfused)(s, row, out);
+static void affine_row(const shadow *s, int row, int fused, float *out) {
+  if (s->bits == 4 && s->cols % 64 == 0)
+    (fused ? row4_whole_fused : row4_whole_unfused)(s, row, out);
+  else if (s->bits == 4)
+    (fused ? row4_fused : row4_unfused)(s, row, out);
   else (fused ? row8_fused : row8_unfused)(s, row, out);
-  return !memcmp(out, s->weights + (size_t)row * s->cols, s->cols * sizeof(float));
+}
+
+static int row_matches(const shadow *s, int row, int fused, float *out, const float *want) {
+  affine_row(s, row, fused, out);
+  return !memcmp(out, want, s->cols * sizeof(float));
 }
 
 static int vectors_usable(void) { return cpu_has_avx2_fma(1); }
@@ -638,14 +692,16 @@ static void values(int m, int n, int k, float alpha, const float *a, ptrdiff_t r
   few_rows_streamed(m, n, k, alpha, a, row_step, col_step, b, ldb, beta, c, ldc);
 }
 
-/* Whether row by row, dequantized `fused` or not, the shadow equals its matrix. */
-static int shadow_matches(const shadow *s, int fused, float *row_buffer) {
+/* Whether row by row, dequantized `fused` or not, the shadow's first `check_rows` rows
+ * equal `check` (those rows' float32 values, rows cols apart). */
+static int shadow_matches(const shadow *s, int fused, float *row_buffer, const float *check,
+                          int check_rows) {
 #ifdef HAVE_X86_VECTORS
-  for (int row = 0; row < s->rows; row++)
-    if (!row_matches(s, row, fused, row_buffer)) return 0;
+  for (int row = 0; row < check_rows; row++)
+    if (!row_matches(s, row, fused, row_buffer, check + (size_t)row * s->cols)) return 0;
   return 1;
 #else
-  (void)s, (void)fused, (void)row_buffer;
+  (void)s, (void)fused, (void)row_buffer, (void)check, (void)check_rows;
   return 0;
 #endif
 }
@@ -682,11 +738,13 @@ static void publish(shadow s, int at) {
  * SHADOW_FULL or SHADOW_OVERLAPS (memory an earlier registration covers: a lookup has
  * one answer).
  * The caller keeps every buffer alive and unchanged for the life of the process.
- * row_buffer: cols floats of scratch. */
+ * row_buffer: cols floats of scratch. The check compares the first `check_rows` rows
+ * with `check` (the matrix itself, or those rows dequantized elsewhere where the
+ * matrix's memory is to be released and holds no values). */
 int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, int group,
                             const void *packed, size_t packed_step, const void *scales,
                             const void *biases, size_t group_step, int group_kind,
-                            float *row_buffer) {
+                            float *row_buffer, const float *check, int check_rows) {
 #ifdef HAVE_X86_VECTORS
   if (!vectors_usable()) return SHADOW_UNSUPPORTED;
 #else
@@ -700,16 +758,19 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
     return SHADOW_UNSUPPORTED;
   int at = free_place(weights, rows, cols);
   if (at < 0) return at;
+  if (check_rows < 1 || check_rows > rows) return SHADOW_UNSUPPORTED;
   shadow s = {weights, weights + (size_t)rows * cols, rows, cols, bits, group, 0,
               (const uint8_t *)packed, scales, biases, packed_step, group_step, group_kind,
-              -1, NULL, NULL};
+              -1, NULL, NULL, 0};
   for (int shift = 0; shift < 31; shift++)
     if (group == 1 << shift) s.group_shift = shift;
   /* Fused first: one instruction a weight where both reproduce the matrix, as they do
    * whenever scale * q is exact (a float16 or bfloat16 scale times 4 or 8 bits). */
-  s.fused = shadow_matches(&s, SHADOW_FUSED, row_buffer)
+  s.fused = shadow_matches(&s, SHADOW_FUSED, row_buffer, check, check_rows)
                 ? SHADOW_FUSED
-                : shadow_matches(&s, SHADOW_UNFUSED, row_buffer) ? SHADOW_UNFUSED : SHADOW_DIFFERS;
+                : shadow_matches(&s, SHADOW_UNFUSED, row_buffer, check, check_rows)
+                      ? SHADOW_UNFUSED
+                      : SHADOW_DIFFERS;
   if (s.fused == SHADOW_DIFFERS) return SHADOW_DIFFERS;
   publish(s, at);
   return s.fused;
@@ -721,12 +782,15 @@ int spmd_cp_shadow_register(const float *weights, int rows, int cols, int bits, 
  * dequantize to the matrix's row bit for bit, by the reference arithmetic and by the
  * kernel's own, else SHADOW_DIFFERS, SHADOW_UNSUPPORTED (a type not read here, a row
  * not whole blocks), SHADOW_FULL or SHADOW_OVERLAPS. The caller keeps both alive and
- * unchanged for the life of the process. row_buffer: cols floats of scratch. */
+ * unchanged for the life of the process. row_buffer: cols floats of scratch; the check
+ * reads the first `check_rows` rows of `check`, as spmd_cp_shadow_register's. */
 int spmd_cp_block_shadow_register(const float *weights, int rows, int cols, int type,
-                                  const void *blocks, size_t row_step, float *row_buffer) {
+                                  const void *blocks, size_t row_step, float *row_buffer,
+                                  const float *check, int check_rows) {
   const block_format *format = block_format_of(type);
   if (format == NULL || rows <= 0 || cols <= 0 || cols % format->values ||
-      row_step < (size_t)cols / format->values * format->bytes)
+      row_step < (size_t)cols / format->values * format->bytes || check_rows < 1 ||
+      check_rows > rows)
     return SHADOW_UNSUPPORTED;
   int at = free_place(weights, rows, cols);
   if (at < 0) return at;
@@ -735,9 +799,9 @@ int spmd_cp_block_shadow_register(const float *weights, int rows, int cols, int 
   if (format->vectors != NULL && vectors_usable()) kernel = format->vectors;
 #endif
   int count = cols / format->values;
-  for (int row = 0; row < rows; row++) {
+  for (int row = 0; row < check_rows; row++) {
     const uint8_t *p = (const uint8_t *)blocks + (size_t)row * row_step;
-    const float *want = weights + (size_t)row * cols;
+    const float *want = check + (size_t)row * cols;
     format->reference(p, count, row_buffer);
     if (memcmp(row_buffer, want, (size_t)cols * sizeof(float))) return SHADOW_DIFFERS;
     if (kernel != format->reference) {
@@ -747,7 +811,7 @@ int spmd_cp_block_shadow_register(const float *weights, int rows, int cols, int 
   }
   shadow s = {weights, weights + (size_t)rows * cols, rows, cols, 0, format->values,
               SHADOW_FUSED, (const uint8_t *)blocks, NULL, NULL, row_step, 0, 0, -1, format,
-              kernel};
+              kernel, 0};
   publish(s, at);
   return SHADOW_FUSED;
 }
@@ -796,6 +860,186 @@ static int shadow_of(const float *b, int n, int ldb) {
     rows += shadows[i].rows;
   }
   return first;
+}
+
+/*
+ * Released matrices: the packed form is the only copy of the weights. Once a matrix
+ * is registered its float32 memory can be handed back to the kernel (its whole pages,
+ * madvise MADV_DONTNEED; not transparent huge pages again, so that khugepaged does not
+ * fill them back in): the address stays the matrix's name. A matrix-vector product
+ * reads the packed form as before; a product of more rows (prefill, a few rows of the
+ * split step) dequantizes TILE_BYTES of the matrix's rows at a time into a per-thread
+ * buffer and hands each tile to the BLAS (released_product), so the float32 matrix is
+ * never whole in memory. Any other product that would read released memory (the
+ * matrix as A, or untransposed) stops the process with a message: its pages read as
+ * zeros, and a wrong answer must never pass silently.
+ */
+enum { TILE_BYTES = 8 << 20 };
+
+/* Row `row` of shadow s, dequantized into out (cols floats) exactly as its products
+ * read it. */
+static void dequantize_row(const shadow *s, int row, float *out) {
+  if (s->format != NULL) {
+    s->dequantize(s->packed + (size_t)row * s->packed_step, s->cols / s->format->values, out);
+    return;
+  }
+#ifdef HAVE_X86_VECTORS
+  affine_row(s, row, s->fused, out);
+#else
+  (void)row, memset(out, 0, (size_t)s->cols * sizeof(float)); /* never registered here */
+#endif
+}
+
+/* The registry index of the shadow whose matrix starts at `weights`, or -1. */
+static int shadow_at(const float *weights) {
+  int count = __atomic_load_n(&shadow_count, __ATOMIC_ACQUIRE);
+  for (int lo = 0, hi = count; lo < hi;) {
+    int mid = (lo + hi) / 2;
+    if (shadows[mid].weights == weights) return mid;
+    if (shadows[mid].weights < weights) lo = mid + 1;
+    else hi = mid;
+  }
+  return -1;
+}
+
+/* The whole pages inside [start, end): [*first, *last), or 0 where there are none. */
+static int whole_pages(const void *start, const void *end, char **first, char **last) {
+  uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  uintptr_t a = ((uintptr_t)start + page - 1) / page * page, b = (uintptr_t)end / page * page;
+  if (a >= b) return 0;
+  *first = (char *)a, *last = (char *)b;
+  return 1;
+}
+
+/* Hand back the float32 memory of the matrix registered at `weights`: the bytes
+ * released (its whole pages), or -1 where no shadow starts there. Afterwards its values
+ * live in the packed form only. */
+long long spmd_cp_shadow_release(const float *weights) {
+  int index = shadow_at(weights);
+  if (index < 0) return -1;
+  shadow *s = &shadows[index];
+  char *first, *last;
+  if (!s->released) __atomic_fetch_add(&released_count, 1, __ATOMIC_RELEASE);
+  s->released = 1;
+  if (!whole_pages(s->weights, s->end, &first, &last)) return 0;
+#ifdef MADV_NOHUGEPAGE
+  madvise(first, last - first, MADV_NOHUGEPAGE);
+#endif
+  if (madvise(first, last - first, MADV_DONTNEED)) return 0;
+  return last - first;
+}
+
+/* Write the values of the matrix registered at `weights` back into its float32 memory
+ * (to copy parts of it with other code; spmd_cp_shadow_release hands it back again):
+ * 0, or -1 where no shadow starts there. */
+int spmd_cp_shadow_fill(const float *weights) {
+  int index = shadow_at(weights);
+  if (index < 0) return -1;
+  const shadow *s = &shadows[index];
+  for (int row = 0; row < s->rows; row++)
+    dequantize_row(s, row, (float *)s->weights + (size_t)row * s->cols);
+  return 0;
+}
+
+/* Rows `rows[i]` (i < count) of the registered matrix whose row 0 is at `matrix` (the
+ * matrix or a view of whole rows of it) into out, cols floats each: an embedding's
+ * lookup. 0, or -1 where `matrix` is not such a view (nothing written). */
+int spmd_cp_shadow_rows(const float *matrix, int cols, const int32_t *rows, int count,
+                        float *out) {
+  int index = shadow_of(matrix, 1, cols);
+  if (index < 0) return -1;
+  const shadow *base = &shadows[index];
+  int first = (int)((matrix - base->weights) / cols);
+  for (int i = 0; i < count; i++) {
+    const shadow *s = base;
+    if (rows[i] < 0) return -1;
+    int row = first + rows[i];
+    while (row >= s->rows) { /* a matrix registered in pieces */
+      row -= s->rows;
+      if (s + 1 == shadows + shadow_count || s[1].weights != s->end) return -1;
+      s++;
+    }
+    dequantize_row(s, row, out + (size_t)i * cols);
+  }
+  return 0;
+}
+
+/* Whether any released matrix's memory overlaps [start, end). */
+static int released_within(const float *start, const float *end) {
+  int count = __atomic_load_n(&shadow_count, __ATOMIC_ACQUIRE), lo = 0, hi = count;
+  while (lo < hi) { /* the first shadow starting after start */
+    int mid = (lo + hi) / 2;
+    if (shadows[mid].weights <= start) lo = mid + 1;
+    else hi = mid;
+  }
+  for (int i = lo > 0 ? lo - 1 : 0; i < count && shadows[i].weights < end; i++)
+    if (shadows[i].released && shadows[i].end > start) return 1;
+  return 0;
+}
+
+/* The shadow whose matrix holds the float at p, or NULL. */
+static const shadow *shadow_holding(const float *p) {
+  int count = __atomic_load_n(&shadow_count, __ATOMIC_ACQUIRE), lo = 0, hi = count;
+  while (lo < hi) {
+    int mid = (lo + hi) / 2;
+    if (shadows[mid].weights <= p) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo > 0 && p < shadows[lo - 1].end ? &shadows[lo - 1] : NULL;
+}
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+static sgemm_fn next_sgemm;
+
+/* Row p (k floats) of a product's B given as rows: dequantized where a released matrix
+ * holds it (whole rows of it), copied where it is float32 memory. 0 where p lies inside
+ * a released matrix's row (a column view of it: its values are nowhere as floats). */
+static int gather_row(const float *p, int k, float *out) {
+  const shadow *s = shadow_holding(p);
+  if (s == NULL || !s->released) {
+    memcpy(out, p, (size_t)k * sizeof(float));
+    return 1;
+  }
+  ptrdiff_t offset = p - s->weights;
+  if (k != s->cols || offset % s->cols) return 0;
+  dequantize_row(s, (int)(offset / s->cols), out);
+  return 1;
+}
+
+/* c (m x n, ldc) = alpha op(A) (m x k) times B' + beta c, B given as n rows of k floats
+ * ldb apart of which some lie in released matrices: TILE_BYTES of its rows gathered at
+ * a time (gather_row), each tile one BLAS product. 0 where a row cannot be had (a
+ * column view of a released matrix) or no buffer: nothing written then. */
+static int released_product(const float *b, int ldb, int m, int n, int k, int trans_a,
+                            float alpha, const float *a, int lda, float beta, float *c,
+                            int ldc) {
+  static __thread float *tile;
+  static __thread size_t tile_floats;
+  size_t per_tile = TILE_BYTES / ((size_t)k * sizeof(float));
+  if (per_tile < 16) per_tile = 16;
+  if (per_tile > (size_t)n) per_tile = n;
+  if (tile_floats < per_tile * k) {
+    float *grown = realloc(tile, per_tile * k * sizeof(float));
+    if (grown == NULL) return 0;
+    tile = grown, tile_floats = per_tile * k;
+  }
+  for (int j = 0; j < n; j += (int)per_tile) {
+    int t = n - j < (int)per_tile ? n - j : (int)per_tile;
+    for (int r = 0; r < t; r++)
+      if (!gather_row(b + (size_t)(j + r) * ldb, k, tile + (size_t)r * k)) return j == 0 ? 0 : -1;
+    next_sgemm(ROW_MAJOR, trans_a, TRANS, m, t, k, alpha, a, lda, tile, k, beta, c + j, ldc);
+  }
+  return 1;
+}
+
+/* A product that would read a released matrix other than as released_product reads
+ * it: the process stops (its memory holds zeros now). */
+static void refuse_released(void) {
+  fprintf(stderr, "spmd-cp: internal error: a product reads a weight matrix whose float32 "
+                  "memory was released (only its packed form is held) in a layout the "
+                  "packed products do not serve\n");
+  abort();
 }
 
 #ifdef HAVE_X86_VECTORS
@@ -922,12 +1166,9 @@ static int shadow_product(int index, int first_row, int n, float alpha, const fl
   return 1;
 }
 
-typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
-                         const float *, int, float, float *, int);
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
 
-static sgemm_fn next_sgemm;
 static sgemv_fn next_sgemv;
 
 static void find_next(void) {
@@ -947,6 +1188,22 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                  int ldc) {
   find_next();
   int a_plain = trans_a == NO_TRANS, b_plain = trans_b == NO_TRANS;
+  if (__atomic_load_n(&released_count, __ATOMIC_ACQUIRE) > 0 && order == ROW_MAJOR &&
+      m > 0 && n > 0 && k > 0) {
+    /* A released matrix is only ever B given as rows (x times W transposed). */
+    const float *a_end = a + (size_t)((a_plain ? m : k) - 1) * lda + (a_plain ? k : m);
+    const float *b_end = b + (size_t)((b_plain ? k : n) - 1) * ldb + (b_plain ? n : k);
+    if (released_within(a, a_end)) refuse_released();
+    if (released_within(b, b_end)) {
+      if (b_plain) refuse_released();
+      int index = m == 1 && a_plain ? shadow_of(b, n, ldb) : -1;
+      if (index < 0 || k != shadows[index].cols) { /* else the packed row kernel below */
+        if (released_product(b, ldb, m, n, k, trans_a, alpha, a, lda, beta, c, ldc) != 1)
+          refuse_released();
+        return;
+      }
+    }
+  }
   if (next_sgemv != NULL && order == ROW_MAJOR && k > 0 && (n == 1 || m == 1)) {
     if (n == 1) {
       /* c (m values, ldc apart) = op(A) (m x k) times op(B)'s one column (k values). */

@@ -116,15 +116,24 @@ def _check_file(file: Path, check):
 
 
 def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = True,
-               weight_cache: bool = True) -> LoadedModel:
+               weight_cache: bool = True, packed_only: bool = False) -> LoadedModel:
     """Check, then load a model; any failure to read its files is a UserError naming them.
     ``packed_decode``: register a quantized model's packed matrices for decode's products
     (models/quantized_shadows.py; False where no decode step follows, e.g. ``score``).
     ``weight_cache``: keep a GGUF's dequantized float32 weights on disk between runs
-    (``float32_cache_path``; ``--no-weight-cache`` turns it off)."""
+    (``float32_cache_path``; ``--no-weight-cache`` turns it off).
+    ``packed_only``: with ``packed_decode``, hold a GGUF's quantized matrices packed only
+    (packed_load.py; the float32 parameters of those matrices then hold no values: only
+    spmd-cp's engine computes with such a model, not mlx-lm's forward)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
+    packed_only = packed_only and packed_decode and not keep_quantized and p.is_file() \
+        and quantized_shadows.available()
     try:
+        if packed_only:
+            from .packed_load import load_gguf_packed
+
+            return LoadedModel(*load_gguf_packed(str(p)), str(p), checksum)
         return _load(p, keep_quantized, checksum, packed_decode, weight_cache)
     except LOAD_ERRORS as error:
         what = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"

@@ -248,10 +248,12 @@ class WeightLayout:
     vocab: int  # embedding and untied head, as computed with
     other: int  # the final norm
     shadows: int = 0  # packed forms decode reads instead (a replicated quantized model)
+    released: int = 0  # float32 matrices a packed-only replicated load does not hold
 
     @property
     def replicated(self) -> int:
-        return sum(self.layers_compute) + self.vocab + self.other + self.shadows
+        return sum(self.layers_compute) + self.vocab + self.other + self.shadows - \
+            self.released
 
     def per_rank(self, ranks: int, prefetch: int) -> int:
         """Peak weight bytes on the busiest of ``ranks`` ranks with layer sharding: its
@@ -309,7 +311,8 @@ def weight_layout(path: str, keep_quantized: bool = False,
                                                     f"{base}lm_head."))]
     return WeightLayout(packed, compute, _compute_bytes(specs, vocab, form),
                         _compute_bytes(specs, other, form),
-                        _shadow_bytes(specs, form, files) if packed_decode else 0)
+                        _shadow_bytes(specs, form, files) if packed_decode else 0,
+                        _released_bytes(specs, form, files) if packed_decode else 0)
 
 
 def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
@@ -334,4 +337,22 @@ def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
         if form.bits(shape, scales_shape, form.group_of(name)) in quantized_shadows.KERNEL_BITS:
             kept = scales_dtype.size if scales_dtype in quantized_shadows.GROUP_KINDS else 4
             total += math.prod(shape) * dtype.size + 2 * kept * math.prod(scales_shape)
+    return total
+
+
+def _released_bytes(specs: dict, form: ComputeForm, files) -> int:
+    """Float32 bytes of the matrices a replicated load of a GGUF file holds packed only
+    (models/packed_load.py): those ``_shadow_bytes`` counts, at 4 bytes a weight."""
+    from . import gguf_types, quantized_shadows
+    from .tensor_files import GGUFFile
+
+    if not isinstance(files, GGUFFile) or not _shadow_bytes(specs, form, files):
+        return 0
+    total = 0
+    for info in (files.infos[g] for g in files.names.values()):
+        if len(info.shape) != 2:
+            continue
+        if gguf_types.name_of(info.kind) in quantized_shadows.BLOCK_TYPES or \
+                (gguf_types.is_affine(info.kind) and quantized_shadows.reads_affine()):
+            total += 4 * math.prod(info.shape)
     return total

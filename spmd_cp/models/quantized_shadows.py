@@ -34,14 +34,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from ..runtime.resident import note_released
+from .packed_forms import GROUP_KINDS, Blocks, Packed  # noqa: F401 (imported from here too)
+
 log = logging.getLogger("spmd_cp")
 
+MADV_DONTNEED = 4  # Linux's madvise advice
 KERNEL_BITS = (4, 8)  # the bit widths gemv_forward.c's kernel reads
 # GGUF types whose blocks gemv_forward.c reads as they are (gguf_blocks.h)
 BLOCK_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -53,96 +59,11 @@ REFUSALS = {DIFFERS: "its packed form does not reproduce the float32 weights",
             OVERLAPS: "its memory is registered already"}
 
 
-# How gemv_forward.c reads scales and biases (GROUP_FLOAT32, ...): widened to float32
-# exactly, so a file's float16 or bfloat16 ones are kept as they are (half the bytes).
-GROUP_KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A matrix (rows, cols) in MLX's affine packing: ``weight`` uint32 (rows, cols * bits
-    / 32), ``scales`` and ``biases`` (rows, cols / group) as float32, float16 or
-    bfloat16; its weights are ``scale * q + bias`` in float32 arithmetic."""
-
-    weight: mx.array
-    scales: mx.array
-    biases: mx.array
-    bits: int
-    group: int
-
-    @classmethod
-    def of(cls, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
-           group: int) -> Packed:
-        if scales.dtype not in GROUP_KINDS or biases.dtype != scales.dtype:
-            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-        return cls(weight, scales, biases, bits, group)
-
-    def dequantized(self) -> mx.array:
-        """The float32 matrix, in float32 arithmetic (scales and biases widened first)."""
-        from .gguf import dequantize_float32
-
-        return dequantize_float32(self.weight, self.scales, self.biases, self.bits, self.group)
-
-    @property
-    def cols(self) -> int:
-        return self.weight.shape[1] * 32 // self.bits
-
-    def rows(self, start: int, stop: int) -> Packed:
-        return Packed(self.weight[start:stop], self.scales[start:stop],
-                      self.biases[start:stop], self.bits, self.group)
-
-    def columns(self, start: int, stop: int) -> Packed | None:
-        """Inputs [start, stop), or None where the cut falls inside a group."""
-        if start % self.group or stop % self.group:
-            return None
-        per_word = 32 // self.bits
-        return Packed(self.weight[:, start // per_word:stop // per_word],
-                      self.scales[:, start // self.group:stop // self.group],
-                      self.biases[:, start // self.group:stop // self.group],
-                      self.bits, self.group)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """A matrix (rows, cols) as a GGUF file stores it in a type of ``BLOCK_TYPES``: ``data``
-    uint8 (rows, row bytes), each row's blocks contiguous (a column slice's rows lie
-    further apart than their width), ``kind`` the GGML type id."""
-
-    data: np.ndarray
-    kind: int
-    cols: int
-
-    @property
-    def block(self) -> tuple[int, int]:
-        from .gguf_types import block_of
-
-        return block_of(self.kind)
-
-    def rows(self, start: int, stop: int) -> Blocks:
-        return Blocks(self.data[start:stop], self.kind, self.cols)
-
-    def columns(self, start: int, stop: int) -> Blocks | None:
-        """Inputs [start, stop), or None where a cut falls inside a block."""
-        values, size = self.block
-        if start % values or stop % values:
-            return None
-        return Blocks(self.data[:, start // values * size:stop // values * size], self.kind,
-                      stop - start)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.shape[0] * self.data.shape[1]
-
-
 @functools.lru_cache(maxsize=1)
 def _library():
     """The preloaded forward's registration entry points (kernels/gemv_forward.c), or
     None: (affine register, block register, products, whether affine shadows register
-    here: an x86 CPU with AVX2, FMA and F16C)."""
+    here: an x86 CPU with AVX2, FMA and F16C, {"release", "fill", "rows"})."""
     try:
         scope = ctypes.CDLL(None)
         register = scope.spmd_cp_shadow_register
@@ -151,16 +72,23 @@ def _library():
         affine = bool(scope.spmd_cp_shadow_usable())
     except (OSError, AttributeError):
         return None
-    register.restype = ctypes.c_int
-    register.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                         ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    register.restype = integer
+    register.argtypes = [pointer, integer, integer, integer, integer, pointer, ctypes.c_size_t,
+                         pointer, pointer, ctypes.c_size_t, integer, pointer, pointer, integer]
     products.restype = ctypes.c_longlong
     products.argtypes = []
-    register_blocks.restype = ctypes.c_int
-    register_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return register, register_blocks, products, affine
+    register_blocks.restype = integer
+    register_blocks.argtypes = [pointer, integer, integer, integer, pointer, ctypes.c_size_t,
+                                pointer, pointer, integer]
+    extras = {}  # release, fill, rows: a released matrix (gemv_forward.c)
+    for name, result, arguments in (("release", ctypes.c_longlong, [pointer]),
+                                    ("fill", integer, [pointer]),
+                                    ("rows", integer, [pointer, integer, pointer, integer,
+                                                       pointer])):
+        extras[name] = function = getattr(scope, f"spmd_cp_shadow_{name}")
+        function.restype, function.argtypes = result, arguments
+    return register, register_blocks, products, affine, extras
 
 
 def available() -> bool:
@@ -203,6 +131,7 @@ class _Entry:
     rows: int
     cols: int
     packed: Packed | Blocks
+    released: bool = False
 
 
 class Shadows:
@@ -213,6 +142,9 @@ class Shadows:
         self._kept: list = []  # the float32 matrices: the C side reads their memory
         self.nbytes = 0  # packed forms held for the model's matrices (slices are views)
         self.refused: dict[str, int] = {}
+        # Release every matrix as it registers (packed_load.py turns it on): the packed
+        # forms are then the only copy of the weights.
+        self.releasing = False
 
     @property
     def active(self) -> bool:
@@ -229,44 +161,56 @@ class Shadows:
         library = _library()
         return int(library[2]()) if library else 0
 
-    def register(self, matrix: mx.array, packed: Packed | Blocks) -> bool:
+    def register(self, matrix: mx.array, packed: Packed | Blocks,
+                 check: np.ndarray | None = None) -> bool:
         """Register ``packed`` as the shadow of the float32 ``matrix`` (rows, cols, rows
         contiguous); False (counted in ``refused``) where the C side refuses it or cannot
-        be asked."""
+        be asked. ``check``: the float32 values of the matrix's first rows, computed
+        elsewhere, that the packed form must reproduce bit for bit (for a matrix whose
+        memory holds no values yet and is released after: packed_load.py); default the
+        matrix itself, every row."""
         library = _library() if available() else None
         if library is None or matrix.dtype != mx.float32 or matrix.ndim != 2:
             return False
+        weights = _rows(matrix)
+        if check is None:
+            check = weights
+        if weights is None or not weights.flags.c_contiguous or check.dtype != np.float32 \
+                or not check.flags.c_contiguous or check.ndim != 2 or \
+                check.shape[1] != matrix.shape[1] or not 0 < check.shape[0] <= matrix.shape[0]:
+            return self._refuse("its layout does not match the float32 matrix")
         if isinstance(packed, Blocks):
-            return self._register_blocks(library[1], matrix, packed)
+            return self._register_blocks(library[1], weights, check, matrix, packed)
         if not library[3]:
             return False
-        weights = _rows(matrix)
         group_params = [packed.scales, packed.biases]
         if packed.scales.dtype == mx.bfloat16:  # no numpy type: its bits (a view, strides kept)
             group_params = [a.view(mx.uint16) for a in group_params]
         words, scales, biases = (_rows(a) for a in [packed.weight, *group_params])
         rows, cols = matrix.shape
-        if weights is None or not weights.flags.c_contiguous or words is None or \
-                scales is None or biases is None or scales.strides != biases.strides or \
-                packed.cols != cols or words.shape[0] != rows:
+        if words is None or scales is None or biases is None or \
+                scales.strides != biases.strides or packed.cols != cols or \
+                words.shape[0] != rows:
             return self._refuse("its layout does not match the float32 matrix")
         scratch = np.empty(cols, np.float32)
         answer = library[0](weights.ctypes.data, rows, cols, packed.bits, packed.group,
                             words.ctypes.data, words.strides[0], scales.ctypes.data,
                             biases.ctypes.data, scales.strides[0] // scales.itemsize,
-                            GROUP_KINDS[packed.scales.dtype], scratch.ctypes.data)
+                            GROUP_KINDS[packed.scales.dtype], scratch.ctypes.data,
+                            check.ctypes.data, check.shape[0])
         return self._registered(answer, weights, matrix, packed)
 
-    def _register_blocks(self, register, matrix: mx.array, packed: Blocks) -> bool:
-        weights, data = _rows(matrix), packed.data
+    def _register_blocks(self, register, weights: np.ndarray, check: np.ndarray,
+                         matrix: mx.array, packed: Blocks) -> bool:
+        data = packed.data
         rows, cols = matrix.shape
-        if weights is None or not weights.flags.c_contiguous or data.dtype != np.uint8 or \
-                data.ndim != 2 or data.strides[1] != 1 or data.strides[0] < data.shape[1] or \
-                data.shape[0] != rows or packed.cols != cols:
+        if data.dtype != np.uint8 or data.ndim != 2 or data.strides[1] != 1 or \
+                data.strides[0] < data.shape[1] or data.shape[0] != rows or packed.cols != cols:
             return self._refuse("its layout does not match the float32 matrix")
         scratch = np.empty(cols, np.float32)
         answer = register(weights.ctypes.data, rows, cols, packed.kind, data.ctypes.data,
-                          data.strides[0], scratch.ctypes.data)
+                          data.strides[0], scratch.ctypes.data, check.ctypes.data,
+                          check.shape[0])
         return self._registered(answer, weights, matrix, packed)
 
     def _registered(self, answer: int, weights: np.ndarray, matrix: mx.array, packed) -> bool:
@@ -274,7 +218,71 @@ class Shadows:
             return self._refuse(REFUSALS.get(answer, f"answer {answer}"))
         self._entries.append(_Entry(weights.ctypes.data, *matrix.shape, packed))
         self._kept.append(matrix)
+        if self.releasing:
+            self.release(matrix)
         return True
+
+    def release(self, matrix: mx.array):
+        """Hand back a registered matrix's float32 memory: from here on its products
+        read the packed form (a product of many rows tile by tile: gemv_forward.c) and
+        its rows come from ``lookup``; its memory reads as zeros."""
+        entry = self._entry_at(matrix)
+        released = _library()[4]["release"](entry.address)
+        if released < 0:
+            raise ValueError("release of a matrix that is not registered")
+        if not entry.released:
+            entry.released = True
+            note_released(entry.rows * entry.cols * 4)
+
+    def _entry_at(self, matrix: mx.array) -> _Entry:
+        address = _rows(matrix).ctypes.data
+        for entry in self._entries:
+            if entry.address == address:
+                return entry
+        raise ValueError("not a registered matrix")
+
+    def is_released(self, matrix: mx.array) -> bool:
+        """Whether ``matrix`` (a registered matrix or a view of whole rows of one) holds
+        no values of its own any more."""
+        entry = self._entry_of(matrix)
+        return entry is not None and entry.released
+
+    def held_bytes(self, arrays) -> int:
+        """Bytes ``arrays`` hold: those of a released matrix (or rows of one) hold none."""
+        return sum(0 if self.is_released(a) else a.nbytes for a in arrays)
+
+    def _entry_of(self, matrix: mx.array) -> _Entry | None:
+        if not self._entries or matrix.dtype != mx.float32 or matrix.ndim != 2:
+            return None
+        view = _rows(matrix)
+        address = view.ctypes.data if view is not None else None
+        for entry in self._entries:
+            if address is not None and 0 <= address - entry.address < entry.rows * entry.cols * 4:
+                return entry
+        return None
+
+    @contextmanager
+    def filled(self, matrices: list):
+        """The released ones of ``matrices`` hold their values again for the block (for
+        code that copies parts of them), and are released again after it."""
+        entries = [e for m in matrices if (e := self._entry_of(m)) is not None and e.released]
+        for entry in entries:
+            _library()[4]["fill"](entry.address)
+        try:
+            yield
+        finally:
+            for entry in entries:
+                _library()[4]["release"](entry.address)
+
+    def lookup(self, matrix: mx.array, ids: np.ndarray, out: np.ndarray | None = None):
+        """Rows ``ids`` of a released matrix (an embedding's lookup) from its packed
+        form: into ``out`` (len(ids), cols) float32, C-contiguous, or a new mx.array."""
+        ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
+        into = out if out is not None else np.empty((ids.size, matrix.shape[1]), np.float32)
+        if ids.size and _library()[4]["rows"](_rows(matrix).ctypes.data, matrix.shape[1],
+                                              ids.ctypes.data, ids.size, into.ctypes.data):
+            raise ValueError("rows of a matrix that is not registered")
+        return out if out is not None else mx.array(into)
 
     def _refuse(self, why: str) -> bool:
         self.refused[why] = self.refused.get(why, 0) + 1
@@ -337,6 +345,33 @@ class Shadows:
 
 
 SHADOWS = Shadows()
+
+
+def release_pages(array: mx.array):
+    """Hand the whole pages of an evaluated array's memory back to the kernel (they read
+    as zeros after): for an array whose values do not matter yet."""
+    view = _rows(array)
+    page = mmap.PAGESIZE
+    first = -(-view.ctypes.data // page) * page
+    last = (view.ctypes.data + view.nbytes) // page * page
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def embedding_rows(embedding, ids: mx.array) -> mx.array:
+    """``embedding(ids)``, its rows read from the packed form where the float32 matrix
+    was released (models/packed_load.py: its memory holds no values)."""
+    # (an nn.Module is a dict of its parameters; a vocabulary-parallel one is not)
+    table = embedding.get("weight") if isinstance(embedding, dict) else None
+    if table is None or not SHADOWS.is_released(table):
+        return embedding(ids)
+    rows = SHADOWS.lookup(table, np.asarray(ids, np.int32))
+    return rows.reshape(*ids.shape, table.shape[1])
 
 
 def register_model(model, packed: dict) -> int:

@@ -9,6 +9,11 @@ this part as measured in the running process, and ``--json`` reports the residen
 Where resident memory cannot be read (no /proc: macOS) the forecast counts MLX's arrays
 alone, as it did before.
 
+A packed-only model (models/packed_load.py) names each quantized matrix with an MLX
+float32 buffer whose pages are handed back to the kernel: MLX counts those buffers as
+active, the operating system does not. MLX's figures here (``mlx_active_bytes``,
+``mlx_peak_bytes``) leave them out (``note_released``).
+
 A server measures each request's own peak: Linux lets a process reset its high-water mark
 (``/proc/self/clear_refs``), and ``/proc/self/status``'s VmHWM then counts from there.
 getrusage's ru_maxrss cannot be reset that way: it also keeps the mark of every thread
@@ -22,6 +27,26 @@ import resource
 import sys
 
 import mlx.core as mx
+
+
+_released_bytes = 0  # of MLX's active buffers, those whose pages were handed back
+
+
+def note_released(nbytes: int):
+    """``nbytes`` more of MLX's buffers hold no pages (a packed-only model's matrices)."""
+    global _released_bytes
+    _released_bytes += nbytes
+
+
+def mlx_active_bytes() -> int:
+    """MLX's buffers in use, less those whose pages were handed back."""
+    return max(0, int(mx.get_active_memory()) - _released_bytes)
+
+
+def mlx_peak_bytes() -> int:
+    """MLX's peak of buffers in use (since ``mx.reset_peak_memory``), less those whose
+    pages were handed back (they stay in use from the load on)."""
+    return max(0, int(mx.get_peak_memory()) - _released_bytes)
 
 
 def resident_peak_bytes() -> int:
@@ -48,7 +73,7 @@ def outside_mlx_bytes() -> int:
     now = resident_bytes()
     if now is None:
         return 0
-    return max(0, now - mx.get_active_memory() - mx.get_cache_memory())
+    return max(0, now - mlx_active_bytes() - mx.get_cache_memory())
 
 
 def reset_resident_peak() -> bool:
@@ -80,5 +105,5 @@ def memory_now() -> dict:
     since the last ``reset_resident_peak``."""
     return {"resident_bytes": resident_bytes() or 0,
             "resident_peak_bytes": high_water_bytes(),
-            "mlx_active_bytes": int(mx.get_active_memory()),
+            "mlx_active_bytes": mlx_active_bytes(),
             "mlx_cache_bytes": int(mx.get_cache_memory())}

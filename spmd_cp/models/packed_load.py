@@ -1,0 +1,111 @@
+"""A GGUF file loaded with its quantized matrices kept packed: the file's bytes are the
+only copy of those weights.
+
+Each 2-D quantized matrix becomes two things: its packed form (the file's own blocks,
+memory-mapped, for the types of ``quantized_shadows.BLOCK_TYPES``; MLX's affine triple
+for Q4_0 / Q4_1 / Q8_0) and a float32 array of its shape whose memory is released as
+soon as it is registered (quantized_shadows.Shadows.release). The float32 array is the
+matrix's name in the model: mlx-lm's modules multiply by it as ever, and the preloaded
+BLAS forward (kernels/gemv_forward.c) reads the packed form instead, a decode row in
+registers, a prefill tile at a time into float32 for the BLAS. An embedding's lookup
+reads its rows from the packed form too (quantized_shadows.embedding_rows).
+
+Registration checks the kernel's dequantization against the reference on the first
+``CHECKED_ROWS`` rows of every matrix (the gguf package's dequantizer for the file's
+blocks, float32 arithmetic for the affine triples; the test suite checks every row of
+every type). Everything else (norms, F16 / BF16 / F32 matrices, a mixture's stacked
+experts) is float32 as before, as is a matrix the kernels refuse.
+
+The embedding's float32 name is made first, before the packed forms and the tokenizer
+are read: making it writes its pages once (MLX has no way to allocate without), and
+that transient then sets the process's resident peak as little as it can.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import gguf_types
+from .gguf import GROUP_SIZE, _ready, _skeleton, dequantize_float32, header_config
+from .quantized_shadows import BLOCK_TYPES, SHADOWS, Blocks, Packed, release_pages
+
+log = logging.getLogger("spmd_cp")
+
+CHECKED_ROWS = 8  # rows of each matrix checked bit for bit against the reference at load
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def load_gguf_packed(path: str) -> tuple[nn.Module, object, dict]:
+    """(mlx-lm model, tokenizer, config) of a GGUF file, its quantized matrices packed."""
+    from .tensor_files import GGUFFile
+
+    files = GGUFFile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")  # pages shared by a host's ranks
+    SHADOWS.releasing = True
+    order = sorted(files.names, key=lambda name: name != EMBEDDING)  # the largest first
+    weights = {}
+    for name in order:
+        weights.update(_tensor(files, mapped, name))
+    config, tokenizer = header_config(files)
+    model = _skeleton(config, "output.weight" in files.infos)
+    model.load_weights(list(weights.items()), strict=True)
+    return _ready(model), tokenizer, config
+
+
+def _tensor(files, mapped: np.memmap, name: str) -> dict:
+    """{mlx-lm name: array} of one tensor: a packed matrix's released float32 name, or
+    the tensor in the form the float32 load gives."""
+    info = files.infos[files.names[name]]
+    kind = gguf_types.name_of(info.kind)
+    packable = len(info.shape) == 2 and (kind in BLOCK_TYPES or gguf_types.is_affine(info.kind))
+    key = _released_name(info.shape) if packable else None  # before the packed bytes
+    if packable and kind in BLOCK_TYPES:
+        rows, cols = info.shape
+        row_bytes = gguf_types.byte_shape(info.shape, info.kind)[-1]
+        data = mapped[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        check = gguf_types.to_float32(np.asarray(data[:CHECKED_ROWS]), info.kind,
+                                      (min(rows, CHECKED_ROWS), cols))
+        return {name: _registered(key, Blocks(data, info.kind, cols), check,
+                                  lambda: mx.array(gguf_types.to_float32(
+                                      np.asarray(data), info.kind, info.shape)))}
+    part = files.read(name)
+    base = name[: -len(".weight")]
+    if f"{base}.scales" not in part:
+        mx.eval(part[name])
+        return part
+    bits = gguf_types.affine_bits(info.kind)
+    triple = part[name], part[f"{base}.scales"], part[f"{base}.biases"]
+    dequantized = lambda: dequantize_float32(*triple, bits)  # noqa: E731
+    if key is None:  # a mixture's stacked experts: float32, as decode reads them
+        weight = dequantized()
+        mx.eval(weight)
+        return {name: weight}
+    packed = Packed.of(*triple, bits, GROUP_SIZE)
+    check = dequantize_float32(*(t[:CHECKED_ROWS] for t in triple), bits)
+    return {name: _registered(key, packed, np.array(check), dequantized)}
+
+
+def _released_name(shape: tuple) -> mx.array:
+    """A float32 array of ``shape`` whose memory is handed back at once (MLX writes it
+    when it makes it): the name of a packed matrix."""
+    name = mx.zeros(shape, mx.float32)
+    mx.eval(name)
+    release_pages(name)
+    return name
+
+
+def _registered(name: mx.array, packed: Packed | Blocks, check: np.ndarray,
+                dequantized) -> mx.array:
+    """``name`` registered as the packed matrix's (and released); where the kernels
+    refuse it, the matrix in float32 (``dequantized()``)."""
+    if SHADOWS.register(name, packed, check=np.ascontiguousarray(check, np.float32)):
+        SHADOWS.nbytes += packed.nbytes
+        return name
+    del name
+    weight = dequantized()
+    mx.eval(weight)
+    return weight
