@@ -2,9 +2,11 @@
 
 Two formats: a GGUF file (the embedded SmolLM2 by default; see gguf.py) and an MLX /
 Hugging Face directory (config.json, *.safetensors, tokenizer files) read through
-mlx-lm's own loading functions. On the CPU backend weights are dequantized to float32
-by default: MLX's quantized matmul and half-precision matmul are 10-20x slower there
-than float32 through an optimized BLAS (docs/CPU_SPEED.md).
+mlx-lm's own loading functions. On the CPU backend weights are computed with as float32:
+MLX's quantized matmul and half-precision matmul are 10-20x slower there than float32
+through an optimized BLAS (docs/CPU_SPEED.md). Where decode follows and the BLAS forward
+is preloaded (``packed_only``), quantized matrices are held packed only and turned into
+float32 a tile at a time as products need them (packed_load.py, quantized_shadows.py).
 """
 
 from __future__ import annotations
@@ -127,14 +129,14 @@ def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = Tr
     spmd-cp's engine computes with such a model, not mlx-lm's forward)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
-    packed_only = packed_only and packed_decode and not keep_quantized and p.is_file() \
-        and quantized_shadows.available()
+    packed_only = packed_only and packed_decode and not keep_quantized and \
+        quantized_shadows.available()
     try:
-        if packed_only:
+        if packed_only and p.is_file():
             from .packed_load import load_gguf_packed
 
             return LoadedModel(*load_gguf_packed(str(p)), str(p), checksum)
-        return _load(p, keep_quantized, checksum, packed_decode, weight_cache)
+        return _load(p, keep_quantized, checksum, packed_decode, weight_cache, packed_only)
     except LOAD_ERRORS as error:
         what = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
         what = " ".join(what.split())  # one line (mlx-lm lists missing weights one a line)
@@ -146,7 +148,7 @@ def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = Tr
 
 
 def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool,
-          weight_cache: bool) -> LoadedModel:
+          weight_cache: bool, packed_only: bool = False) -> LoadedModel:
     path = str(p)
     packed = {}  # {parameter name: Packed} of the matrices dequantized to float32
     if p.is_file():
@@ -170,6 +172,12 @@ def _load(p: Path, keep_quantized: bool, checksum: str, packed_decode: bool,
             model = dequantize_model(model)  # any other quantization mode
     if mx.default_device() == mx.cpu and not keep_quantized:
         model.set_dtype(mx.float32)
+    if packed_only and packed:
+        # An MLX directory's affine matrices held packed only: each dequantized, checked
+        # against its packed form and released in turn, never all at once.
+        quantized_shadows.SHADOWS.releasing = True
+        quantized_shadows.register_model(model, packed)
+        packed = {}
     mx.eval(model.parameters())
     if packed_decode and not keep_quantized and quantized_shadows.available():
         if p.is_file():

@@ -341,18 +341,27 @@ def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
 
 
 def _released_bytes(specs: dict, form: ComputeForm, files) -> int:
-    """Float32 bytes of the matrices a replicated load of a GGUF file holds packed only
-    (models/packed_load.py): those ``_shadow_bytes`` counts, at 4 bytes a weight."""
+    """Float32 bytes of the matrices a replicated load holds packed only (the file's
+    blocks, models/packed_load.py; MLX's affine triples): those ``_shadow_bytes``
+    counts, at 4 bytes a weight."""
     from . import gguf_types, quantized_shadows
     from .tensor_files import GGUFFile
 
-    if not isinstance(files, GGUFFile) or not _shadow_bytes(specs, form, files):
+    if not _shadow_bytes(specs, form, files):
         return 0
+    if isinstance(files, GGUFFile):
+        return sum(4 * math.prod(info.shape)
+                   for info in (files.infos[g] for g in files.names.values())
+                   if len(info.shape) == 2 and (
+                       gguf_types.name_of(info.kind) in quantized_shadows.BLOCK_TYPES or
+                       (gguf_types.is_affine(info.kind) and quantized_shadows.reads_affine())))
     total = 0
-    for info in (files.infos[g] for g in files.names.values()):
-        if len(info.shape) != 2:
+    for name, (shape, _) in specs.items():
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is None or f"{base}.scales" not in specs or len(shape) != 2 or \
+                not quantized_shadows.reads_affine():
             continue
-        if gguf_types.name_of(info.kind) in quantized_shadows.BLOCK_TYPES or \
-                (gguf_types.is_affine(info.kind) and quantized_shadows.reads_affine()):
-            total += 4 * math.prod(info.shape)
+        bits = form.bits(shape, specs[f"{base}.scales"][0], form.group_of(name))
+        if bits in quantized_shadows.KERNEL_BITS:
+            total += 4 * shape[0] * shape[1] * 32 // bits
     return total
