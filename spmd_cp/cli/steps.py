@@ -150,7 +150,7 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
         loaded = spmd.everywhere(comm, load_rank_share, path, comm.rank, comm.size,
                                  run.keep_quantized)
     else:
-        # packed_only: a GGUF's quantized matrices held as the file stores them
+        # packed_only: a quantized model's matrices held as the file stores them
         # (models/packed_load.py), where decode reads them packed
         loaded = spmd.everywhere(comm, load_model, path, run.keep_quantized, decode,
                                  run.weight_cache, True)

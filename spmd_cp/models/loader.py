@@ -124,9 +124,10 @@ def load_model(path: str, keep_quantized: bool = False, packed_decode: bool = Tr
     (models/quantized_shadows.py; False where no decode step follows, e.g. ``score``).
     ``weight_cache``: keep a GGUF's dequantized float32 weights on disk between runs
     (``float32_cache_path``; ``--no-weight-cache`` turns it off).
-    ``packed_only``: with ``packed_decode``, hold a GGUF's quantized matrices packed only
-    (packed_load.py; the float32 parameters of those matrices then hold no values: only
-    spmd-cp's engine computes with such a model, not mlx-lm's forward)."""
+    ``packed_only``: with ``packed_decode``, hold a GGUF's quantized matrices (and an MLX
+    directory's affine ones) packed only (packed_load.py; the float32 parameters of those
+    matrices then hold no values: only spmd-cp's engine computes with such a model, not
+    mlx-lm's forward)."""
     p = check_model_path(path)
     checksum = model_checksum(str(p))
     packed_only = packed_only and packed_decode and not keep_quantized and \

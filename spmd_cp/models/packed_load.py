@@ -23,8 +23,6 @@ that transient then sets the process's resident peak as little as it can.
 
 from __future__ import annotations
 
-import logging
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -32,8 +30,6 @@ import numpy as np
 from . import gguf_types
 from .gguf import GROUP_SIZE, _ready, _skeleton, dequantize_float32, header_config
 from .quantized_shadows import BLOCK_TYPES, SHADOWS, Blocks, Packed, release_pages
-
-log = logging.getLogger("spmd_cp")
 
 CHECKED_ROWS = 8  # rows of each matrix checked bit for bit against the reference at load
 EMBEDDING = "model.embed_tokens.weight"
