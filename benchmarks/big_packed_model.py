@@ -16,8 +16,8 @@ Then `OPENBLAS_NUM_THREADS=1 mpiexec -n N spmd-cp generate --model FILE --prompt
 --no-chat-template --max-tokens T --json` and, where llama-cpp-python is importable, the
 same file, prompt and tokens in llama.cpp on N threads (a 1,024-token context): prefill
 and decode tok/s, each rank's resident peak against the bound 1.5 x the file's bytes +
-0.5 GB, and llama.cpp's whole process. Random weights make the text meaningless; the figures are what count.
-Result: benchmarks/results/big_packed_model.json and .md.
+0.5 GB, and llama.cpp's whole process. Random weights make the text meaningless; the
+figures are what count. Result: benchmarks/results/big_packed_model.json and .md.
 """
 
 from __future__ import annotations
@@ -50,35 +50,21 @@ def more_bits(layer: int) -> bool:
 
 
 def write_model(path: Path):
-    import gguf
-    from gguf_files import random_tensor, tokenizer_metadata
+    from gguf_files import random_tensor, tokenizer_metadata, write_gguf
 
     rng = np.random.RandomState(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
     meta = {"llama.context_length": 131072, "llama.embedding_length": HIDDEN,
             "llama.block_count": LAYERS, "llama.feed_forward_length": FFN,
             "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": KV_HEADS,
-            "llama.rope.dimension_count": HEAD_DIM}
-    for key, value in meta.items():
-        writer.add_uint32(key, value)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32("llama.rope.freq_base", 500000.0)
+            "llama.rope.dimension_count": HEAD_DIM,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 500000.0}
     tokenizer = tokenizer_metadata()
-    tokens = list(tokenizer["tokenizer.ggml.tokens"])
-    types = list(tokenizer["tokenizer.ggml.token_type"])
-    pad = VOCAB - len(tokens)
-    tokenizer["tokenizer.ggml.tokens"] = tokens + [f"<|reserved_special_token_{i}|>"
-                                                   for i in range(pad)]
-    tokenizer["tokenizer.ggml.token_type"] = types + [3] * pad  # control tokens
-    for key, value in tokenizer.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, [v.item() if hasattr(v, "item") else v for v in value])
+    pad = VOCAB - len(tokenizer["tokenizer.ggml.tokens"])
+    tokenizer["tokenizer.ggml.tokens"] = list(tokenizer["tokenizer.ggml.tokens"]) + \
+        [f"<|reserved_special_token_{i}|>" for i in range(pad)]
+    tokenizer["tokenizer.ggml.token_type"] = \
+        list(tokenizer["tokenizer.ggml.token_type"]) + [3] * pad  # control tokens
+    meta.update(tokenizer)
     shapes = {"token_embd": ((VOCAB, HIDDEN), "Q4_K"), "output": ((VOCAB, HIDDEN), "Q6_K")}
     for i in range(LAYERS):
         wide = "Q6_K" if more_bits(i) else "Q4_K"
@@ -89,17 +75,12 @@ def write_model(path: Path):
                        f"blk.{i}.ffn_gate": ((FFN, HIDDEN), "Q4_K"),
                        f"blk.{i}.ffn_up": ((FFN, HIDDEN), "Q4_K"),
                        f"blk.{i}.ffn_down": ((HIDDEN, FFN), wide)})
-    for name, (shape, kind) in shapes.items():
-        writer.add_tensor(f"{name}.weight", random_tensor(kind, shape, rng),
-                          raw_dtype=gguf.GGMLQuantizationType[kind])
-    norms = ["output_norm"] + [f"blk.{i}.{n}" for i in range(LAYERS)
-                               for n in ("attn_norm", "ffn_norm")]
-    for name in norms:
-        writer.add_tensor(f"{name}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tensors = {f"{name}.weight": (random_tensor(kind, shape, rng), kind)
+               for name, (shape, kind) in shapes.items()}
+    for name in ["output_norm"] + [f"blk.{i}.{n}" for i in range(LAYERS)
+                                   for n in ("attn_norm", "ffn_norm")]:
+        tensors[f"{name}.weight"] = (rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32), "F32")
+    write_gguf(path, "llama", meta, tensors)
 
 
 def main():
