@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
@@ -252,6 +251,14 @@ def describe_weights(layer, model: CPModel) -> str:
     return str(parts.qkv[0].weight.dtype).replace("mlx.core.", "")
 
 
+def copied_matrices(layer) -> list[mx.array]:
+    """The weights ``LayerSlice`` may copy parts of: q/k/v (joined rows) and down (its
+    columns). A mixture's experts are cut by expert_slices from float32 weights."""
+    parts = LayerParts.of(layer)
+    modules = [*parts.qkv, parts.down]
+    return [m["weight"] for m in modules if isinstance(m, nn.Module) and "weight" in m]
+
+
 class TensorParallelDecoder:
     """Decode steps with every matmul split across the ranks of ``comm``."""
 
@@ -268,8 +275,9 @@ class TensorParallelDecoder:
             if not self.layers:
                 cut_from = describe_weights(layer, model)
             # A packed-only matrix's memory holds its values again while its slices
-            # are copied (models/packed_load.py), one layer at a time.
-            with SHADOWS.filled([a for _, a in tree_flatten(layer.parameters())]):
+            # are copied (models/packed_load.py), one layer at a time: the copies are
+            # cut from q/k/v and down (the other slices are views).
+            with SHADOWS.filled(copied_matrices(layer)):
                 self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded))
             self.modules.append(LayerShell(layer) if sharded else layer)
         if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows

@@ -145,6 +145,7 @@ class Shadows:
         # Release every matrix as it registers (packed_load.py turns it on): the packed
         # forms are then the only copy of the weights.
         self.releasing = False
+        self.released_count = 0  # a quick "none": most processes release nothing
 
     @property
     def active(self) -> bool:
@@ -232,6 +233,7 @@ class Shadows:
             raise ValueError("release of a matrix that is not registered")
         if not entry.released:
             entry.released = True
+            self.released_count += 1
             note_released(entry.rows * entry.cols * 4)
 
     def _entry_at(self, matrix: mx.array) -> _Entry:
@@ -244,28 +246,34 @@ class Shadows:
     def is_released(self, matrix: mx.array) -> bool:
         """Whether ``matrix`` (a registered matrix or a view of whole rows of one) holds
         no values of its own any more."""
-        entry = self._entry_of(matrix)
-        return entry is not None and entry.released
+        if not self.released_count:
+            return False
+        found = self._entry_of(matrix)
+        return found is not None and found[0].released
 
     def held_bytes(self, arrays) -> int:
         """Bytes ``arrays`` hold: those of a released matrix (or rows of one) hold none."""
         return sum(0 if self.is_released(a) else a.nbytes for a in arrays)
 
-    def _entry_of(self, matrix: mx.array) -> _Entry | None:
+    def _entry_of(self, matrix: mx.array) -> tuple[_Entry, np.ndarray] | None:
+        """The registered matrix whose memory holds ``matrix``'s first element, and a
+        view of ``matrix``; None where there is none."""
         if not self._entries or matrix.dtype != mx.float32 or matrix.ndim != 2:
             return None
         view = _rows(matrix)
-        address = view.ctypes.data if view is not None else None
+        if view is None:
+            return None
         for entry in self._entries:
-            if address is not None and 0 <= address - entry.address < entry.rows * entry.cols * 4:
-                return entry
+            if 0 <= view.ctypes.data - entry.address < entry.rows * entry.cols * 4:
+                return entry, view
         return None
 
     @contextmanager
     def filled(self, matrices: list):
         """The released ones of ``matrices`` hold their values again for the block (for
         code that copies parts of them), and are released again after it."""
-        entries = [e for m in matrices if (e := self._entry_of(m)) is not None and e.released]
+        entries = [found[0] for m in matrices
+                   if (found := self._entry_of(m)) is not None and found[0].released]
         for entry in entries:
             _library()[4]["fill"](entry.address)
         try:
@@ -290,21 +298,15 @@ class Shadows:
 
     def packed_of(self, matrix: mx.array) -> Packed | Blocks | None:
         """The packed form of a registered matrix, or of a view of whole rows of one."""
-        if not self._entries or matrix.dtype != mx.float32 or matrix.ndim != 2:
+        found = self._entry_of(matrix)
+        if found is None:
             return None
-        view = _rows(matrix)
-        if view is None:
+        (entry, view), (rows, cols) = found, matrix.shape
+        first, in_row = divmod(view.ctypes.data - entry.address, entry.cols * 4)
+        if in_row or cols != entry.cols or view.strides[0] != cols * 4 or \
+                first + rows > entry.rows:
             return None
-        address, (rows, cols) = view.ctypes.data, matrix.shape
-        for entry in self._entries:
-            offset = address - entry.address
-            if 0 <= offset < entry.rows * entry.cols * 4:
-                first, in_row = divmod(offset, entry.cols * 4)
-                if in_row or cols != entry.cols or view.strides[0] != cols * 4 or \
-                        first + rows > entry.rows:
-                    return None
-                return entry.packed.rows(first, first + rows)
-        return None
+        return entry.packed.rows(first, first + rows)
 
     def register_columns(self, copy: mx.array, source: mx.array, start: int, stop: int):
         """Register a copy of inputs [start, stop) of ``source`` (a registered matrix or
