@@ -128,6 +128,7 @@ class SamplingConfig(_Settings):
     min_p: float = 0.0  # 0: off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # decode max_tokens tokens whatever the model ends with
 
     def __post_init__(self):
         self.stop = list(self.stop)
@@ -181,6 +182,7 @@ class BatchConfig(_Settings):
     system: str | None = None
     no_chat_template: bool = False
     progress_mode: str = "auto"
+    max_batch: str = "auto"  # or a count: "1", "8", ...
 
 
 @dataclass(frozen=True)

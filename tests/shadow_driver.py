@@ -21,6 +21,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gguf_files import random_tensor  # noqa: E402
+from spmd_cp.kernels.gemv_forward import lend_pool  # noqa: E402
 from spmd_cp.models.quantized_shadows import (  # noqa: E402
     BLOCK_TYPES, SHADOWS, Blocks, Packed, available)
 
@@ -59,6 +60,10 @@ def row(cols: int) -> mx.array:
     return mx.array(rng.standard_normal((1, cols)).astype(np.float32))
 
 
+def random_rows(count: int, cols: int) -> mx.array:
+    return mx.array(rng.standard_normal((count, cols)).astype(np.float32))
+
+
 def times_transposed(x: mx.array, weights: mx.array) -> dict:
     wanted = np.array(x, np.float64) @ np.array(weights, np.float64).T
     return measured(lambda: x @ weights.T, wanted)
@@ -89,7 +94,7 @@ def affine_cases(cases: dict, registered: dict) -> dict:
     # Copies of columns, their shadow a view of the packed columns: 288 wide ends in half
     # a block of 4-bit weights; 64 wide starts inside the packed rows.
     for start, stop in [(64, 352), (32, 96)]:
-        copy = mx.contiguous(big[:, start:stop])
+        copy = MATRICES[f"copy {start}:{stop}"] = mx.contiguous(big[:, start:stop])
         mx.eval(copy)
         SHADOWS.register_columns(copy, big, start, stop)
         cases[f"columns {start}:{stop}"] = times_transposed(row(stop - start), copy)
@@ -104,9 +109,12 @@ def affine_cases(cases: dict, registered: dict) -> dict:
     x, c = row(576), row(1536)
     wanted = 0.5 * np.array(x, np.float64) @ np.array(big, np.float64).T + 2.0 * np.array(c)
     cases["alpha beta"] = measured(lambda: mx.addmm(c, x, big.T, alpha=0.5, beta=2.0), wanted)
-    # Two rows at once are not a matrix-vector product: the BLAS computes them.
-    xs = mx.array(rng.standard_normal((2, 576)).astype(np.float32))
-    cases["two rows"] = times_transposed(xs, big)
+    # A few rows at once (a batched decode step's, up to 32) read the packed form once
+    # for all of them; 33 rows are the BLAS's.
+    cases["rows 2"] = times_transposed(random_rows(2, 576), big)
+    cases["rows 9 stacked"] = times_transposed(random_rows(9, 576), stacked)
+    cases["rows 32 columns"] = times_transposed(random_rows(32, 288), MATRICES["copy 64:352"])
+    cases["rows 33"] = times_transposed(random_rows(33, 576), big)
 
     # Refusals: one weight a float32 step off, a second registration of the same memory, a
     # bit width the kernel does not read. Products of a refused matrix are the BLAS's.
@@ -152,6 +160,7 @@ def block_cases(cases: dict, registered: dict) -> dict:
         matrices[kind] = MATRICES[kind] = weights
         cases[kind] = times_transposed(row(cols), weights)
         cases[f"{kind} rows"] = times_transposed(row(cols), weights[10:70])
+        cases[f"{kind} batch"] = times_transposed(random_rows(8, cols), weights)
         for start, stop, name in [(values, 3 * values, "columns"), (16, 16 + values, "off")]:
             copy = mx.contiguous(weights[:, start:stop])
             mx.eval(copy)
@@ -175,6 +184,9 @@ MATRICES = {}  # registered matrices by name
 cases, registered, refusals = {}, {}, {}
 if os.environ.get("SHADOW_DRIVER_PART") != "blocks":
     refusals.update(affine_cases(cases, registered))
+# From here a few rows' products run on the decode step's pool of threads (the affine
+# ones above on their caller's).
+pool_threads = lend_pool(2)
 refusals.update(block_cases(cases, registered))
 if "affine 576" in MATRICES:
     # q/k/v rows of a Q5_0 and a Q8_0 model copied into one (a Gemma's, split): block
@@ -206,6 +218,8 @@ def released_cases(cases: dict) -> dict:
         cases[f"{name} released rows"] = measured(lambda: many @ weights.T, reference)
         cases[f"{name} released row"] = measured(
             lambda: many[:1] @ weights.T, reference[:1])
+        cases[f"{name} released few rows"] = measured(
+            lambda: many[:8] @ weights.T, reference[:8])
         cases[f"{name} released view"] = measured(
             lambda: many @ weights[3:40].T, reference[:, 3:40])
         checks[f"{name} lookup"] = bool(np.array_equal(
@@ -230,6 +244,7 @@ released = released_cases(cases) if os.environ.get("SHADOW_DRIVER_PART") != "blo
 # Whether the block kernels run as vector code here (a plain C build: not)
 block_vectors = bool(ctypes.CDLL(None).spmd_cp_block_shadow_vectors())
 print("RESULT " + json.dumps({"available": available(), "block_vectors": block_vectors,
+                              "pool_threads": pool_threads,
                               "registered": registered,
                               "refusals": refusals, "refused": SHADOWS.refused,
                               "released": released,

@@ -244,6 +244,7 @@ def test_resume_after_sigkill_answers_every_id_once_and_keeps_written_lines(kill
     summary = resumed.last_json()
     assert summary["jobs"] == len(JOBS) - written and summary["errors"] == 2
     assert summary["ranks"] == 2 and len(summary["peak_mem_bytes"]) == 2
+    assert summary["max_batch"] == 1  # auto on the CPU path: one job's native steps
     assert all(b > 0 for b in summary["kv_cache_bytes"])
     assert summary["decode_setup_s"] > 0  # decode's collectives opened before the first job
     # Rank 0's progress lines and mlx-lm style footer.
@@ -305,3 +306,51 @@ def test_greedy_answers_equal_generate_one_by_one(killed_then_resumed, workdir, 
     assert batched["text"] == alone["text"]
     assert batched["tokens"] == alone["tokens"]
     assert batched["token_ids"] == alone["token_ids"]
+
+
+def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, workdir):
+    """``--max-batch 2`` on five jobs after one document (2 ranks): a job joins the batch
+    as another leaves, and each greedy answer is the one it gets decoded alone (the
+    resumed run's, one job after another); ``ignore_eos`` decodes exactly max_tokens
+    tokens; the summary counts the batched steps."""
+    extra = [{"id": "d4", "prefix_file": "doc.txt", "prompt": "Describe the town.",
+              "max_tokens": 12, "ignore_eos": True},
+             {"id": "d5", "prefix_file": "doc.txt", "prompt": QUESTIONS["d1"], "max_tokens": 1}]
+    jobs = [{**job, "max_tokens": MAX_TOKENS} for job in JOBS if "prefix_file" in job]
+    path = write_jobs(workdir / "together.jsonl", jobs + extra)
+    out = workdir / "together-out.jsonl"
+    summary = run_cli(2, ["batch", "--jobs", str(path), "--output", str(out), "--max-batch",
+                          "2", "--json"], timeout=150)
+    assert "--kv-dtype auto: float32 (the decode step is MLX's: batched" in summary.stderr
+    summary = summary.last_json()
+    by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    alone = killed_then_resumed[3]
+    for job_id in ("d1", "d2", "d3"):
+        assert by_id[job_id]["token_ids"] == alone[job_id]["token_ids"], job_id
+        assert by_id[job_id]["text"] == alone[job_id]["text"]
+    assert by_id["d5"]["token_ids"] == alone["d1"]["token_ids"][:1]
+    assert by_id["d4"]["tokens"] == 12 and by_id["d4"]["finish_reason"] == "length"
+    assert [r["id"] for r in map(json.loads, out.read_text().splitlines())] == \
+        ["d1", "d2", "d3", "d4", "d5"]
+    assert summary["max_batch"] == 2 and summary["answered"] == 5
+    assert summary["batch_sizes"].get("2", 0) > 0 and summary["decode_tok_s"] > 0
+
+
+def test_gpu_path_batches_by_default_and_equals_its_jobs_alone(workdir):
+    """The GPU path's arithmetic (``--device gpu``, run on this CPU): ``--max-batch
+    auto`` decodes up to 8 jobs together, and every answer equals the GPU path's answer
+    one job at a time (2 ranks)."""
+    jobs = [{**job, "max_tokens": MAX_TOKENS} for job in JOBS if "prefix_file" in job]
+    path = write_jobs(workdir / "gpu-path.jsonl", jobs)
+    answers = {}
+    for setting in ("auto", "1"):
+        out = workdir / f"gpu-path-{setting}.jsonl"
+        summary = run_cli(2, ["batch", "--jobs", str(path), "--output", str(out), "--device",
+                              "gpu", "--max-batch", setting, "--json"],
+                          timeout=150).last_json()
+        assert summary["max_batch"] == (8 if setting == "auto" else 1) and summary["errors"] == 0
+        answers[setting] = {r["id"]: r["token_ids"]
+                            for r in map(json.loads, out.read_text().splitlines())}
+        if setting == "auto":
+            assert summary["batch_sizes"].get("3", 0) > 0, summary["batch_sizes"]
+    assert answers["auto"] == answers["1"]

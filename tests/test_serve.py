@@ -133,8 +133,11 @@ def test_parse_request_checks_types_and_ranges():
     request = parse_request("chat", {"messages": [{"role": "user", "content": "hi"}],
                                      "stop": "x", "seed": 3}, defaults)
     assert request.sampling.max_tokens == 8 and request.sampling.stop == ["x"]
-    assert request.sampling.seed == 3
+    assert request.sampling.seed == 3 and not request.sampling.ignore_eos
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "hi"}],
+                                  "ignore_eos": True}, defaults).sampling.ignore_eos
     for bad in ({"messages": []}, {"messages": "hi"},
+                {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": "yes"},
                 {"messages": [{"role": "robot", "content": "hi"}]},
                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"},
                 {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
@@ -602,6 +605,13 @@ def test_max_tokens_beyond_the_context_is_capped_as_generate_caps(server):
     assert (f"max_tokens 1000000000 capped at {usage.completion_tokens}: the prompt's "
             f"{usage.prompt_tokens} tokens and the answer must fit the context of "
             f"{MAX_CONTEXT} tokens") in server.log_path.read_text(errors="replace")
+
+
+def test_ignore_eos_answers_max_tokens_tokens(server):
+    """``ignore_eos`` (vLLM's and llama.cpp's request field, through the OpenAI client's
+    extra_body): exactly max_tokens tokens, past the end-of-sequence token."""
+    reply = chat(server, "Say yes.", max_tokens=24, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 24 and reply.choices[0].finish_reason == "length"
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ def answer_ids(tokenizer, length: int, seed: int, noise: bool = True) -> list[in
 
 def streamed(tokenizer, ids: list[int], stop=()) -> tuple[str, str, int | None]:
     """(the text written piece by piece, the stream's final text, the token a stop
-    string ended it at) for an answer of ``ids``, fed as _Answer feeds it."""
+    string ended it at) for an answer of ``ids``, fed as Answer feeds it."""
     pieces = []
     stream = TextStream(tokenizer, list(stop), pieces.append)
     stopped_at = None

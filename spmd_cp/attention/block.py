@@ -208,12 +208,14 @@ def _tile_pairs(tq: int, num_heads: int, q_pos: np.ndarray, k_pos: np.ndarray,
 
 
 def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
-                    window: int | None = None):
+                    window: int | None = None, native: bool = True):
     """Causal attention of queries at ``q_pos`` over keys at ``k_pos``, as (out, lse).
 
     Tiled (at most ``SCORE_TILE_ELEMENTS`` scores at once), in float32 whatever the
     inputs' dtype; tiles no query sees (in the future, or behind a ``window``) are
-    skipped (``_tile_pairs``).
+    skipped (``_tile_pairs``). ``native``: many queries on the CPU may take the C
+    kernel (native_prefill.py), which evaluates the graph up to its inputs; False keeps
+    MLX's tiles, inside the caller's graph.
     """
     num_heads, tq, d = q.shape
     q = q.astype(mx.float32)
@@ -226,7 +228,7 @@ def block_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
     if (tq == 1 and q_pos[0] >= k_pos.max() and num_heads * k.shape[1] <= SCORE_TILE_ELEMENTS
             and (window is None or q_pos[0] - k_pos.min() < window)):
         return _decode_tile(q, k, v, scale)  # a decode query over a shard it sees whole
-    if native_prefill.usable(q):  # on the CPU: every thread of the rank (native_prefill.py)
+    if native and native_prefill.usable(q):  # on the CPU: the rank's threads (native_prefill.py)
         return native_prefill.native_attention(q, k, v, q_pos, k_pos, scale, window)
     q_parts = []
     for q0, q1, key_tiles in _tile_pairs(tq, num_heads, q_pos, k_pos, window):

@@ -47,18 +47,34 @@ def usable(q: mx.array) -> bool:
             and polynomial_exp_wanted() and _library() is not None)
 
 
+def _heads_apart(x) -> np.ndarray:
+    """float32 (H, T, d) as numpy, its rows contiguous within each head and the heads
+    any distance apart: a cache buffer's first T rows are read where they lie (a
+    batched decode step's prefix, engine/batched_decode.py), not copied a layer."""
+    array = np.asarray(x)
+    if (array.dtype != np.float32 or array.strides[2] != 4 or array.strides[1] != 4 * x.shape[2]
+            or array.strides[0] % 4):
+        array = np.ascontiguousarray(array, np.float32)
+    return array
+
+
 def native_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
                      window: int | None = None):
     """``block_attention``'s (out, lse) of float32 ``q`` (NH, Tq, d) over ``k``, ``v``
     (NKV, Tk, d) at those positions, computed by the C kernel."""
     num_heads, tq, d = q.shape
     num_kv, tk, _ = k.shape
-    arrays = [np.ascontiguousarray(x, np.float32) for x in (q, k, v)]  # evaluates them
+    keys, values = (_heads_apart(x) for x in (k, v))  # evaluates them
+    step = keys.strides[0] // 4
+    if values.strides[0] != keys.strides[0]:
+        keys, values = (np.ascontiguousarray(x) for x in (keys, values))
+        step = tk * d
+    arrays = [np.ascontiguousarray(q, np.float32), keys, values]
     positions = [np.ascontiguousarray(p, np.int64) for p in (q_pos, k_pos)]
     out = np.empty((num_heads, tq, d), np.float32)
     lse = np.empty((num_heads, tq), np.float32)
     failed = _library().spmd_cp_prefill_attend(
-        *(a.ctypes.data for a in arrays + positions), num_heads, num_kv, tq, tk, d,
+        *(a.ctypes.data for a in arrays + positions), num_heads, num_kv, tq, tk, d, step,
         float(scale), int(window or 0), out.ctypes.data, lse.ctypes.data)
     if failed:
         raise MemoryError("prefill attention: no memory for a thread's scratch")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 
 import click
@@ -42,6 +43,11 @@ from .progress import MODES
 @click.option("--progress", "progress_mode", type=click.Choice(MODES),
               default=BatchConfig.default("progress_mode"), show_default=True,
               help="Rank 0's stderr: a live line (bar), periodic lines, or nothing.")
+@click.option("--max-batch", callback=lambda ctx, param, value: max_batch_setting(value),
+              default=BatchConfig.default("max_batch"), show_default=True,
+              help="Jobs of a group decoded together, one batched step for all (1: one job "
+                   "after another; auto: 8 on the GPU path, 1 on the CPU path, where one "
+                   "job's native decode step is about as fast).")
 def batch(**options):
     """Answer many prompts from a JSONL file; shared documents are prefilled once.
 
@@ -50,6 +56,34 @@ def batch(**options):
 
     settings = from_options(options, RunConfig, SamplingConfig, DecodeConfig, BatchConfig)
     sys.exit(run_spmd(batch_command, *settings))
+
+
+# --max-batch auto on the GPU path, where every decode step is MLX's graph and a batched
+# one reads the weights once for all its rows. On the CPU path one sequence's native step
+# (kernels/decode_step.c) decoded as fast as batched MLX steps of 8 and 0.85x those of 16,
+# and 2x those of 2 to 4 (2 cores, docs/BENCHMARKS.md, "Batched decode"): auto takes 1.
+GPU_MAX_BATCH = 8
+
+
+def max_batch_setting(value: str) -> str:
+    """``--max-batch``'s value checked: "auto" or a whole number >= 1."""
+    if value == "auto" or (value.isdigit() and int(value) >= 1):
+        return value
+    raise click.BadParameter(f"{value!r} is neither auto nor a whole number >= 1")
+
+
+def choose_max_batch(setting: str, run: RunConfig, loaded) -> tuple[int, str]:
+    """(sequences decoded together, why), decided once before the engine is made."""
+    from .steps import compute_of
+
+    if getattr(loaded, "share", None) is not None:
+        return 1, "layer-sharded weights decode one sequence at a time"
+    if setting != "auto":
+        return int(setting), "--max-batch"
+    if compute_of(run).gpu:
+        return GPU_MAX_BATCH, "auto: the GPU path's steps are MLX's, batched they read the " \
+                              "weights once for all"
+    return 1, "auto: on the CPU path one job's native step is about as fast as batched ones"
 
 
 @contextmanager
@@ -88,7 +122,10 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     if spmd.on_root(comm, check) == 0:
         return
     loaded = steps.resolve_model(comm, run, decode)
-    run = steps.settle_run(comm, loaded, run, decode)
+    max_batch, why = choose_max_batch(args.max_batch, run, loaded)
+    if comm.rank == 0:
+        steps.log.info("batch: up to %d jobs decoded together (%s)", max_batch, why)
+    run = steps.settle_run(comm, loaded, run, decode, batched=max_batch > 1)
     engine = steps.make_engine(comm, loaded, run, decode)
     cache = engine.new_cache()
     root = RootSide(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None
@@ -100,7 +137,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
                 work = spmd.on_root(comm, lambda: root.next_work())
             if work is None:
                 break
-            run_group(engine, cache, loaded.tokenizer, work, root, kv_peak)
+            run_group(engine, cache, loaded.tokenizer, work, root, kv_peak, max_batch)
         metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
         # The cache ends truncated: report its largest size instead.
         peaks = comm.gather_object(kv_peak)
@@ -111,7 +148,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         if root is not None:
             root.writer.close()
     if root is not None:
-        root.finish(metrics, engine, run.as_json)
+        root.finish({**metrics, "max_batch": max_batch}, engine, run.as_json)
 
 
 def validate(run: RunConfig, args: BatchConfig):
@@ -153,10 +190,9 @@ def validate(run: RunConfig, args: BatchConfig):
     return {"pending": pending, "already_done": len(jobs) - len(pending)}
 
 
-def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
-    """Prefill the group's shared tokens once, then answer each job after them (all ranks)."""
-    from ..engine.generation import GenerationFailed, generate
-
+def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_batch: int):
+    """Prefill the group's shared tokens once, then answer its jobs after them (all
+    ranks): together, up to ``max_batch`` at a time, or one after another."""
     cache.truncate(0)
     shared = work["shared"]
     shared_s = 0.0
@@ -166,6 +202,47 @@ def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict):
         engine.prefill(cache, shared, progress=root.progress.prefill_callback(label)
                        if root else None)
         shared_s = time.perf_counter() - start
+    if max_batch > 1 and len(work["jobs"]) > 1:
+        _run_together(engine, cache, tokenizer, work, root, kv_peak, max_batch, shared_s)
+        return
+    _run_in_turn(engine, cache, tokenizer, work, root, kv_peak, shared_s)
+
+
+def _run_together(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_batch: int,
+                  shared_s: float):
+    """The group's jobs through the scheduler (engine/scheduler.py): batched decode."""
+    from ..engine.scheduler import Request, Scheduler
+
+    shared, jobs = work["shared"], {job["id"]: job for job in work["jobs"]}
+    first = work["jobs"][0]["id"]
+
+    def finished(request, result, error):
+        if root is None:
+            return
+        job = jobs[request.key]
+        if error is not None:
+            root.job_failed(job, error)
+            return
+        reused = len(shared) if request.key != first else 0
+        root.job_finished(job, result, reused, shared_s if request.key == first else 0.0,
+                          decode_counted=False)
+
+    scheduler = Scheduler(engine, cache, len(shared), tokenizer, max_batch, finished,
+                          root.progress.prefill_callback if root else None)
+    stats = scheduler.run([Request(job["id"], job["ids"], job["sampling"])
+                           for job in work["jobs"]])
+    held = cache.nbytes + scheduler.decoder.tails.nbytes  # the document's and every slot's
+    if held > kv_peak["bytes"]:
+        kv_peak.update(bytes=int(held), tokens=int(cache.positions.size + stats.tail_tokens))
+    if root is not None:
+        root.decoded_together(stats)
+
+
+def _run_in_turn(engine, cache, tokenizer, work: dict, root, kv_peak: dict, shared_s: float):
+    """The group's jobs one after another, each decoded alone."""
+    from ..engine.generation import GenerationFailed, generate
+
+    shared = work["shared"]
     for index, job in enumerate(work["jobs"]):
         try:
             result = generate(engine, cache, job["ids"], tokenizer, job["sampling"],
@@ -211,6 +288,7 @@ class RootSide:
         self.already_done = plan["already_done"]
         self.decode_setup_s = 0.0  # decode is readied once, in the first job that decodes
         self.errors = 0
+        self.batch_sizes = Counter()  # decode steps run at each batch size
         self.prompt_tokens = 0
         self.reused_tokens = 0
         self.start = time.perf_counter()
@@ -234,7 +312,10 @@ class RootSide:
         self.errors += 1
         self.progress.job_done(failed=True)
 
-    def job_finished(self, job: dict, result, reused: int, shared_s: float):
+    def job_finished(self, job: dict, result, reused: int, shared_s: float,
+                     decode_counted: bool = True):
+        """``decode_counted``: the job's decode time counts in the aggregate (False where
+        its decode steps were shared with others: ``decoded_together`` counts them)."""
         from .steps import throughput
 
         prefilled = job["prompt_tokens"] - reused
@@ -258,7 +339,15 @@ class RootSide:
         self.prompt_tokens += job["prompt_tokens"]
         self.reused_tokens += reused
         self.progress.job_done(prefilled=prefilled, generated=len(result.tokens),
-                               prefill_s=ttft, decode_s=result.decode_s)
+                               prefill_s=ttft,
+                               decode_s=result.decode_s if decode_counted else 0.0)
+        if decode_counted and len(result.tokens) > 1:
+            self.batch_sizes[1] += len(result.tokens) - 1
+
+    def decoded_together(self, stats):
+        """A group's batched decode steps: their time and the batch sizes they ran."""
+        self.progress.decode_s += stats.step_s
+        self.batch_sizes.update(stats.sizes)
 
     def finish(self, metrics: dict, engine, as_json: bool):
         from .steps import algos_used, throughput
@@ -283,6 +372,7 @@ class RootSide:
             "prefill_tok_s": round(progress.prompt_tokens / max(progress.prefill_s, 1e-9), 3),
             "decode_tok_s": throughput(progress.decoded_tokens, progress.decode_s),
             "decode_setup_s": round(self.decode_setup_s, 6),
+            "batch_sizes": {str(size): steps for size, steps in sorted(self.batch_sizes.items())},
             "ranks": self.ranks,
             "algo": algos_used(engine),
             **engine.decode_modes,

@@ -57,6 +57,7 @@ FIELDS = {
     "min_p": _sampling("min_p"),
     "seed": _sampling("seed", integer=True),
     "stop": (_check_stop, "a string or a list of strings"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -77,6 +78,7 @@ class Job:
     min_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool | None = None
 
     @property
     def group_key(self):
@@ -158,7 +160,8 @@ def _make_job(number: int, record: dict, base: Path) -> Job:
                system=record.get("system"), max_tokens=record.get("max_tokens"),
                temperature=record.get("temperature"), top_p=record.get("top_p"),
                top_k=record.get("top_k"), min_p=record.get("min_p"), seed=record.get("seed"),
-               stop=(stop,) if isinstance(stop, str) else tuple(stop))
+               stop=(stop,) if isinstance(stop, str) else tuple(stop),
+               ignore_eos=record.get("ignore_eos"))
 
 
 def _bad_lines_message(what: str, bad: list) -> str:

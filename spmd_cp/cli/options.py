@@ -169,6 +169,9 @@ def sampling_options(fn):
         ranged_option("--top-k", "top_k", int, "Sample among the k likeliest tokens (0 = off)."),
         ranged_option("--min-p", "min_p", float,
                       "Drop tokens below this share of the likeliest one's probability (0 = off)."),
+        click.option("--ignore-eos", is_flag=True,
+                     help="Generate --max-tokens tokens even past the model's end-of-sequence "
+                          "token (benchmarks that compare like with like)."),
     ])
 
 

@@ -143,7 +143,8 @@ class Preparer:
         return SamplingConfig(max_tokens=max_tokens,
                               temp=pick(job.temperature, d.temp), top_p=pick(job.top_p, d.top_p),
                               top_k=pick(job.top_k, d.top_k), min_p=pick(job.min_p, d.min_p),
-                              seed=job.seed, stop=list(job.stop))
+                              seed=job.seed, stop=list(job.stop),
+                              ignore_eos=pick(job.ignore_eos, d.ignore_eos))
 
     def group(self, jobs: list[Job]):
         """(work for every rank, error records) for one group of jobs."""

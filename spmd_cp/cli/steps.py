@@ -140,9 +140,9 @@ def model_location(comm: Comm, spec: str | None) -> str:
 
 def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):
     """Load the model ``check_model`` accepted, on every rank. ``decode``: decode steps
-    will follow (a quantized model's packed matrices are then kept for them, unless
-    ``--no-quantized-decode``)."""
-    decode = decode and run.quantized_decode
+    will follow (a quantized model's packed matrices kept for them, unless
+    ``--no-quantized-decode`` or on the GPU path, ``--device gpu`` on a CPU too)."""
+    decode = decode and run.quantized_decode and not compute_of(run).gpu
     start = time.perf_counter()
     if spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
         log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",
@@ -190,10 +190,10 @@ GPU_PREFILL_STEP = 2048
 
 
 def settle_run(comm: Comm, loaded, run: RunConfig,
-               decode: DecodeConfig | None = None) -> RunConfig:
+               decode: DecodeConfig | None = None, batched: bool = False) -> RunConfig:
     """``run`` with its auto settings decided once, the same on every rank, before the
-    engine, the forecast and any prefill: ``--prefill-chunk`` and ``--kv-dtype``."""
-    return settle_kv_dtype(comm, loaded, settle_prefill_chunk(comm, run), decode)
+    engine, the forecast and any prefill: ``--prefill-chunk``, ``--kv-dtype`` (batched)."""
+    return settle_kv_dtype(comm, loaded, settle_prefill_chunk(comm, run), decode, batched)
 
 
 def settle_prefill_chunk(comm: Comm, run: RunConfig) -> RunConfig:
@@ -208,13 +208,14 @@ def settle_prefill_chunk(comm: Comm, run: RunConfig) -> RunConfig:
 
 
 def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
-                    decode: DecodeConfig | None = None) -> RunConfig:
+                    decode: DecodeConfig | None = None, batched: bool = False) -> RunConfig:
     """``run`` with ``--kv-dtype auto`` decided once, the same on every rank (collective
     where it is auto), before the engine, the forecast and any prefill: float16 where
     decode steps follow (``decode``: their flags; None: none do) and every rank can run
     them natively (the rules the decode plan applies, native_eligibility.py), else
-    float32. Rank 0 logs the choice and its reason. The GPU path keeps the model's
-    dtype whatever this says."""
+    float32 (``batched`` steps too: MLX widens a half cache on the CPU at ~2 ns an
+    element, 2.6 ms a layer over 3K keys). Rank 0 logs the choice and its reason. The
+    GPU path keeps the model's dtype whatever this says."""
     if run.kv_dtype != "auto":
         return run
     compute = compute_of(run)
@@ -222,6 +223,8 @@ def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
         return dataclasses.replace(run, kv_dtype=AUTO_KV_FALLBACK)  # not read there
     if decode is None:
         reason = "no decode steps follow"
+    elif batched:
+        reason = "batched decode steps are MLX's (--max-batch)"
     elif getattr(loaded, "share", None) is not None:
         reason = "layer-sharded weights decode in MLX's step"
     else:

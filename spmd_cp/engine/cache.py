@@ -84,6 +84,20 @@ class LayerKV:
         """Keep the first ``length`` entries (the buffer is reused by later appends)."""
         self.offset = min(self.offset, length)
 
+    def shard(self, k: mx.array, v: mx.array, store: bool):
+        """This rank's keys/values for the layer after (maybe) appending the new ``k``,
+        ``v``, in their dtype (a half-precision cache on the CPU path read in float32).
+        (A batched decode step's layers answer the same call: batched_decode.py.)"""
+        if store:
+            keys, values = self.update_and_fetch(k, v)
+        else:
+            keys, values = self.fetch()
+            if keys is None:  # nothing cached here yet: an empty shard of the right shape
+                return k[:, :0], v[:, :0]
+        if keys.dtype != k.dtype:
+            keys, values = keys.astype(k.dtype), values.astype(k.dtype)
+        return keys, values
+
     def fetch(self):
         if self.keys is None:
             return None, None

@@ -18,6 +18,7 @@ from ..attention.calibrate import calibrate
 from ..attention.partition import head_tail_positions, owner_of
 from ..config import DecodeConfig
 from ..runtime.comm import Comm
+from ..runtime.graph_comm import open_graph_collectives
 from ..runtime.trace import span
 from .cache import ShardedKVCache
 from .decode_plan import DecodePlan, open_decode
@@ -57,8 +58,9 @@ class Engine:
         # layout's slices (tp_decode.TensorParallelDecoder) or None.
         self.plan = self.decoder = self.tp_decoder = None
         self._lazy_step = None
+        self._batched_collectives = None
 
-    def _layer_hook(self, phase: str):
+    def layer_hook(self, phase: str):
         if self.on_layer is None:
             return None
         return lambda index: self.on_layer(phase, index)
@@ -108,7 +110,7 @@ class Engine:
             with span(self.comm.tracer, "prefill chunk", "prefill", tokens=len(ids),
                       cached=start, algo=algo):
                 hidden = self.model.forward(ids[positions - start], positions, cache, attend,
-                                            on_layer=self._layer_hook("prefill"),
+                                            on_layer=self.layer_hook("prefill"),
                                             tracer=self.comm.tracer)
                 mx.eval(hidden)
             if score:
@@ -194,7 +196,7 @@ class Engine:
         if lazy and self.comm.size > 1:
             raise ValueError("a lazy token needs one rank: the others must receive its id")
         cache.add_positions(rank_positions, [-1 if lazy else token])
-        store, hook = self.comm.rank == owner, self._layer_hook("decode")
+        store, hook = self.comm.rank == owner, self.layer_hook("decode")
         plan, tracer = self.prepare_decode(), self.comm.tracer
         with span(tracer, "decode step", "decode", layout=plan.layout, step=plan.step):
             if lazy:
@@ -213,6 +215,18 @@ class Engine:
         if self._lazy_step is None:
             self._lazy_step = GraphStep(self.model, self.comm, self.comm, self.decode.decode_merge)
         return self._lazy_step
+
+    def batched_collectives(self):
+        """Collective, opened once: what batched decode steps (batched_decode.py) gather
+        through: MLX's graph collectives where every rank can open them (unless
+        ``--decode-comm mpi``), else the communicator."""
+        if self._batched_collectives is None:
+            graph = None
+            if self.comm.size > 1:
+                graph, _ = open_graph_collectives(self.comm, self.decode.decode_comm,
+                                                  self.decode.graph_backend, self.model.compute)
+            self._batched_collectives = graph or self.comm
+        return self._batched_collectives
 
     def prepare_decode(self) -> DecodePlan:
         """Collective: the decode plan (decode_plan.py), made once and kept: its

@@ -196,7 +196,7 @@ def _lockstep(engine: Engine, cache, logits, sample, max_tokens: int, stop, read
                 token = int(sample(logits))
                 message = (token, stop(token))
             except Exception as error:  # noqa: BLE001 - rank 0's alone: tell every rank
-                message = (None, _failure(error))
+                message = (None, failure_text(error))
         token, stopped = comm.bcast_object(message)
         if token is None:
             raise GenerationFailed(stopped)
@@ -216,7 +216,7 @@ def _guarded(sample):
         except GenerationFailed:
             raise
         except Exception as error:  # noqa: BLE001 - reported as the job's error
-            raise GenerationFailed(_failure(error)) from None
+            raise GenerationFailed(failure_text(error)) from None
 
     return guarded
 
@@ -228,7 +228,7 @@ def _failing(failure: GenerationFailed):
     return sample
 
 
-def _failure(error: BaseException) -> str:
+def failure_text(error: BaseException) -> str:
     if isinstance(error, GenerationFailed):
         return str(error)
     return "sampling failed: " + " ".join(f"{type(error).__name__}: {error}".split())[:300]
@@ -283,8 +283,8 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
         overlap = overlap_by_default(comm)
     check_overlap(comm, overlap)  # before the prefill's work
     is_root = comm.rank == 0
-    sample = _sampler(options, is_root)
-    answer = _Answer(tokenizer, options, write, cancelled) if is_root else None
+    sample = rank0_sampler(options, is_root)
+    answer = Answer(tokenizer, options, write, cancelled) if is_root else None
 
     start = time.perf_counter()
     logits, _ = engine.prefill(cache, prompt_ids, progress=prefill_progress)
@@ -306,7 +306,7 @@ def generate(engine: Engine, cache, prompt_ids: np.ndarray, tokenizer, options: 
                       setup.seconds)
 
 
-def _sampler(options: SamplingConfig, is_root: bool):
+def rank0_sampler(options: SamplingConfig, is_root: bool):
     """Rank 0's sampler, seeded where asked; options it cannot take (a seed out of the
     generator's range, say) give one that fails at the first token, where every rank
     learns of it (GenerationFailed)."""
@@ -316,14 +316,15 @@ def _sampler(options: SamplingConfig, is_root: bool):
             mx.random.seed(options.seed)
         return sample
     except (ValueError, TypeError, OverflowError) as error:
-        return _failing(GenerationFailed(_failure(error)))
+        return _failing(GenerationFailed(failure_text(error)))
 
 
-class _Answer:
+class Answer:
     """Rank 0's answer so far: the sampled tokens, their text, and why they ended."""
 
     def __init__(self, tokenizer, options: SamplingConfig, write, cancelled):
-        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.eos = set() if options.ignore_eos else set(
+            getattr(tokenizer, "eos_token_ids", None) or [])
         self.stream = TextStream(tokenizer, options.stop, write)
         self.cancelled = cancelled
         self.tokens: list[int] = []

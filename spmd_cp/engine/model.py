@@ -64,11 +64,14 @@ def rope_at(rope: nn.Module, x: mx.array, runs) -> mx.array:
     return mx.concatenate([rope(x[..., a:b, :], offset=p) for a, b, p in runs], axis=-2)
 
 
-def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matrix=None):
+def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matrix=None,
+                    row_matrices=None):
     """(1, n, H*d) projections -> (H, n, d) heads, with Qwen3's q/k norms and RoPE at the
     global positions ``runs`` (see ``contiguous_runs``). ``rope_matrix(head_dim)``, for
     one token in the row form, (1, H*d) projections: the (d, d) matrix of the module's
-    RoPE at its position, or None (one_token.py)."""
+    RoPE at its position, or None (one_token.py). ``row_matrices(head_dim)``: for rows at
+    scattered positions (a batched decode step's), each row's (d, d) RoPE matrix as
+    (n, d, d), or None: one product for all rows where the module would run once a run."""
     heads, kv_heads = head_counts(attn)
     head_dim = q.shape[-1] // heads  # explicit: a rank may hold 0 rows
     if rope_matrix is not None:
@@ -80,7 +83,10 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matr
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    if runs:
+    rotations = None if row_matrices is None else row_matrices(head_dim)
+    if rotations is not None and q.dtype == k.dtype == mx.float32:
+        q, k = ((x[..., None, :] @ rotations).squeeze(-2) for x in (q, k))
+    elif runs:
         q, k = rope_at(attn.rope, q, runs), rope_at(attn.rope, k, runs)
     # squeeze, not [0]: indexing by an integer is a Gather in MLX's graph (a copy, and a
     # kernel launch a layer on a GPU), removing an axis of one is a view
@@ -112,19 +118,6 @@ def heads_to_rows(out: mx.array, row_form: bool = False) -> mx.array:
     if n == 1:
         return out.reshape(1, heads * d) if row_form else out.reshape(1, 1, heads * d)
     return out.transpose(1, 0, 2).reshape(1, n, heads * d)
-
-
-def local_shard(layer_kv, k: mx.array, v: mx.array, store: bool):
-    """This rank's keys/values for one layer after (maybe) appending the new k, v."""
-    if store:
-        keys, values = layer_kv.update_and_fetch(k, v)
-    else:
-        keys, values = layer_kv.fetch()
-        if keys is None:  # nothing cached here yet: an empty shard of the right shape
-            return k[:, :0], v[:, :0]
-    if keys.dtype != k.dtype:  # a half-precision cache on the CPU path: read in float32
-        keys, values = keys.astype(k.dtype), values.astype(k.dtype)
-    return keys, values
 
 
 def kv_dtype_for(model: nn.Module, first_layer: nn.Module | None = None,
@@ -247,7 +240,7 @@ class CPModel:
         self.num_layers = len(self.layers)
         self.rope_matrices = RopeMatrices()
         # The KV cache's dtype (see kv_dtype_for); ring messages and decode partials
-        # carry the dtype attention computes in (local_shard reads a half-precision
+        # carry the dtype attention computes in (LayerKV.shard reads a half-precision
         # cache into float32 on the CPU path), whose size is elem_bytes.
         self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype, self.compute)
         self.elem_bytes = (self.kv_dtype if self.compute.gpu else mx.float32).size
@@ -287,7 +280,7 @@ class CPModel:
         else:
             ids = mx.array(token_ids, mx.int32)
         modules = modules or self.layers
-        norm, rope_matrix = self._norm_and_rope(modules, ids.shape[0], runs)
+        norm, rope_matrix, row_matrices = self._norm_and_rope(modules, positions, runs)
         row_form = rope_matrix is not None  # one token on the CPU path: (1, D) rows
         # (1, D) or (1, n, D); a packed-only embedding's rows come from its packed form
         h = embedding_rows(self.embed_tokens, ids if row_form else ids[None])
@@ -299,10 +292,11 @@ class CPModel:
                 on_layer(index)
             with span(tracer, f"layer {index}", "layer"):
                 attn = layer.self_attn
-                layer_rope = None if rope_matrix is None else partial(rope_matrix, index)
+                ropes = [None if f is None else partial(f, index)
+                         for f in (rope_matrix, row_matrices)]
                 q, k, v = heads_with_rope(
-                    attn, *project.qkv(norm(layer.input_layernorm, h)), runs, layer_rope)
-                keys, values = local_shard(layer_kv, k, v, store)
+                    attn, *project.qkv(norm(layer.input_layernorm, h)), runs, *ropes)
+                keys, values = layer_kv.shard(k, v, store)
                 out = attend(q, keys, values, positions, cache.positions, attn.scale,
                              form.window)
                 # float32 partials must not widen the residual
@@ -312,16 +306,22 @@ class CPModel:
                     mx.eval(h)
         return h if row_form else h.squeeze(0)
 
-    def _norm_and_rope(self, modules, rows: int, runs):
-        """``norm(module, x)`` and ``rope_matrix(layer_index, head_dim)`` (or None) for a
-        pass over ``rows`` local rows: one token on the CPU path takes one_token.py's
-        forms (the row form, fewer graph nodes, the same arithmetic), anything else the
-        modules."""
-        if not (lean_graph(rows, self.compute) and len(runs) == 1):
-            return (lambda module, x: module(x)), None
+    def _norm_and_rope(self, modules, positions: np.ndarray, runs):
+        """``norm(module, x)``, ``rope_matrix(layer_index, head_dim)`` and
+        ``row_matrices(layer_index, head_dim)`` (each None where not taken) for a pass
+        over this rank's rows at ``positions``: one token on the CPU path takes
+        one_token.py's forms (the row form, fewer graph nodes, the same arithmetic); rows
+        at scattered positions on the CPU path (more runs than a head-tail shard's two: a
+        batched decode step's) take RoPE as one product of per-row matrices, not one
+        module call per run; anything else the modules."""
         # Indexed, not iterated: a layer-sharded store fetches the layers it iterates.
-        ropes = [modules[i].self_attn.rope for i in range(len(modules))]
-        return rms_norm, self.rope_matrices.at(ropes, runs[0][2])
+        ropes = lambda: [modules[i].self_attn.rope for i in range(len(modules))]  # noqa: E731
+        if lean_graph(positions.size, self.compute) and len(runs) == 1:
+            return rms_norm, self.rope_matrices.at(ropes(), runs[0][2]), None
+        plain = lambda module, x: module(x)  # noqa: E731
+        if len(runs) <= 2 or self.compute.gpu:
+            return plain, None, None
+        return plain, None, self.rope_matrices.rows(ropes(), positions)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Vocabulary logits (n, V) in float32 for hidden states (n, D)."""

@@ -112,6 +112,25 @@ class RopeMatrices:
 
         return matrix
 
+    def rows(self, ropes: list, positions: np.ndarray):
+        """``matrices(layer_index, head_dim)``: (n, d, d), row b's the RoPE matrix at
+        ``positions[b]`` (rows of several sequences in one batched decode step), or None
+        where the module must run itself; built once per step for each group of layers
+        that rotate alike."""
+        self._group(ropes)
+        built: dict = {}
+
+        def matrices(index: int, head_dim: int) -> mx.array | None:
+            key = (self._representative[index], head_dim)
+            if key[0] is None:
+                return None
+            if key not in built:
+                built[key] = mx.stack([rotation_matrix(ropes[key[0]], head_dim, int(p))
+                                       for p in positions])
+            return built[key]
+
+        return matrices
+
     def block(self, ropes: list, head_dim: int, start: int, count: int) -> list:
         """Per layer: the (count, d, d) RoPE matrices of positions ``start`` to
         ``start + count - 1`` (one array for the layers that rotate alike; the bits of

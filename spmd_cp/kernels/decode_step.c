@@ -32,6 +32,13 @@
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
+int spmd_cp_decode_set_threads(int threads) { return pool_set_threads(threads); }
+
+/* The pool lent to the preloaded forward's batched products (one pool a rank: two
+ * pools' spinning workers would take each other's cores). */
+void spmd_cp_decode_run_parallel(task_fn task, void *args) { run_parallel(task, args); }
+int spmd_cp_decode_threads(void) { return pool.threads; }
+
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
 static sgemm_fn sgemm;

@@ -102,6 +102,6 @@ def library():
         function = getattr(loaded, name)
         function.argtypes, function.restype = argtypes, None
     loaded.spmd_cp_prefill_attend.argtypes = [pointer] * 5 + [integer] * 5 + [
-        real, ctypes.c_int64, pointer, pointer]
+        ctypes.c_int64, real, ctypes.c_int64, pointer, pointer]
     loaded.spmd_cp_prefill_attend.restype = integer
     return loaded, ""

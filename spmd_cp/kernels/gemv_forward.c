@@ -25,7 +25,8 @@
  * registers (a 2-core Intel Xeon guest: 7-8 -> 10-13 GB/s over a 3K cache).
  *
  * And a matrix-vector product with a float32 matrix registered with its quantized form
- * (below: "quantized shadows") reads the packed form instead.
+ * (below: "quantized shadows") reads the packed form instead, as do a few rows (2 to 32)
+ * times such a matrix (batched_product).
  *
  * Preloaded ahead of the BLAS (blas/reexec.py), so MLX's cblas_sgemm resolves here;
  * every other product goes to the next library's cblas_sgemm unchanged. The forwarded
@@ -421,6 +422,31 @@ AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 
   return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
+/* Row `row`'s dot products with m <= 8 vectors in lane order (vector i at lanes + i *
+ * stride), into out[i]: each block dequantized once in registers for all m (a batched
+ * decode step's rows), one accumulator a vector. */
+#define SHADOW_DOTM(NAME, BITS, FUSED)                                                 \
+  AVX2_TARGET static void NAME(const shadow *sh, int row, const float *lanes,         \
+                               size_t stride, int m, float *out) {                     \
+    SHADOW_ROW_START(BITS, FUSED);                                                     \
+    __m256 acc[8];                                                                     \
+    UNROLLED for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                 \
+    for (int b = 0; b < blocks; b++, lanes += BLOCK) {                                 \
+      __m256i words = block_words(p, b, whole);                                        \
+      int first = first_group(sh, b, BLOCK);                                           \
+      __m256 scale = per_lane(scales, kind, first, two, groups);                       \
+      __m256 bias = per_lane(biases, kind, first, two, groups);                        \
+      UNROLLED for (int s = 0; s < PER_WORD; s++) {                                    \
+        __m256 w = SHADOW_WEIGHTS(s);                                                  \
+        UNROLLED for (int i = 0; i < 8; i++)                                           \
+          if (i < m)                                                                   \
+            acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lanes + i * stride + 8 * s), acc[i]); \
+      }                                                                                \
+    }                                                                                  \
+    UNROLLED for (int i = 0; i < 8; i++)                                               \
+      if (i < m) out[i] = horizontal_sum(acc[i]);                                      \
+  }
+
 SHADOW_DOT(dot4_unfused, 4, 0)
 SHADOW_DOT(dot4_fused, 4, 1)
 SHADOW_DOT(dot8_unfused, 8, 0)
@@ -433,6 +459,17 @@ SHADOW_ROW(row4_unfused, 4, 0)
 SHADOW_ROW(row4_fused, 4, 1)
 SHADOW_ROW(row8_unfused, 8, 0)
 SHADOW_ROW(row8_fused, 8, 1)
+SHADOW_DOTM(dotm4_unfused, 4, 0)
+SHADOW_DOTM(dotm4_fused, 4, 1)
+SHADOW_DOTM(dotm8_unfused, 8, 0)
+SHADOW_DOTM(dotm8_fused, 8, 1)
+
+typedef void (*shadow_dotm_fn)(const shadow *, int, const float *, size_t, int, float *);
+
+static shadow_dotm_fn dotm_for(const shadow *s) {
+  if (s->bits == 4) return s->fused ? dotm4_fused : dotm4_unfused;
+  return s->fused ? dotm8_fused : dotm8_unfused;
+}
 
 /* The eight vectors v[s] (lane k: weight 8k + s of a 4-bit block) as the block's 64
  * weights in column order: an 8 x 8 transpose, stored at out. */
@@ -1166,6 +1203,125 @@ static int shadow_product(int index, int first_row, int n, float alpha, const fl
   return 1;
 }
 
+/*
+ * Batched rows: a few rows of x (2 <= m <= BATCH_ROWS: a batched decode step's tokens,
+ * a short prefill) times a matrix held packed, given as rows (x times W transposed).
+ * Each part of the pool takes whole tiles of BATCH_TILE weight rows; an affine row's
+ * blocks are dequantized in registers once for eight rows of x at a time (the fused
+ * kernel, x in its lane order), a GGUF block type's row into the part's buffer (in
+ * cache) exactly as the products read it, then times every row of x by the
+ * few-columns kernel: the packed matrix is read once from memory for all m rows, where
+ * released_product would write and read it whole as float32 and hand it to sgemm. The
+ * parts run on the decode step's pool where it is lent (a busy pool runs the product on
+ * its caller alone).
+ */
+enum { BATCH_ROWS = 32, BATCH_TILE = 16 };
+
+typedef struct {
+  int index, first_row;      /* the matrix's registry entry and the first row used */
+  int m, n, k, lda, ldc;
+  float alpha, beta;
+  const float *a;
+  float *c, *buffers;        /* parts x k floats: a row dequantized */
+  const float *lanes[2];     /* A's rows in the 4- and 8-bit kernels' lane order (or NULL) */
+  size_t lane_stride[2];     /* floats from one row's lanes to the next's */
+  int parts;
+} batch_job;
+
+/* c's entry (q, j) = alpha value + beta c. */
+static inline void put(const batch_job *job, int q, int j, float value) {
+  float *entry = job->c + (size_t)q * job->ldc + j;
+  *entry = job->beta == 0.0f ? job->alpha * value : job->alpha * value + job->beta * *entry;
+}
+
+/* Rows [j0, j1) of the product: an affine row by the fused kernel (its blocks
+ * dequantized in registers once for up to eight rows of A), any other dequantized into
+ * the part's buffer and multiplied by the few-columns kernel. */
+static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
+  const shadow *s = &shadows[job->index];
+  int row = job->first_row + j0;
+  while (row >= s->rows) row -= s->rows, s++;
+  for (int j = j0; j < j1; j++, row++) {
+    if (row == s->rows) row = 0, s++; /* a matrix registered in pieces */
+#ifdef HAVE_X86_VECTORS
+    const float *lanes = s->format == NULL ? job->lanes[s->bits == 8] : NULL;
+    if (lanes != NULL) {
+      size_t stride = job->lane_stride[s->bits == 8];
+      float values[8];
+      for (int q = 0; q < job->m; q += 8) {
+        int count = job->m - q < 8 ? job->m - q : 8;
+        dotm_for(s)(s, row, lanes + (size_t)q * stride, stride, count, values);
+        for (int i = 0; i < count; i++) put(job, q + i, j, values[i]);
+      }
+      continue;
+    }
+#endif
+    dequantize_row(s, row, buffer);
+    for (int q = 0; q < job->m; q += FEW_COLUMNS) {
+      int columns = job->m - q < FEW_COLUMNS ? job->m - q : FEW_COLUMNS;
+      scores(1, columns, job->k, job->alpha, buffer, job->k, job->a + (size_t)q * job->lda,
+             job->lda, job->beta, job->c + (size_t)q * job->ldc + j, 1, job->ldc);
+    }
+  }
+}
+
+static void batch_part(void *args, int part, int parts) {
+  const batch_job *job = args;
+  int tiles = (job->n + BATCH_TILE - 1) / BATCH_TILE;
+  int first = tiles * part / parts * BATCH_TILE, last = tiles * (part + 1) / parts * BATCH_TILE;
+  if (last > job->n) last = job->n;
+  if (first < last) batch_rows(job, first, last, job->buffers + (size_t)part * job->k);
+}
+
+/* The decode step's pool, lent by spmd_cp_forward_use_pool (kernels/decode_step.c:
+ * one pool a rank), or none yet: the product runs on its caller alone. */
+typedef void (*task_fn)(void *args, int part, int parts);
+typedef void (*run_parallel_fn)(task_fn task, void *args);
+static run_parallel_fn run_parallel;
+static int pool_threads = 1;
+
+void spmd_cp_forward_use_pool(run_parallel_fn run, int threads) {
+  pool_threads = run == NULL || threads < 1 ? 1 : threads;
+  __atomic_store_n(&run_parallel, run, __ATOMIC_RELEASE);
+}
+
+/* c (m x n, ldc) = alpha A (m x k, rows lda apart) B' + beta c, B' the n rows from row
+ * first_row of shadow `index` on: 0 where there is no memory for the buffers (nothing
+ * written), else 1. */
+static int batched_product(int index, int first_row, int m, int n, int k, float alpha,
+                           const float *a, int lda, float beta, float *c, int ldc) {
+  static __thread float *buffers; /* a part's row at part x k, then A's rows' lanes */
+  static __thread size_t buffers_floats;
+  run_parallel_fn run = __atomic_load_n(&run_parallel, __ATOMIC_ACQUIRE);
+  int parts = run == NULL ? 1 : pool_threads;
+  size_t stride4 = 0, stride8 = 0; /* the lanes' (the vector kernels' alone) */
+#ifdef HAVE_X86_VECTORS
+  if (avx2_here()) stride4 = padded_columns(k, 4), stride8 = padded_columns(k, 8);
+#endif
+  size_t wanted = (size_t)parts * k + (size_t)m * (stride4 + stride8);
+  if (buffers_floats < wanted) {
+    float *grown = realloc(buffers, wanted * sizeof(float));
+    if (grown == NULL) return 0;
+    buffers = grown, buffers_floats = wanted;
+  }
+  batch_job job = {index, first_row, m, n, k, lda, ldc, alpha, beta, a, c, buffers,
+                   {NULL, NULL}, {stride4, stride8}, parts};
+#ifdef HAVE_X86_VECTORS
+  if (avx2_here()) { /* A's rows in both kernels' lane orders, once a product */
+    float *lanes4 = buffers + (size_t)parts * k, *lanes8 = lanes4 + (size_t)m * stride4;
+    for (int q = 0; q < m; q++) {
+      lanes_of(a + (size_t)q * lda, k, 8, lanes4 + (size_t)q * stride4);
+      lanes_of(a + (size_t)q * lda, k, 4, lanes8 + (size_t)q * stride8);
+    }
+    job.lanes[0] = lanes4, job.lanes[1] = lanes8;
+  }
+#endif
+  if (run == NULL) batch_part(&job, 0, 1);
+  else run((task_fn)batch_part, &job);
+  __atomic_fetch_add(&shadow_products, 1, __ATOMIC_RELAXED);
+  return 1;
+}
+
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
 
@@ -1188,6 +1344,15 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                  int ldc) {
   find_next();
   int a_plain = trans_a == NO_TRANS, b_plain = trans_b == NO_TRANS;
+  if (order == ROW_MAJOR && a_plain && !b_plain && m >= 2 && m <= BATCH_ROWS && k > 0 &&
+      n > 0 && __atomic_load_n(&shadow_count, __ATOMIC_ACQUIRE) > 0) {
+    /* A few rows times a matrix held packed (released or not): read packed, once. */
+    int index = shadow_of(b, n, ldb);
+    if (index >= 0 && k == shadows[index].cols &&
+        batched_product(index, (int)((b - shadows[index].weights) / k), m, n, k, alpha, a,
+                        lda, beta, c, ldc))
+      return;
+  }
   if (__atomic_load_n(&released_count, __ATOMIC_ACQUIRE) > 0 && order == ROW_MAJOR &&
       m > 0 && n > 0 && k > 0) {
     /* A released matrix is only ever B given as rows (x times W transposed). */

@@ -14,6 +14,7 @@ BLAS is used as is). Standard library only: this runs before MLX or MPI is loade
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -49,3 +50,27 @@ def forward_library() -> tuple[str | None, str]:
         return str(native.build(SOURCE, native.built_path(SOURCE, "kernels", NAME))), ""
     except RuntimeError as error:
         return None, str(error)
+
+
+@functools.lru_cache(maxsize=1)
+def lend_pool(threads: int) -> int:
+    """Lend the decode step's pool of threads (kernels/decode_step.c, started with
+    ``threads``: the rank's) to the preloaded forward's batched products (a few rows
+    times a packed matrix); the threads lent, 0 where the forward or the library is not
+    here (the products then run on their caller's thread)."""
+    import ctypes
+
+    from . import decode_step
+
+    library, _ = decode_step.library()
+    try:
+        use_pool = ctypes.CDLL(None).spmd_cp_forward_use_pool
+    except (OSError, AttributeError):
+        return 0
+    if library is None:
+        return 0
+    threads = library.spmd_cp_decode_set_threads(threads)
+    run = ctypes.cast(library.spmd_cp_decode_run_parallel, ctypes.c_void_p).value
+    use_pool.argtypes, use_pool.restype = [ctypes.c_void_p, ctypes.c_int], None
+    use_pool(run, threads)
+    return threads

@@ -15,7 +15,8 @@
  * the sums: float32 rounding apart. Each part of the pool allocates its scratch once a
  * call (a layer's block, not a token's).
  *
- *   q (heads, tq, d), k and v (kv_heads, tk, d), q_pos (tq), k_pos (tk): contiguous;
+ *   q (heads, tq, d), k and v (kv_heads, tk, d), q_pos (tq), k_pos (tk): contiguous, but
+ *   that k's and v's heads may lie kv_step floats apart (>= tk * d: a cache's buffers);
  *   out (heads, tq, d), lse (heads, tq): a query that sees no key gets 0 and -inf.
  *   The query heads of KV head g are g * group ... g * group + group - 1. A query at
  *   position p sees the keys at positions <= p, and with window > 0 only those > p - window.
@@ -42,6 +43,7 @@ typedef struct {
   const float *q, *k, *v;
   const int64_t *q_pos, *k_pos;
   int heads, kv_heads, tq, tk, d;
+  int64_t kv_step; /* floats from one KV head's keys (values) to the next's */
   float scale;
   int64_t window; /* <= 0: none */
   float *out, *lse;
@@ -255,7 +257,7 @@ static void prefill_task(const prefill_job *job, int g, int t0, int t1, float *s
     top[r] = -INFINITY, total[r] = 0.0f;
   }
   memset(o, 0, sizeof(float) * R * d);
-  const float *keys = job->k + (size_t)g * job->tk * d, *values = job->v + (size_t)g * job->tk * d;
+  const float *keys = job->k + (size_t)g * job->kv_step, *values = job->v + (size_t)g * job->kv_step;
   for (int tile = 0, k0 = 0; k0 < job->tk; tile++, k0 += PREFILL_KEYS) {
     int64_t k_min = job->tile_min[tile], k_max = job->tile_max[tile];
     if (k_min > q_max || (job->window > 0 && k_max <= q_min - job->window)) continue;
@@ -306,8 +308,8 @@ static void prefill_part(void *args, int part, int parts) {
  * where scratch could not be had (out and lse are then incomplete). */
 int spmd_cp_prefill_attend(const float *q, const float *k, const float *v,
                            const int64_t *q_pos, const int64_t *k_pos, int heads,
-                           int kv_heads, int tq, int tk, int d, float scale, int64_t window,
-                           float *out, float *lse) {
+                           int kv_heads, int tq, int tk, int d, int64_t kv_step, float scale,
+                           int64_t window, float *out, float *lse) {
   int tiles = (tk + PREFILL_KEYS - 1) / PREFILL_KEYS;
   int64_t *bounds = malloc(sizeof(int64_t) * 2 * (tiles > 0 ? tiles : 1));
   if (bounds == NULL) return -1;
@@ -320,7 +322,7 @@ int spmd_cp_prefill_attend(const float *q, const float *k, const float *v,
     }
     bounds[tile] = low, bounds[tiles + tile] = high;
   }
-  prefill_job job = {q, k, v, q_pos, k_pos, heads, kv_heads, tq, tk, d, scale, window,
+  prefill_job job = {q, k, v, q_pos, k_pos, heads, kv_heads, tq, tk, d, kv_step, scale, window,
                      out, lse, bounds, bounds + tiles, 0};
   run_parallel(prefill_part, &job);
   free(bounds);

@@ -1,5 +1,6 @@
 /*
- * The decode step's threads: a pool created once (spmd_cp_decode_set_threads), whose
+ * A library's pool of threads (the decode step's, the forward's batched products), made
+ * once (pool_set_threads, which each library exports under its own name), whose
  * workers run one task at a time split into `threads` parts, the calling thread taking
  * part 0. A step hands it about 150 tasks a token, each tens of microseconds long, so a
  * worker spins a while for the next one (SPIN_ROUNDS pauses, well under a millisecond)
@@ -71,9 +72,13 @@ static void pool_publish(task_fn task, void *args, int workers) {
   pthread_mutex_unlock(&pool.lock);
 }
 
-/* task(args, part, parts) for every part, on the pool; returns when all have run. */
+static int pool_running; /* a task is on the pool: another caller runs its task alone */
+
+/* task(args, part, parts) for every part, on the pool; returns when all have run. A
+ * caller that finds the pool busy (a task's part calling back in, another thread) runs
+ * its task alone, as one part. */
 static void run_parallel(task_fn task, void *args) {
-  if (pool.threads == 1) {
+  if (pool.threads == 1 || __atomic_exchange_n(&pool_running, 1, __ATOMIC_ACQUIRE)) {
     task(args, 0, 1);
     return;
   }
@@ -83,11 +88,12 @@ static void run_parallel(task_fn task, void *args) {
     if (spins < SPIN_ROUNDS) spin_pause();
     else sched_yield();
   }
+  __atomic_store_n(&pool_running, 0, __ATOMIC_RELEASE);
 }
 
 /* The workers of a pool of `threads` (1: none), started once; a new count stops the old
  * workers first. Returns the threads the pool has (fewer where a start failed). */
-int spmd_cp_decode_set_threads(int threads) {
+static int pool_set_threads(int threads) {
   threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
   if (threads == pool.threads) return threads;
   if (pool.threads > 1) {

@@ -129,10 +129,15 @@ def parse_sampling(body: dict, defaults: SamplingConfig) -> SamplingConfig:
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise _invalid("stop", "a string or a list of strings", stop)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is None:
+        ignore_eos = defaults.ignore_eos
+    elif not isinstance(ignore_eos, bool):
+        raise _invalid("ignore_eos", "true or false", ignore_eos)
     n = body.get("n")
     if n is not None and n != 1:
         raise ApiError(400, "only n=1 is supported", code="unsupported_value", param="n")
-    return SamplingConfig(**settings, stop=stop)
+    return SamplingConfig(**settings, stop=stop, ignore_eos=ignore_eos)
 
 
 def _text_content(content, index: int) -> str:

@@ -1,0 +1,382 @@
+"""Batched decode: one step advances several sequences that share a cached prefix.
+
+The B sequences' new tokens go through every matrix as B rows, dealt to the ranks in
+contiguous runs (``RowSplit``): a rank computes its rows' projections, MLP and logits,
+each weight read once a step for all of them. Each sequence's keys and values are in
+two parts:
+
+    prefix   the part every sequence begins with (a batch group's document), held once
+             in the engine's ShardedKVCache, read-only while the sequences decode;
+    tail     the sequence's own tokens after it (its question, its answer so far), in
+             this rank's slot of ``TailKV``: one padded buffer a layer for every slot.
+
+A layer's attention gathers every rank's rows of q, k and v (one Allgather), stores the
+new entries this rank owns, computes the prefix's partial for all B queries at once (the
+prefix's keys read once for the B queries: block.block_attention), every tail's partial
+in one product over the slots (masked to each slot's own entries), merges the two
+exactly as two key blocks merge (block.merge_partials), and gathers the ranks' partials
+(one Allgather), each rank merging its own rows'. A sequence's tail is spread over the
+ranks like any decode token's K/V: each new token is stored on the rank its own
+placement rule names (partition.decode_owner over the prefix's and its tail's sizes).
+
+Pure MLX ops (the Metal and the CUDA backend alike); the collectives are MLX's graph
+collectives where the ranks can open them (the step one graph, evaluated once), else
+mpi4py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..attention import block_attention, merge_partials, merge_stacked
+from ..attention.block import pack_partial, unpack_partial
+from ..attention.partition import decode_owner
+from ..blas.libraries import rank_threads
+from ..kernels import gemv_forward
+from .cache import ShardedKVCache
+
+# Tail capacity grows in steps of this many entries (every slot at once).
+TAIL_STEP = 64
+# A free row's position: later than any query, so no mask lets a query see it.
+NO_POSITION = np.iinfo(np.int64).max
+
+
+class NewRows(NamedTuple):
+    """Where this rank stores a step's new entries: batch rows, their slots and their
+    rows in the slots (index arrays, one entry per stored token)."""
+
+    batch: mx.array
+    slots: mx.array
+    rows: mx.array
+
+
+@dataclass
+class Sequence:
+    """One sequence's place in the batch (the same on every rank)."""
+
+    slot: int
+    position: int  # the next token's global position
+    tail_sizes: list[int]  # every rank's tail entries
+    decode_steps: int  # the placement rule's state (ShardedKVCache's, per sequence)
+    decode_owner: int
+
+
+class TailKV:
+    """Every slot's tail on this rank: per layer keys and values (S, NKV, C, d), and
+    the global position of every entry, (S, C), NO_POSITION where a row is free. A
+    layer's buffers are made (or grown to the present S and C) when first used."""
+
+    def __init__(self, dtype: mx.Dtype):
+        self.dtype = dtype
+        self.buffers: dict[int, tuple[mx.array, mx.array]] = {}
+        self.positions = np.zeros((0, 0), np.int64)
+        self.lengths: list[int] = []  # each slot's entries here
+
+    def reserve(self, slots: int, capacity: int):
+        """Room for ``slots`` slots of ``capacity`` entries; entries kept."""
+        old_slots, old_capacity = self.positions.shape
+        if slots <= old_slots and capacity <= old_capacity:
+            return
+        slots = max(slots, old_slots)
+        capacity = -(-max(capacity, old_capacity) // TAIL_STEP) * TAIL_STEP
+        positions = np.full((slots, capacity), NO_POSITION, np.int64)
+        positions[:old_slots, :old_capacity] = self.positions
+        self.positions = positions
+        self.lengths += [0] * (slots - old_slots)
+
+    def layer(self, index: int, kv_heads: int, head_dim: int) -> tuple[mx.array, mx.array]:
+        """Layer ``index``'s (keys, values), at the reserved size."""
+        shape = (*self.positions.shape[:1], kv_heads, self.positions.shape[1], head_dim)
+        old = self.buffers.get(index)
+        if old is None or old[0].shape != shape:
+            grown = []
+            for array in old or (None, None):
+                new = mx.zeros(shape, self.dtype)
+                if array is not None:
+                    s, _, c, _ = array.shape
+                    new[:s, :, :c] = array
+                grown.append(new)
+            self.buffers[index] = tuple(grown)
+        return self.buffers[index]
+
+    def write(self, index: int, slot: int, row: int, keys: mx.array, values: mx.array):
+        """Entries (NKV, n, d) at rows ``row`` on of ``slot``, in layer ``index``."""
+        n = keys.shape[1]
+        layer_keys, layer_values = self.layer(index, keys.shape[0], keys.shape[2])
+        layer_keys[slot, :, row:row + n] = keys.astype(self.dtype)
+        layer_values[slot, :, row:row + n] = values.astype(self.dtype)
+
+    def scatter(self, index: int, rows: "NewRows", keys: mx.array, values: mx.array):
+        """One new entry for each of ``rows``' slots, from the batch rows it names of
+        ``keys``, ``values`` (NKV, B, d): one scatter a buffer (each MLX op costs more
+        than these few rows' bytes)."""
+        layer_keys, layer_values = self.layer(index, keys.shape[0], keys.shape[2])
+        for buffer, new in ((layer_keys, keys), (layer_values, values)):
+            buffer[rows.slots, :, rows.rows] = (
+                new[:, rows.batch].swapaxes(0, 1).astype(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every slot's buffers (the most the batch held: they never shrink)."""
+        return sum(keys.nbytes + values.nbytes for keys, values in self.buffers.values())
+
+    def clear(self, slot: int):
+        self.positions[slot] = NO_POSITION
+        self.lengths[slot] = 0
+
+
+class BatchedDecoder:
+    """Decode steps of several sequences after one shared prefix (see the module doc).
+
+    Every rank makes the same calls in the same order: ``admit`` right after the
+    engine prefilled a sequence's own tokens onto the prefix cache, ``step`` for the
+    sequences decoding now, ``retire`` when one ends.
+    """
+
+    def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
+        self.engine, self.model, self.comm = engine, engine.model, engine.comm
+        self.prefix, self.prefix_tokens = prefix, prefix_tokens
+        self.tails = TailKV(self.model.kv_dtype)
+        self.sequences: dict = {}
+        # The step's collectives: MLX's graph collectives where the ranks can open them
+        # (the step is then one graph, evaluated once), else mpi4py's.
+        self.collectives = engine.batched_collectives()
+        width = self.model.norm.weight.shape[-1]
+        self.vocab = self.model.logits(mx.zeros((1, width))).shape[-1]  # a shape, not run
+        gemv_forward.lend_pool(rank_threads())  # the packed products of B rows
+
+    # -- sequences in and out ------------------------------------------------------
+    def admit(self, key, capacity: int):
+        """Move the tokens the engine just prefilled after the prefix into a free slot
+        (the prefix cache is truncated back to the prefix), with room for ``capacity``
+        tail entries in all (its prompt's and its answer's)."""
+        cache = self.prefix
+        slot = min(set(range(len(self.tails.lengths) + 1))
+                   - {s.slot for s in self.sequences.values()})
+        kept = [int(np.count_nonzero(p < self.prefix_tokens)) for p in cache.rank_positions]
+        tail_sizes = [p.size - k for p, k in zip(cache.rank_positions, kept)]
+        local = kept[cache.cp_rank]
+        entries = cache.layers[0].offset - local
+        self.tails.reserve(slot + 1, max(capacity, entries))
+        for index, layer in enumerate(cache.layers):
+            if entries:
+                keys, values = layer.fetch()
+                self.tails.write(index, slot, 0, keys[:, local:], values[:, local:])
+        self.tails.positions[slot, :entries] = cache.positions[local:]
+        self.tails.lengths[slot] = entries
+        self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
+                                       cache.decode_owner)
+        cache.truncate(self.prefix_tokens)
+        mx.eval(list(self.tails.buffers.values()))
+
+    def retire(self, key):
+        self.tails.clear(self.sequences.pop(key).slot)
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self, keys: list, tokens: list[int], on_layer=None):
+        """Feed ``tokens[b]`` to sequence ``keys[b]``; the next logits (B, V) on rank 0
+        (None elsewhere)."""
+        sequences = [self.sequences[key] for key in keys]
+        owners = [self._place(sequence) for sequence in sequences]
+        positions = np.array([s.position for s in sequences], np.int64)
+        split = RowSplit.of(len(keys), self.comm.size)
+        mine = split.rows(self.comm.rank)
+        view = _BatchView(self, self._rows(sequences, owners))
+        hidden = self.model.forward(np.array(tokens, np.int64)[mine], positions[mine], view,
+                                    self._attention(sequences, positions, split),
+                                    store=True, on_layer=on_layer, tracer=self.comm.tracer)
+        logits = self.model.logits(hidden)  # this rank's rows
+        graph = self.collectives is not self.comm
+        if graph:  # gathered inside the step's one graph
+            logits = self._gathered(logits, split)
+        with self.comm.bounded("decode step"):
+            mx.eval(logits, hidden)
+        if not graph:
+            logits = self._gathered(logits, split)
+        for sequence, owner in zip(sequences, owners):
+            sequence.position += 1
+            sequence.tail_sizes[owner] += 1
+        return logits if self.comm.rank == 0 else None
+
+    def _gathered(self, logits: mx.array, split: "RowSplit"):
+        """Every rank's rows of logits, (B, V) on rank 0 (graph collectives: on every
+        rank, as they must all evaluate it)."""
+        if self.comm.size == 1:
+            return logits
+        gathered = self.collectives.gather_rows(logits.reshape(-1),
+                                                [n * self.vocab for n in split.counts])
+        return None if gathered is None else gathered.reshape(split.total, self.vocab)
+
+    def _place(self, sequence: Sequence) -> int:
+        sizes = [p + t for p, t in zip(self.prefix.shard_sizes, sequence.tail_sizes)]
+        sequence.decode_owner = decode_owner(sizes, sequence.decode_steps,
+                                             self.engine.kv_interleave, sequence.decode_owner)
+        sequence.decode_steps += 1
+        return sequence.decode_owner
+
+    def _rows(self, sequences: list[Sequence], owners: list[int]) -> NewRows | None:
+        """Where this rank stores the step's new tokens (None: none here), recorded."""
+        rows, tails = [], self.tails
+        needed = max(tails.lengths[s.slot] + 1 for s in sequences)
+        tails.reserve(len(tails.lengths), needed)
+        for b, (sequence, owner) in enumerate(zip(sequences, owners)):
+            if owner == self.comm.rank:
+                row = tails.lengths[sequence.slot]
+                rows.append((b, sequence.slot, row))
+                tails.positions[sequence.slot, row] = sequence.position
+                tails.lengths[sequence.slot] += 1
+        if not rows:
+            return None
+        return NewRows(*(mx.array(list(column), mx.int32) for column in zip(*rows)))
+
+    def _attention(self, sequences: list[Sequence], positions: np.ndarray, split: "RowSplit"):
+        """The layers' attend for this step: this rank's rows' queries and new keys and
+        values gathered from every rank, the new entries this rank stores written, the
+        B queries' partials over this rank's prefix and tails, every rank's partials
+        gathered and this rank's rows merged."""
+        slots = [s.slot for s in sequences]
+        whole = slots == list(range(len(self.tails.lengths)))
+        taken = None if whole else mx.array(slots)
+        tail_positions = self.tails.positions[slots]  # (B, C)
+        masks = {}
+
+        def mask(window):
+            if window not in masks:
+                seen = tail_positions <= positions[:, None]
+                if window is not None:
+                    seen &= tail_positions > positions[:, None] - window
+                masks[window] = mx.array(np.where(seen, 0.0, -np.inf).astype(np.float32))
+            return masks[window]
+
+        prefix_positions, collectives = self.prefix.positions, self.collectives
+
+        def attend(q, inputs: "_LayerInputs", _, __, ___, scale, window=None):
+            q, k, v = split.gather(collectives, q, inputs.keys, inputs.values)
+            if inputs.new_rows is not None:
+                self.tails.scatter(inputs.index, inputs.new_rows, k, v)
+            tail_keys, tail_values = self.tails.layer(inputs.index, k.shape[0], k.shape[2])
+            out, lse = prefix_attention(q, inputs.prefix_keys, inputs.prefix_values, positions,
+                                        prefix_positions, scale, window)
+            if taken is not None:
+                tail_keys, tail_values = tail_keys[taken], tail_values[taken]
+            out, lse = _tail_merged(q, tail_keys, tail_values, mask(window), out, lse,
+                                    mx.array(scale, mx.float32))
+            if collectives.size == 1:
+                return out
+            return split.merge_mine(collectives, out, lse)
+
+        return attend
+
+
+class RowSplit(NamedTuple):
+    """The batch's rows dealt to the ranks in contiguous runs (the first ``B mod N``
+    ranks one more): each rank computes its rows' projections, MLP and logits (the
+    replicated weights read once a step for B / N rows), while attention takes every
+    rank's KV shard for every row."""
+
+    total: int
+    counts: list[int]
+
+    @classmethod
+    def of(cls, total: int, ranks: int) -> "RowSplit":
+        return cls(total, [total // ranks + (r < total % ranks) for r in range(ranks)])
+
+    def rows(self, rank: int) -> slice:
+        start = sum(self.counts[:rank])
+        return slice(start, start + self.counts[rank])
+
+    def gather(self, collectives, q, k, v):
+        """Every rank's rows of q (NH, n, d), k and v (NKV, n, d), as (., B, d): one
+        Allgather of the three."""
+        if collectives.size == 1:
+            return q, k, v
+        heads, kv_heads = q.shape[0], k.shape[0]
+        joined = collectives.allgather_rows(
+            mx.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)]), axis=1,
+            counts=self.counts)
+        return (joined[:heads], joined[heads:heads + kv_heads].astype(k.dtype),
+                joined[heads + kv_heads:].astype(v.dtype))
+
+    def merge_mine(self, collectives, out: mx.array, lse: mx.array) -> mx.array:
+        """The partials (NH, B, d) and (NH, B) of this rank's shard: every rank's
+        gathered (one Allgather of B rows' partials: a few KB; graph collectives have no
+        Alltoallv), this rank's rows merged over every rank's shard."""
+        gathered = collectives.allgather_stack(pack_partial(out, lse, mx.float32))
+        mine = gathered[:, :, self.rows(collectives.rank)]
+        return merge_stacked(*unpack_partial(mine, out.shape[-1]))[0]
+
+
+class _LayerInputs(NamedTuple):
+    """What a batched step's layer hands its attention (``_BatchLayer.shard``)."""
+
+    index: int
+    keys: mx.array  # this rank's rows' new keys (NKV, n, d)
+    values: mx.array
+    new_rows: NewRows | None  # the entries this rank stores
+    prefix_keys: mx.array  # this rank's shard of the prefix
+    prefix_values: mx.array
+
+
+class _BatchView:
+    """What ``CPModel.forward`` reads as its cache during a batched step: each layer's
+    ``shard`` hands attention this rank's new keys and values and its prefix shard
+    (attention stores the new entries, once every rank's rows are in)."""
+
+    def __init__(self, decoder: BatchedDecoder, new_rows: NewRows | None):
+        self.layers = [_BatchLayer(decoder, index, new_rows)
+                       for index in range(decoder.model.num_layers)]
+        self.positions = None  # attention reads the decoder's positions
+
+
+class _BatchLayer:
+    def __init__(self, decoder: BatchedDecoder, index: int, new_rows: NewRows | None):
+        self.decoder, self.index, self.new_rows = decoder, index, new_rows
+
+    def shard(self, k: mx.array, v: mx.array, store: bool):
+        prefix_keys, prefix_values = self.decoder.prefix.layers[self.index].fetch()
+        if prefix_keys is None:  # nothing of the prefix here
+            prefix_keys, prefix_values = k[:, :0], v[:, :0]
+        # (block_attention and tail_attention read a half-precision cache in float32)
+        return _LayerInputs(self.index, k, v, self.new_rows, prefix_keys, prefix_values), None
+
+
+def prefix_attention(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,
+                     window: int | None):
+    """The B queries' (out, lse) over this rank's share of the prefix: its keys read once
+    for all of them, in MLX's tiles (block_attention), inside the step's graph. (The
+    prefill's C kernel would evaluate the graph at every layer to hand it its inputs:
+    measured, that doubled a step, P = 3,000, B = 8, one rank.)"""
+    return block_attention(q, keys, values, q_pos, k_pos, scale, window, native=False)
+
+
+@mx.compile
+def _tail_merged(q, keys, values, mask, out, lse, scale):
+    """The tails' partial (tail_attention) merged into the prefix's (out, lse): one
+    compiled graph, where its few dozen small ops a layer would each cost more than
+    their work."""
+    tail_out, tail_lse = tail_attention(q, keys, values, mask, scale)
+    return merge_partials(out, lse, tail_out, tail_lse)
+
+
+def tail_attention(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale):
+    """Each query row b (q: (NH, B, d)) over its own slot's keys (B, NKV, C, d), with
+    ``mask`` (B, C) adding 0 where row b sees an entry and -inf elsewhere: (out (NH, B,
+    d), lse (NH, B)) in float32; a row that sees nothing gets out 0 and lse -inf."""
+    num_heads, batch, head_dim = q.shape
+    num_kv = keys.shape[1]
+    q = q.astype(mx.float32).transpose(1, 0, 2).reshape(batch, num_kv, num_heads // num_kv,
+                                                        head_dim)
+    keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    scores = (q * scale) @ keys.swapaxes(-1, -2) + mask[:, None, None, :]  # (B, NKV, G, C)
+    top = scores.max(axis=-1, keepdims=True)
+    top = mx.where(top == -np.inf, 0.0, top)
+    probs = mx.exp(scores - top)
+    total = probs.sum(axis=-1, keepdims=True)
+    out = (probs @ values) / mx.where(total > 0, total, 1.0)
+    lse = (mx.log(total) + top)[..., 0]  # (B, NKV, G)
+    return (out.reshape(batch, num_heads, head_dim).transpose(1, 0, 2),
+            lse.reshape(batch, num_heads).transpose(1, 0))

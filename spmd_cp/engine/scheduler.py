@@ -1,0 +1,176 @@
+"""Many sequences after one shared prefix, decoded together (batched_decode.py).
+
+The policy, on every rank in lock-step:
+
+    admit    while fewer than ``max_batch`` sequences decode and requests wait, the next
+             request's own tokens are prefilled onto the prefix cache, rank 0 samples its
+             first token from the prefill's logits, and the sequence's tail moves into a
+             slot of the batch (the prefix cache is back at the prefix);
+    step     one batched decode step feeds every running sequence its last token; rank 0
+             samples each one's next token with that sequence's own settings;
+    retire   a sequence that stopped (EOS, a stop string, ``max_tokens``) leaves at once
+             and its slot is free for the next request, at the next admission.
+
+Requests are admitted in order, so with ``max_batch`` 1 the work is the sequential loop's.
+Rank 0 broadcasts every decision (a token, whether it stopped, or a sampling failure),
+so all ranks admit, step and retire the same sequences.
+
+Random sampling draws from MLX's one random stream, in the order the rows are sampled:
+a seeded job's text is the same run to run for the same jobs and ``max_batch``, but not
+the text it gets alone (greedy decoding gets the same tokens either way).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import SamplingConfig
+from .batched_decode import BatchedDecoder
+from .generation import Generation, Answer, failure_text, rank0_sampler
+
+
+@dataclass
+class Request:
+    """One sequence to answer: its own token ids after the shared prefix."""
+
+    key: str
+    ids: np.ndarray
+    sampling: SamplingConfig
+
+
+@dataclass
+class BatchStats:
+    """What the decode steps did: their count and time, the tokens they produced, and
+    how many steps ran at each batch size."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    tokens: int = 0
+    sizes: Counter = field(default_factory=Counter)
+    tail_tokens: int = 0  # the most entries this rank's slots held at once
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+
+@dataclass
+class _Running:
+    request: Request
+    token: int  # the last sampled token, fed at the next step
+    produced: int  # tokens sampled so far
+    prefill_s: float
+    started: float  # when its decode began (perf_counter)
+    answer: Answer | None  # rank 0's
+    sample: object
+
+
+class Scheduler:
+    """Admits, steps and retires sequences after the prefix ``cache`` holds (its first
+    ``prefix_tokens`` positions), at most ``max_batch`` at once.
+
+    ``finished(request, generation, error)`` runs on every rank as each sequence ends
+    (rank 0's generation holds the tokens and text; the others' timings only; ``error``
+    a message where sampling failed, generation None then).
+    """
+
+    def __init__(self, engine, cache, prefix_tokens: int, tokenizer, max_batch: int,
+                 finished, prefill_progress=None):
+        self.engine, self.comm = engine, engine.comm
+        self.cache, self.prefix_tokens = cache, prefix_tokens
+        self.tokenizer, self.max_batch = tokenizer, max(1, max_batch)
+        self.finished, self.prefill_progress = finished, prefill_progress
+        self.decoder = BatchedDecoder(engine, cache, prefix_tokens)
+        self.running: dict[str, _Running] = {}
+        self.stats = BatchStats()
+
+    def run(self, requests: list[Request]):
+        """Answer every request (each ``finished`` once); returns the BatchStats."""
+        waiting = list(reversed(requests))
+        while waiting or self.running:
+            while waiting and len(self.running) < self.max_batch:
+                self._admit(waiting.pop())
+            if self.running:
+                self._step()
+        return self.stats
+
+    def _admit(self, request: Request):
+        is_root = self.comm.rank == 0
+        options = request.sampling
+        sample = rank0_sampler(options, is_root)
+        answer = Answer(self.tokenizer, options, None, None) if is_root else None
+        progress = self.prefill_progress(request.key) if self.prefill_progress else None
+        start = time.perf_counter()
+        logits, _ = self.engine.prefill(self.cache, request.ids, progress=progress)
+        prefill_s = time.perf_counter() - start
+        running = _Running(request, -1, 0, prefill_s, time.perf_counter(), answer, sample)
+        if options.max_tokens == 0:
+            self._end(running, stopped=False, error=None, admitted=False)
+            return
+        token, stopped, error = self._decide([(running, logits)])[0]
+        running.token, running.produced = token, 1
+        if error is not None or stopped or options.max_tokens == 1:
+            self._end(running, stopped, error, admitted=False)
+            return
+        self.decoder.admit(request.key, len(request.ids) + options.max_tokens)
+        self.running[request.key] = running
+
+    def _step(self):
+        keys = list(self.running)
+        start = time.perf_counter()
+        logits = self.decoder.step(keys, [self.running[k].token for k in keys],
+                                   self.engine.layer_hook("decode"))
+        rows = [(self.running[k], None if logits is None else logits[b])
+                for b, k in enumerate(keys)]
+        decisions = self._decide(rows)
+        self.stats.step_s += time.perf_counter() - start
+        self.stats.steps += 1
+        self.stats.sizes[len(keys)] += 1
+        self.stats.tail_tokens = max(self.stats.tail_tokens, sum(self.decoder.tails.lengths))
+        for (running, _), (token, stopped, error) in zip(rows, decisions):
+            if error is None:
+                self.stats.tokens += 1
+                running.token, running.produced = token, running.produced + 1
+            if error is not None or stopped or running.produced == \
+                    running.request.sampling.max_tokens:
+                self._end(running, stopped, error, admitted=True)
+
+    def _decide(self, rows) -> list[tuple[int, bool, str | None]]:
+        """Rank 0 samples each row's next token; every rank gets (token, stopped,
+        error) per row."""
+        decisions = None
+        if self.comm.rank == 0:
+            decisions = []
+            for running, logits in rows:
+                try:
+                    token = int(running.sample(logits))
+                    decisions.append((token, running.answer.finished(token), None))
+                except Exception as error:  # noqa: BLE001 - this sequence's alone
+                    decisions.append((-1, False, failure_text(error)))
+        return self.comm.bcast_object(decisions)
+
+    def _end(self, running: _Running, stopped: bool, error: str | None, admitted: bool):
+        key = running.request.key
+        if admitted:
+            self.decoder.retire(key)
+            del self.running[key]
+        else:
+            self.cache.truncate(self.prefix_tokens)
+        if error is not None:
+            self.finished(running.request, None, error)
+            return
+        decode_s = time.perf_counter() - running.started if admitted else 0.0
+        answer = running.answer
+        if answer is None:
+            generation = Generation([], "", "stop" if stopped else "length",
+                                    running.prefill_s, decode_s)
+        else:
+            answer.stream.finish()
+            generation = Generation(answer.tokens, answer.stream.text,
+                                    "stop" if stopped else "length", running.prefill_s,
+                                    decode_s)
+        self.finished(running.request, generation, None)
