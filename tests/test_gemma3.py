@@ -195,6 +195,26 @@ def test_saved_cache_continues_as_mlx_lm_and_weights_shard(tiny_gemma3_models, t
     assert resumed["token_ids"] == expected[:len(resumed["token_ids"])]
 
 
+def test_jobs_decoded_together_keep_the_sliding_windows(tiny_gemma3_models, tmp_path):
+    """``batch --max-batch 3`` on 2 ranks, three questions after a document several
+    16-token windows long: each job's greedy tokens (past its end token: ignore_eos)
+    equal those it gets alone (``--max-batch 1``), the local layers' windows over the
+    shared document and over each job's own tokens included."""
+    (tmp_path / "doc.txt").write_text(DOCUMENT)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({
+        "id": f"q{i}", "prefix_file": "doc.txt", "prompt": question, "max_tokens": 24,
+        "ignore_eos": True}) + "\n" for i, question in enumerate(
+            ["Which box holds item 5?", "Where is item 11?", "List the boxes."])))
+    answers = {}
+    for batch in ("3", "1"):
+        out = tmp_path / f"out-{batch}.jsonl"
+        run_cli(2, ["batch", "--model", tiny_gemma3_models["gemma3_text"], "--jobs", str(jobs),
+                    "--output", str(out), "--max-batch", batch, "--no-chat-template"])
+        answers[batch] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert answers["3"] == answers["1"] and all(len(a) == 24 for a in answers["1"])
+
+
 def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
     """A multimodal checkpoint's shape is its text model's, window included; the window
     raises a pass-KV forecast's received keys only, never the KV shard (all kept)."""
