@@ -49,8 +49,8 @@ def usable(q: mx.array) -> bool:
 
 def _heads_apart(x) -> np.ndarray:
     """float32 (H, T, d) as numpy, its rows contiguous within each head and the heads
-    any distance apart: a cache buffer's first T rows are read where they lie (a
-    batched decode step's prefix, engine/batched_decode.py), not copied a layer."""
+    any distance apart: the first T rows of a cache buffer (a prefill's shard of the
+    cache, fetched at every layer) are read where they lie, not copied."""
     array = np.asarray(x)
     if (array.dtype != np.float32 or array.strides[2] != 4 or array.strides[1] != 4 * x.shape[2]
             or array.strides[0] % 4):

@@ -171,6 +171,7 @@ class BatchedDecoder:
         self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
                                        cache.decode_owner)
         cache.truncate(self.prefix_tokens)
+        # Copied now: the next prefill reuses the cache rows past the prefix.
         mx.eval(list(self.tails.buffers.values()))
 
     def retire(self, key):
@@ -253,6 +254,7 @@ class BatchedDecoder:
             return masks[window]
 
         prefix_positions, collectives = self.prefix.positions, self.collectives
+        scales = {}  # each layer's scale as an array, made once a step
 
         def attend(q, inputs: "_LayerInputs", _, __, ___, scale, window=None):
             q, k, v = split.gather(collectives, q, inputs.keys, inputs.values)
@@ -263,8 +265,10 @@ class BatchedDecoder:
                                         prefix_positions, scale, window)
             if taken is not None:
                 tail_keys, tail_values = tail_keys[taken], tail_values[taken]
+            if scale not in scales:
+                scales[scale] = mx.array(scale, mx.float32)
             out, lse = _tail_merged(q, tail_keys, tail_values, mask(window), out, lse,
-                                    mx.array(scale, mx.float32))
+                                    scales[scale])
             if collectives.size == 1:
                 return out
             return split.merge_mine(collectives, out, lse)

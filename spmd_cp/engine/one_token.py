@@ -99,6 +99,18 @@ class RopeMatrices:
     def at(self, ropes: list, position: int):
         """``matrix(layer_index, head_dim)`` for one step at ``position``: the layer's
         RoPE matrix, or None where its module must run itself (not EXACT_AS_MATRIX)."""
+        return self._per_layer(ropes, lambda rope, d: rotation_matrix(rope, d, position))
+
+    def rows(self, ropes: list, positions: np.ndarray):
+        """``matrices(layer_index, head_dim)``: (n, d, d), row b's the RoPE matrix at
+        ``positions[b]`` (rows of several sequences in one batched decode step), or None
+        where the module must run itself."""
+        return self._per_layer(ropes, lambda rope, d: mx.stack(
+            [rotation_matrix(rope, d, int(p)) for p in positions]))
+
+    def _per_layer(self, ropes: list, build):
+        """``matrix(layer_index, head_dim)``: ``build(rope, head_dim)`` for the layer's
+        group, built on first asking and shared by the layers that rotate alike."""
         self._group(ropes)
         built: dict = {}
 
@@ -107,29 +119,10 @@ class RopeMatrices:
             if key[0] is None:
                 return None
             if key not in built:
-                built[key] = rotation_matrix(ropes[key[0]], head_dim, position)
+                built[key] = build(ropes[key[0]], head_dim)
             return built[key]
 
         return matrix
-
-    def rows(self, ropes: list, positions: np.ndarray):
-        """``matrices(layer_index, head_dim)``: (n, d, d), row b's the RoPE matrix at
-        ``positions[b]`` (rows of several sequences in one batched decode step), or None
-        where the module must run itself; built once per step for each group of layers
-        that rotate alike."""
-        self._group(ropes)
-        built: dict = {}
-
-        def matrices(index: int, head_dim: int) -> mx.array | None:
-            key = (self._representative[index], head_dim)
-            if key[0] is None:
-                return None
-            if key not in built:
-                built[key] = mx.stack([rotation_matrix(ropes[key[0]], head_dim, int(p))
-                                       for p in positions])
-            return built[key]
-
-        return matrices
 
     def block(self, ropes: list, head_dim: int, start: int, count: int) -> list:
         """Per layer: the (count, d, d) RoPE matrices of positions ``start`` to

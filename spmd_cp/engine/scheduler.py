@@ -53,10 +53,6 @@ class BatchStats:
     sizes: Counter = field(default_factory=Counter)
     tail_tokens: int = 0  # the most entries this rank's slots held at once
 
-    @property
-    def decode_tok_s(self) -> float:
-        return self.tokens / self.step_s if self.step_s > 0 else 0.0
-
 
 @dataclass
 class _Running:
@@ -164,13 +160,9 @@ class Scheduler:
             self.finished(running.request, None, error)
             return
         decode_s = time.perf_counter() - running.started if admitted else 0.0
-        answer = running.answer
-        if answer is None:
-            generation = Generation([], "", "stop" if stopped else "length",
-                                    running.prefill_s, decode_s)
-        else:
+        tokens, text, answer = [], "", running.answer  # (rank 0's answer; none elsewhere)
+        if answer is not None:
             answer.stream.finish()
-            generation = Generation(answer.tokens, answer.stream.text,
-                                    "stop" if stopped else "length", running.prefill_s,
-                                    decode_s)
-        self.finished(running.request, generation, None)
+            tokens, text = answer.tokens, answer.stream.text
+        self.finished(running.request, Generation(tokens, text, "stop" if stopped else "length",
+                                                  running.prefill_s, decode_s), None)
