@@ -114,6 +114,9 @@ class RunConfig(_Settings):
     # A GGUF's dequantized float32 weights kept on disk between runs (models/loader.py):
     # saves the dequantization, costs 4 bytes a parameter of disk.
     weight_cache: bool = True
+    # Ranks per tensor-parallel group (runtime/grid.py): each holds 1/tp of every matrix;
+    # the N / tp groups split the sequence.
+    tp: int = 1
     fault: str | None = None  # test-only fault injection (runtime/faults.py; a hidden flag)
 
 

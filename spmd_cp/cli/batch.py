@@ -78,6 +78,8 @@ def choose_max_batch(setting: str, run: RunConfig, loaded) -> tuple[int, str]:
 
     if getattr(loaded, "share", None) is not None:
         return 1, "layer-sharded weights decode one sequence at a time"
+    if run.tp > 1:  # an explicit --max-batch above 1 is refused by validate
+        return 1, "tensor-parallel groups decode one sequence at a time"
     if setting != "auto":
         return int(setting), "--max-batch"
     if compute_of(run).gpu:
@@ -138,7 +140,8 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             if work is None:
                 break
             run_group(engine, cache, loaded.tokenizer, work, root, kv_peak, max_batch)
-        metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
+        metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded),
+                                     engine.grid)
         # The cache ends truncated: report its largest size instead.
         peaks = comm.gather_object(kv_peak)
         if root is not None:
@@ -157,11 +160,14 @@ def validate(run: RunConfig, args: BatchConfig):
     from ..errors import UserError
     from ..text_input import check_text
     from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
+    from .grid_checks import refuse_with_grid
     from .jobs import load_finished, read_jobs
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import log, model_inputs, trace_output
 
     check_text(args.system, "--system")  # before anything is claimed
+    refuse_with_grid(run, **{f"--max-batch {args.max_batch}":
+                             args.max_batch not in ("auto", "1")})
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
     outputs = [Output("--output", args.output, appended=True), trace_output(run)]
@@ -374,6 +380,7 @@ class RootSide:
             "decode_setup_s": round(self.decode_setup_s, 6),
             "batch_sizes": {str(size): steps for size, steps in sorted(self.batch_sizes.items())},
             "ranks": self.ranks,
+            **engine.grid.as_dict(),
             "algo": algos_used(engine),
             **engine.decode_modes,
             **metrics,

@@ -74,7 +74,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
         text = comm.bcast_object(result.text if comm.rank == 0 else None)
         save_cache(comm, cache, args.save_cache, loaded.checksum,
                    steps.extend_conversation(conversation, prompt_text, text))
-    metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
+    metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded), engine.grid)
     if comm.rank == 0:
         report(comm, run, engine, result, len(prompt_ids), reused,
                {**startup_fields(engine, warmup_s),
@@ -87,9 +87,12 @@ def validate(run: RunConfig, sampling: SamplingConfig, args: GenerateConfig):
     continue, the outputs."""
     from ..engine.prompt_cache import META, read_meta
     from ..text_input import check_text
+    from .grid_checks import refuse_with_grid
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_prompt, trace_output
 
+    refuse_with_grid(run, **{"--save-cache": bool(args.save_cache),
+                             "--load-cache": bool(args.load_cache)})
     # First: nothing is claimed for a run that cannot tokenize its own arguments.
     for flag, text in (("--prompt", args.prompt), ("--system", args.system),
                        *(("--stop", stop) for stop in sampling.stop)):
@@ -175,6 +178,7 @@ def report(comm, run: RunConfig, engine, result, prompt_tokens: int, reused: int
         "prompt_tokens": int(prompt_tokens),
         "prompt_tokens_reused": int(reused),
         "ranks": comm.size,
+        **engine.grid.as_dict(),
         "algo": algos_used(engine),
         **engine.decode_modes,
         "finish_reason": result.finish_reason,

@@ -92,12 +92,21 @@ def device_options(fn):
     ])
 
 
+def grid_option(fn):
+    """``--tp``: the ranks as context-parallel groups of tensor-parallel ranks."""
+    return click.option(
+        "--tp", type=click.IntRange(min=1), default=RunConfig.default("tp"), show_default=True,
+        metavar="T", help="Tensor-parallel groups of T ranks (T divides the ranks): each rank "
+        "holds 1/T of every matrix and computes 1/T of every product; the N/T groups split "
+        "the sequence (context parallel).")(fn)
+
+
 def common_options(fn):
     """Flags shared by every command that runs the model (RunConfig)."""
     from ..attention import PREFILL_ALGOS
 
     d = RunConfig.default
-    fn = device_options(fn)
+    fn = device_options(grid_option(fn))
     return _apply(fn, [
         click.option("--model", "model_path", default=d("model_path"), metavar="PATH|ORG/NAME",
                      help="GGUF file, MLX/HF model directory, or a Hugging Face repo id "

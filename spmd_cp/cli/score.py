@@ -38,15 +38,15 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     text = spmd.on_root(comm, validate, run, args)
     loaded = steps.resolve_model(comm, run)  # no decode step: no shadows
     run = steps.settle_run(comm, loaded, run)
+    engine = steps.make_engine(comm, loaded, run)  # with --tp, the forecast sees the cut
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
-    engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()
     warmup_s = warm_up(engine, decode=False)  # no decode step follows
     mx.reset_peak_memory()
     start = time.perf_counter()
     _, records = engine.prefill(cache, ids, score=True)
     elapsed = time.perf_counter() - start
-    metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded))
+    metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded), engine.grid)
     if comm.rank == 0:
         write_records(args.output, records)
         report(comm, run, engine, records, len(ids), elapsed,
@@ -110,6 +110,7 @@ def report(comm, run: RunConfig, engine, records, tokens: int, elapsed: float, m
         "tokens": int(tokens),
         "predicted": len(records.pos),
         "ranks": comm.size,
+        **engine.grid.as_dict(),
         "algo": algos_used(engine),
         "prefill_s": round(elapsed, 6),
         "prefill_tok_s": round(tokens / max(elapsed, 1e-9), 3),

@@ -18,7 +18,7 @@ def wants_sharding(run: RunConfig, path: str, ranks: int, decode: bool = True) -
     exceed the per-rank memory limit, which counts resident memory; one rank has nothing
     to shard with. (The tokenizer, loaded with the model, adds more: a case close to
     the limit is refused later by the forecast, which names --shard-weights on.)"""
-    if run.shard_weights == "off" or ranks == 1:
+    if run.shard_weights == "off" or ranks == 1 or run.tp > 1:  # --tp cuts them already
         return False
     if run.shard_weights == "auto":
         limit = parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()

@@ -23,7 +23,8 @@ from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
 from ..engine.model import CPModel, kv_model_shape
 from ..engine.native_eligibility import flag_obstacle, native_obstacle, upfront_obstacle
 from ..models.quantized_shadows import SHADOWS
-from ..engine.sharded_model import build_cp_model, weight_bytes
+from ..engine.sharded_model import build_cp_model
+from ..engine.tensor_groups import cut_model, tensor_share
 from ..engine.startup import require_same_path
 from ..errors import UserError
 from ..models import hub
@@ -34,7 +35,10 @@ from ..runtime import allocator, huge_pages, scheduling, spmd
 from ..runtime.comm import Comm
 from ..runtime.device import Compute, compiled_kernels_work
 from ..runtime.faults import layer_hook
-from ..runtime.resident import mlx_peak_bytes, outside_mlx_bytes, resident_peak_bytes
+from ..runtime.resident import outside_mlx_bytes
+from ..runtime.grid import Grid
+from .grid_checks import check_grid, grid_decode
+from .metrics import model_bytes, model_nbytes, rank_metrics  # noqa: F401 (steps.*)
 from .outputs import Output
 from .retired import honour_retired
 from .sharding import wants_sharding, weight_plan
@@ -102,6 +106,7 @@ def check_model(comm: Comm, run: RunConfig,
     ``decode``: the decode flags, where decode steps follow (``--decode-step native``
     is refused here where the settings alone rule it out).
     """
+    spmd.everywhere(comm, check_grid, run, comm.size, decode)
     spmd.require_same(comm, "package versions", spmd.software_versions())
     require_same_path(comm, compute_of(run))
     spmd.everywhere(comm, scheduling.requested)
@@ -142,7 +147,8 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
     """Load the model ``check_model`` accepted, on every rank. ``decode``: decode steps
     will follow (a quantized model's packed matrices kept for them, unless
     ``--no-quantized-decode`` or on the GPU path, ``--device gpu`` on a CPU too)."""
-    decode = decode and run.quantized_decode and not compute_of(run).gpu
+    # (--tp cuts the matrices MLX computes with: no packed forms)
+    decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1
     start = time.perf_counter()
     if spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
         log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",
@@ -227,6 +233,8 @@ def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
         reason = "batched decode steps are MLX's (--max-batch)"
     elif getattr(loaded, "share", None) is not None:
         reason = "layer-sharded weights decode in MLX's step"
+    elif run.tp > 1:
+        reason = "tensor-parallel slices (--tp) decode in MLX's step"
     else:
         reason = flag_obstacle(decode) or spmd.first_reason(comm, native_obstacle(
             CPModel(loaded.model, None, AUTO_KV_FALLBACK, compute)))
@@ -244,18 +252,29 @@ def refuse_native_decode(obstacle: str | None):
         raise UserError(f"--decode-step native: {obstacle}")
 
 
-def make_engine(comm: Comm, loaded, run: RunConfig, decode: DecodeConfig = DecodeConfig()) -> Engine:
-    """The engine over the loaded model; with ``--decode-step native``, refused here,
-    before any prompt is prefilled, where any rank's model rules the native step out
-    (the same rules the decode plan applies)."""
+def make_engine(comm: Comm, loaded, run: RunConfig,
+                decode: DecodeConfig = DecodeConfig()) -> Engine:
+    """The engine over the loaded model, cut to this rank's tensor-parallel slices with
+    ``--tp`` (the grid's groups split here, once); with ``--decode-step native``, refused
+    here, before any prompt is prefilled, where any rank's model rules the native step
+    out (the same rules the decode plan applies)."""
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     use_polynomial_exp(run.fast_exp)
     run = settle_run(comm, loaded, run, decode)  # where the command has not yet
-    model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run))
+    grid = Grid.of(comm, run.tp)
+    # every rank cuts its slices (or says why it cannot) before the groups' collectives
+    rows = spmd.everywhere(comm, cut_model, loaded.model, grid.tp) if grid.tp else None
+    model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run), grid.tp, rows)
+    if grid.tp is not None:
+        decode = grid_decode(decode)
+        if comm.rank == 0:
+            log.info("--tp %d: %s; each rank holds its slices of every matrix", run.tp,
+                     grid.describe())
     if decode.decode_step == "native":
         refuse_native_decode(spmd.first_reason(comm, native_obstacle(model)))
     return Engine(model, comm, algo=run.cp_algo, prefill_chunk=run.prefill_chunk,
-                  on_layer=layer_hook(comm.rank, comm.watchdog, run.fault), decode=decode)
+                  on_layer=layer_hook(comm.rank, comm.watchdog, run.fault), decode=decode,
+                  grid=grid)
 
 
 # -- prompts and memory (rank 0) -------------------------------------------------------
@@ -312,13 +331,14 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     from ..engine.decode_choice import split_copy_bytes
 
     limit = memory_limit(run)
-    replicated = model_nbytes(loaded.model)
-    if split_decode and getattr(loaded, "share", None) is None:
+    replicated = model_nbytes(loaded.model)  # with --tp, cut already (make_engine)
+    if split_decode and getattr(loaded, "share", None) is None and run.tp == 1:
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)
-    need = check_fits(kv_model_shape(loaded, run.kv_dtype, compute_of(run)), weights,
+    shape = tensor_share(kv_model_shape(loaded, run.kv_dtype, compute_of(run)), run.tp)
+    need = check_fits(shape, weights,
                       total_tokens, min(run.prefill_chunk or new_tokens, new_tokens),
-                      comm.size, limit, forecast_algo(run), score,
+                      comm.size // run.tp, limit, forecast_algo(run), score,
                       process_bytes=outside_mlx_bytes() if process_bytes is None
                       else process_bytes, **server_parts)
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
@@ -328,37 +348,6 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
 
 
 # -- results ---------------------------------------------------------------------------
-def rank_metrics(comm: Comm, cache, model_bytes: int) -> dict:
-    """Per-rank lists (rank order) of memory, KV and communication figures, on rank 0."""
-    mine = {"peak_mem_bytes": mlx_peak_bytes(),
-            "resident_peak_bytes": resident_peak_bytes(), "kv_cache_bytes": int(cache.nbytes),
-            "comm_bytes": int(comm.bytes_sent), "model_bytes": int(model_bytes),
-            # of comm_bytes, pass-KV's for sliding-window layers, and a full ring's for them
-            "window_kv_bytes": int(comm.window_kv_bytes),
-            "window_kv_ring_bytes": int(comm.window_kv_ring_bytes),
-            "kv_tokens": int(cache.shard_sizes[comm.rank])}
-    gathered = comm.gather_object(mine)
-    if comm.rank != 0:
-        return {}
-    return {name: [g[name] for g in gathered] for name in mine}
-
-
-def model_bytes(engine: Engine, loaded) -> int:
-    """The weights this rank held at its peak (``--json`` model_bytes), the split decode
-    step's weight slices included."""
-    slices = engine.tp_decoder.nbytes if engine.tp_decoder is not None else 0
-    return weight_bytes(engine.model, loaded) + slices
-
-
-def model_nbytes(model) -> int:
-    """Bytes of weights a rank holds for ``model``: its parameters, less the float32
-    matrices released for their packed forms, plus the packed forms decode reads
-    (models/quantized_shadows.py)."""
-    from mlx.utils import tree_flatten
-
-    return SHADOWS.held_bytes(v for _, v in tree_flatten(model.parameters())) + SHADOWS.nbytes
-
-
 def algos_used(engine: Engine) -> str:
     return ",".join(sorted(set(engine.algos_used)))
 

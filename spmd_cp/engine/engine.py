@@ -19,6 +19,7 @@ from ..attention.partition import head_tail_positions, owner_of
 from ..config import DecodeConfig
 from ..runtime.comm import Comm
 from ..runtime.graph_comm import open_graph_collectives
+from ..runtime.grid import Grid
 from ..runtime.trace import span
 from .cache import ShardedKVCache
 from .decode_plan import DecodePlan, open_decode
@@ -33,17 +34,25 @@ SCORE_ROWS = 256
 
 
 class Engine:
-    """Runs prefill chunks and decode steps of one model over one communicator."""
+    """Runs prefill chunks and decode steps of one model over one grid of ranks.
+
+    ``comm`` is the world: rank 0 gets the logits and every rank the tokens. Attention,
+    the cache's placement and the decode plan run over ``cp``, the ranks of this rank's
+    TP index (all of them without ``--tp``, runtime/grid.py); the ranks of one TP group
+    hold the same positions and compute them together (tensor_groups.py)."""
 
     def __init__(self, model: CPModel, comm: Comm, algo: str = "auto",
                  prefill_chunk: int = 0, on_layer=None, decode: DecodeConfig = DecodeConfig(),
-                 make_prefill_attention=prefill_attention):
+                 make_prefill_attention=prefill_attention, grid: Grid | None = None):
         """``on_layer(phase, index)``, if given, runs before every layer ("prefill" or
         "decode"): the watchdog's context and test-only fault injection use it.
         ``make_prefill_attention``: returns each prefill call's (attend, algo, reason),
         with ``attention.prefill_attention``'s arguments (a profiler may wrap it).
-        ``decode``: the settings the decode plan is made from (decode_plan.py)."""
+        ``decode``: the settings the decode plan is made from (decode_plan.py).
+        ``grid``: the CP x TP grid (None: one CP group of every rank)."""
         self.model = model
+        self.grid = grid or Grid(comm, comm, None)
+        self.cp = self.grid.cp
         self.make_prefill_attention = make_prefill_attention
         self.comm = comm
         self.algo = algo
@@ -67,18 +76,18 @@ class Engine:
 
     def calibration(self):
         """Link and compute figures for the auto choice, measured once (lazily)."""
-        if self.algo != "auto" or self.comm.size == 1:
+        if self.algo != "auto" or self.cp.size == 1:
             return None
         return self._calibrated()
 
     def _calibrated(self):
         """The calibration of these ranks (on-disk cache, else measured), read once."""
         if self.measured is None:
-            self.measured = calibrate(self.comm)
+            self.measured = calibrate(self.cp)
         return self.measured
 
     def new_cache(self) -> ShardedKVCache:
-        return ShardedKVCache(self.model.num_layers, self.comm.rank, self.comm.size,
+        return ShardedKVCache(self.model.num_layers, self.cp.rank, self.cp.size,
                               self.model.kv_dtype)
 
     # -- prefill -----------------------------------------------------------------
@@ -98,12 +107,12 @@ class Engine:
         for begin in range(0, total, chunk):
             ids = token_ids[begin:begin + chunk]
             start = cache.num_tokens
-            rank_positions = head_tail_positions(len(ids), self.comm.size, start,
+            rank_positions = head_tail_positions(len(ids), self.cp.size, start,
                                                  cache.shard_sizes)
-            positions = rank_positions[self.comm.rank]
+            positions = rank_positions[self.cp.rank]
             cache.add_positions(rank_positions, ids)
             attend, algo, reason = self.make_prefill_attention(
-                self.algo, self.comm, rank_positions, cache, self.model, self.calibration())
+                self.algo, self.cp, rank_positions, cache, self.model, self.calibration())
             if algo not in self.algos_used:
                 log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
@@ -114,11 +123,12 @@ class Engine:
                                             tracer=self.comm.tracer)
                 mx.eval(hidden)
             if score:
-                parts = self.comm.gather_object(
-                    self._score_rows(hidden, positions, token_ids, begin, start,
-                                     rank_positions))
+                rows = self._score_rows(hidden, positions, token_ids, begin, start,
+                                        rank_positions)
+                # a TP group's ranks score the same rows: its first sends them
+                parts = self.comm.gather_object(rows if self.grid.tp_rank == 0 else None)
                 if records is not None:
-                    records.extend(parts)
+                    records.extend(p for p in parts if p is not None)
             if begin + chunk >= total:
                 last_logits = self._last_logits(hidden, positions, rank_positions,
                                                 start + len(ids) - 1)
@@ -160,8 +170,9 @@ class Engine:
         return result
 
     def _last_logits(self, hidden, positions, rank_positions, last_position):
-        """The last position's logits, moved to rank 0 from whichever rank owns it."""
-        owner = owner_of(last_position, rank_positions)
+        """The last position's logits, moved to rank 0 from whichever rank owns it (the
+        first rank of the owner's TP group: every rank of it has them)."""
+        owner = self.grid.world_rank(owner_of(last_position, rank_positions))
         logits = None
         row = np.flatnonzero(positions == last_position)[:1]  # empty off the owner
         rows = self.model.logits(hidden[int(row[0]):int(row[0]) + 1] if row.size
@@ -191,19 +202,19 @@ class Engine:
         owner = cache.place_decode_token(self.kv_interleave)
         position = np.array([cache.num_tokens], np.int64)
         rank_positions = [position if r == owner else position[:0]
-                          for r in range(self.comm.size)]
+                          for r in range(self.cp.size)]
         lazy = isinstance(token, mx.array)
         if lazy and self.comm.size > 1:
             raise ValueError("a lazy token needs one rank: the others must receive its id")
         cache.add_positions(rank_positions, [-1 if lazy else token])
-        store, hook = self.comm.rank == owner, self.layer_hook("decode")
+        store, hook = self.cp.rank == owner, self.layer_hook("decode")
         plan, tracer = self.prepare_decode(), self.comm.tracer
         with span(tracer, "decode step", "decode", layout=plan.layout, step=plan.step):
             if lazy:
                 return self._overlapped_step().step(token, position, cache, store, hook,
                                                     tracer, wait)
             if plan.step == "native":
-                with self.comm.bounded("decode step"):
+                with self.cp.bounded("decode step"):
                     return self.decoder.step(int(token), int(position[0]), cache, store,
                                              hook, tracer)
             return self.decoder.step(token, position, cache, store, hook, tracer)
@@ -213,7 +224,7 @@ class Engine:
         if isinstance(self.decoder, GraphStep):
             return self.decoder
         if self._lazy_step is None:
-            self._lazy_step = GraphStep(self.model, self.comm, self.comm, self.decode.decode_merge)
+            self._lazy_step = GraphStep(self.model, self.cp, self.cp, self.decode.decode_merge)
         return self._lazy_step
 
     def batched_collectives(self):
@@ -222,10 +233,10 @@ class Engine:
         ``--decode-comm mpi``), else the communicator."""
         if self._batched_collectives is None:
             graph = None
-            if self.comm.size > 1:
-                graph, _ = open_graph_collectives(self.comm, self.decode.decode_comm,
+            if self.cp.size > 1:
+                graph, _ = open_graph_collectives(self.cp, self.decode.decode_comm,
                                                   self.decode.graph_backend, self.model.compute)
-            self._batched_collectives = graph or self.comm
+            self._batched_collectives = graph or self.cp
         return self._batched_collectives
 
     def prepare_decode(self) -> DecodePlan:
@@ -236,7 +247,7 @@ class Engine:
         if self.plan is None:
             with span(self.comm.tracer, "decode setup", "decode"):
                 self.plan, self.decoder, self.tp_decoder = open_decode(
-                    self.model, self.comm, self.decode, self._calibrated,
+                    self.model, self.cp, self.decode, self._calibrated,
                     lambda: self.measured and self.measured.collective_s)
         return self.plan
 
@@ -251,7 +262,7 @@ class Engine:
         before a plan is made), decode_comm ("mlx" / "mpi"; None on one rank or before the
         plan), decode_step ("native" / "mlx"), and the whole plan (None before one)."""
         if self.plan is None:
-            configured = self.decode.decode_tp if self.comm.size > 1 else "off"
+            configured = self.decode.decode_tp if self.cp.size > 1 else "off"
             return {"decode_tp": configured, "decode_comm": None, "decode_step": "mlx",
                     "decode_plan": None}
         return {**self.plan.modes, "decode_plan": self.plan.as_dict()}

@@ -187,15 +187,19 @@ class ReplicatedLayer:
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         """The residual ``h`` plus the MLP of ``x`` (its normed copy)."""
+        # a mixture on no rows would gather from no rows: nothing to add
+        return h if x.size == 0 and not self.parts.is_swiglu else h + self.mlp(x)
+
+    def mlp(self, x: mx.array) -> mx.array:
+        """The feed-forward output of ``x`` (no residual)."""
         parts = self.parts
-        if not parts.is_swiglu:  # a mixture of experts: mlx-lm's module, row-wise
-            # (on no rows it would gather from no rows: nothing to add)
-            return h if x.size == 0 else h + parts.feed_forward(x)
+        if not parts.is_swiglu:  # a mixture of experts (or Gemma's MLP): mlx-lm's module
+            return parts.feed_forward(x)
         if len(parts.gate_up) == 2:
             gate, up = (linear(m, x) for m in parts.gate_up)
         else:
             gate, up = mx.split(linear(parts.gate_up[0], x), 2, axis=-1)
-        return h + linear(parts.down, swiglu(gate, up))
+        return linear(parts.down, swiglu(gate, up))
 
 
 class SandwichLayer(ReplicatedLayer):
@@ -244,6 +248,9 @@ class CPModel:
         # cache into float32 on the CPU path), whose size is elem_bytes.
         self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype, self.compute)
         self.elem_bytes = (self.kv_dtype if self.compute.gpu else mx.float32).size
+        # The TP group's communicator where each rank holds its slices of the weights
+        # (tensor_groups.py, --tp), else None.
+        self.tensor_group = None
 
     def forward(
         self,

@@ -77,6 +77,8 @@ def native_obstacle(model: CPModel) -> str | None:
     """Why decode steps of ``model`` cannot run on this rank, or None: the path, the
     modules and their dtypes, the C library (the split step's slices are checked as
     ``NativeDecoder`` is built)."""
+    if model.tensor_group is not None:
+        return "the weights are cut into tensor-parallel slices (--tp), MLX's step sums them"
     kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")
     reason = settings_obstacle(model.compute, kv_dtype, getattr(model.layers, "sharded", False))
     if reason:

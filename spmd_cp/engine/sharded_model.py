@@ -9,17 +9,25 @@ from ..runtime.comm import Comm
 from ..runtime.device import Compute
 from .model import CPModel, first_layer_stand_in
 from ..models.quantized_shadows import SHADOWS
+from .tensor_groups import tensor_parallel
 from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .weights import LayerStore
 
 
 def build_cp_model(loaded, comm: Comm, cpu_kv_dtype: str = "float32",
-                   compute: Compute | None = None) -> CPModel:
+                   compute: Compute | None = None, tp: Comm | None = None,
+                   vocab_rows: tuple[int, int] | None = None) -> CPModel:
     """``CPModel`` of a loaded model; layer-sharded when it was loaded as one rank's share
-    (models/partial_load.py). ``cpu_kv_dtype``: the KV cache's on the CPU path;
-    ``compute``: the run's path and attention kernel (None: the default's)."""
+    (models/partial_load.py); over the TP group ``tp`` where the model was cut to this
+    rank's slices and ``vocab_rows`` of the vocabulary (tensor_groups.cut_model).
+    ``cpu_kv_dtype``: the KV cache's on the CPU path; ``compute``: the run's path and
+    attention kernel (None: the default's)."""
     share = getattr(loaded, "share", None)
     inner = loaded.model.model
+    if tp is not None:
+        rows = vocab_rows
+        return tensor_parallel(CPModel(loaded.model, None, cpu_kv_dtype, compute), loaded,
+                               tp, rows)
     # The KV dtype comes from running layer 0 on the GPU path (kv_dtype_for): a sharded
     # load's layers are placeholders, so lazy zeros of its computed form stand in.
     model = CPModel(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype, compute)

@@ -12,6 +12,7 @@ before.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 import numpy as np
 
@@ -53,10 +54,12 @@ def warm_up(engine: Engine, enabled: bool | None = None, decode: bool = True) ->
     start = time.perf_counter()
     # A twin engine: the real one keeps its algorithm log, probes and calibration state.
     twin = Engine(engine.model, comm, algo="pass-kv" if engine.algo == "auto" else engine.algo,
-                  decode=engine.decode)
-    with uncounted(comm):
+                  decode=engine.decode, grid=engine.grid)
+    with ExitStack() as quiet:
+        for each in engine.grid.comms:
+            quiet.enter_context(uncounted(each))
         cache = twin.new_cache()
-        twin.prefill(cache, np.zeros(WARMUP_TOKENS_PER_RANK * comm.size, np.int64))
+        twin.prefill(cache, np.zeros(WARMUP_TOKENS_PER_RANK * engine.cp.size, np.int64))
         if decode:
             engine.prepare_decode()
             twin.adopt_plan(engine)

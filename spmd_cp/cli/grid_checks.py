@@ -1,0 +1,51 @@
+"""``--tp T``'s checks before anything loads, and the decode settings a grid runs with.
+
+Tensor-parallel groups (runtime/grid.py, engine/tensor_groups.py) cut every matrix into
+slices MLX computes with, so what relies on whole matrices on every rank does not combine
+with them, and is refused here in one line rather than after a long load:
+
+- ``--shard-weights on``: both divide the weights (by layers, by slices); with ``--tp``
+  the slices already hold 1/T of every layer, and ``auto`` does not shard.
+- the native decode step (``--decode-step native``), the split decode layout
+  (``--decode-tp on``) and MLX's graph collectives (``--decode-comm mlx``): a grid decodes
+  in MLX's step over mpi4py's collectives within each group.
+- prompt cache files (``--save-cache``, ``--load-cache``) and batched decode
+  (``--max-batch`` above 1): not built for a grid yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import DecodeConfig, RunConfig
+from ..errors import UserError
+from ..runtime.grid import grid_obstacle
+
+
+def check_grid(run: RunConfig, ranks: int, decode: DecodeConfig | None = None):
+    """UserError where ``--tp`` does not divide the ranks or names a setting it cannot
+    run with (``decode``: the decode flags, where decode steps follow)."""
+    why = grid_obstacle(run.tp, ranks)
+    if why:
+        raise UserError(why)
+    refuse_with_grid(run, **{"--shard-weights on": run.shard_weights == "on"})
+    if decode is not None:
+        refuse_with_grid(run, **{"--decode-step native": decode.decode_step == "native",
+                                 "--decode-tp on": decode.decode_tp == "on",
+                                 "--decode-comm mlx": decode.decode_comm == "mlx"})
+
+
+def refuse_with_grid(run: RunConfig, **settings):
+    """UserError naming the first of ``settings`` ({flag: whether it is given}) that is
+    given, where ``--tp`` is above 1."""
+    flag = next((name for name, given in settings.items() if given), None)
+    if run.tp > 1 and flag:
+        raise UserError(f"--tp {run.tp} does not combine with {flag} (tensor-parallel "
+                        "groups decode in MLX's step over their own slices)")
+
+
+def grid_decode(decode: DecodeConfig) -> DecodeConfig:
+    """The decode settings of a grid: the weights are split already (no split layout),
+    MLX's step (its Allreduces are mpi4py's, within each group), mpi4py's collectives."""
+    return dataclasses.replace(decode, decode_tp="off", decode_step="graph",
+                               decode_comm="mpi")

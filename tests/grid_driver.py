@@ -1,0 +1,70 @@
+"""Runs models through a CP x TP grid (``--tp``) under every CP algorithm in one launch.
+
+    mpiexec -n N python tests/grid_driver.py MODELS_JSON TP ALGOS OUT_JSON
+
+MODELS_JSON: {name: [model path, prompt length]}; ALGOS: comma-separated ``--cp-algo``s.
+Per model and algorithm, rank 0 records the logprob of every prompt token (a float32
+cache) and the greedy continuation; per model, every rank's weight bytes and KV heads.
+The grid, the cut and the decode settings are the CLI's own (cli/steps.make_engine's).
+"""
+
+import json
+import sys
+
+from spmd_cp.blas import ensure_fast_blas
+
+if __name__ == "__main__":
+    ensure_fast_blas()  # as the CLI does, before MPI_Init and the heavy imports
+
+import numpy as np  # noqa: E402
+
+from spmd_cp.cli.grid_checks import grid_decode  # noqa: E402
+from spmd_cp.cli.metrics import model_nbytes  # noqa: E402
+from spmd_cp.config import DecodeConfig  # noqa: E402
+from spmd_cp.engine.engine import Engine  # noqa: E402
+from spmd_cp.engine.generation import decode_tokens  # noqa: E402
+from spmd_cp.engine.sharded_model import build_cp_model  # noqa: E402
+from spmd_cp.engine.tensor_groups import cut_model  # noqa: E402
+from spmd_cp.models.loader import load_model  # noqa: E402
+from spmd_cp.runtime.grid import Grid  # noqa: E402
+
+DECODE = 6
+
+
+def prompt_ids(length: int) -> np.ndarray:
+    return np.random.RandomState(7).randint(3, 20000, size=length)
+
+
+def run_model(comm, tp: int, algos: list[str], path: str, length: int) -> dict:
+    import mlx.core as mx
+
+    loaded = load_model(path, packed_decode=False)
+    grid = Grid.of(comm, tp)
+    rows = cut_model(loaded.model, grid.tp) if grid.tp else None
+    model = build_cp_model(loaded, comm, "float32", None, grid.tp, rows)
+    decode = grid_decode(DecodeConfig()) if grid.tp else DecodeConfig(decode_tp="off")
+    out = {"weights": comm.gather_object(model_nbytes(loaded.model)),
+           "kv_heads": comm.gather_object(model.num_kv_heads), "algos": {}}
+    for algo in algos:
+        engine = Engine(model, comm, algo=algo, decode=decode, grid=grid)
+        cache = engine.new_cache()
+        logits, records = engine.prefill(cache, prompt_ids(length), score=True)
+        tokens = [t for t, _ in decode_tokens(engine, cache, logits, mx.argmax, DECODE)]
+        out["algos"][algo] = {"logprob": records.logprob if records else None,
+                              "greedy": tokens, "step": engine.decode_modes["decode_step"]}
+    return out
+
+
+def main(comm, _options):
+    models, tp, algos, out_path = sys.argv[1:5]
+    results = {name: run_model(comm, int(tp), algos.split(","), path, length)
+               for name, (path, length) in json.loads(models).items()}
+    if comm.rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"ranks": comm.size, "results": results}, f)
+
+
+if __name__ == "__main__":
+    from spmd_cp.runtime import spmd
+
+    sys.exit(spmd.run_main(main, {}))

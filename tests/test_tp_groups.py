@@ -1,0 +1,154 @@
+"""CP x TP grids (``--tp``): every rank holds its slices of the weights, TP groups sum their
+partial products, CP groups split the sequence; scores and greedy tokens equal mlx-lm's
+unmodified forward (float32), at N = 2 as TP 2 and at N = 4 as CP 2 x TP 2 under every CP
+algorithm, and at N = 4 as TP 4 where T exceeds the KV heads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli, run_ranks, write_tiny_model
+from test_families import FAMILIES
+
+from spmd_cp.engine.tensor_groups import HeadShare, head_shares
+
+TESTS = Path(__file__).parent
+DRIVER = [sys.executable, str(TESTS / "grid_driver.py")]
+sys.path.insert(0, str(TESTS))
+from grid_driver import DECODE, prompt_ids  # noqa: E402
+
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+CP_ALGOS = ["pass-kv", "pass-q", "allgather-kv"]
+LONG, SHORT = 1500, 40  # prompt tokens: the embedded model's, the tiny models'
+
+
+@pytest.fixture(scope="module")
+def grid_models(embedded_model, tiny_models, tiny_gemma3_models, tiny_variant_models,
+                tmp_path_factory) -> dict:
+    """{name: [path, prompt length]}: the embedded SmolLM2 (9 query heads over 3 KV heads:
+    TP 2 deals them 2 + 1), and tiny models of every family's particulars: q/k norms
+    (qwen3), Gemma 3's sliding windows and sandwich norms, q/k/v biases and an untied head
+    (qwen2), fused q|k|v and gate|up (phi3), experts (qwen3_moe, mixtral)."""
+    root = tmp_path_factory.mktemp("grid_families")
+    families = {name: str(write_tiny_model(root / name, FAMILIES[name]["model_type"], seed=5,
+                                           extra_config=FAMILIES[name]))
+                for name in ("phi3", "qwen3_moe", "mixtral")}
+    tiny = {**tiny_models, "gemma3": tiny_gemma3_models["gemma3_text"],
+            "qwen2": tiny_variant_models["qwen2"], **families}
+    return {"smollm2": [embedded_model, LONG], **{k: [v, SHORT] for k, v in tiny.items()}}
+
+
+@pytest.fixture(scope="module")
+def grids(grid_models, tmp_path_factory) -> dict:
+    """{(N, T): the driver's results}: TP 2 alone, CP 2 x TP 2 under every algorithm, TP 4
+    over the tiny Llama's 2 KV heads, and one rank's run of the embedded model (its
+    reference: mlx-lm's CPU forward takes minutes over 1,500 tokens)."""
+    work = tmp_path_factory.mktemp("grid-runs")
+    runs = {(1, 1): ({"smollm2": grid_models["smollm2"]}, ["pass-kv"]),
+            (2, 2): (grid_models, ["pass-kv"]), (4, 2): (grid_models, CP_ALGOS),
+            (4, 4): ({"llama": grid_models["llama"]}, ["pass-q"])}
+    out = {}
+    for (n, tp), (models, algos) in runs.items():
+        path = work / f"grid-{n}-{tp}.json"
+        run_ranks(n, DRIVER + [json.dumps(models), str(tp), ",".join(algos), str(path)],
+                  timeout=900)
+        out[(n, tp)] = json.loads(path.read_text())["results"]
+    return out
+
+
+def reference(path: str, length: int):
+    """mlx-lm's own forward over the whole prompt (float32): every prompt token's logprob
+    and the greedy continuation (its generate_step)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from spmd_cp.models.loader import load_model
+
+    model = load_model(path, packed_decode=False).model
+    model.set_dtype(mx.float32)
+    ids = prompt_ids(length)
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    scored = logprobs[np.arange(length - 1), ids[1:]]
+    tokens = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=DECODE,
+                                                sampler=lambda x: mx.argmax(x, axis=-1))]
+    return scored, tokens
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama", "qwen3", "gemma3", "qwen2", "phi3",
+                                  "qwen3_moe", "mixtral"])
+def test_grids_score_and_decode_as_mlx_lm(grid_models, grids, name):
+    """|dlogprob| <= 1e-4 and the same greedy tokens at TP 2 and CP 2 x TP 2 (each algo),
+    and at TP 4 where the model has fewer KV heads than ranks, as mlx-lm's forward (the
+    tiny models) or one rank's run (the embedded model)."""
+    if name == "smollm2":
+        alone = grids[(1, 1)][name]["algos"]["pass-kv"]
+        scored, tokens = alone["logprob"], alone["greedy"]
+    else:
+        scored, tokens = reference(*grid_models[name])
+    checked = 0
+    for (n, tp), results in grids.items():
+        if name not in results or tp == 1:
+            continue
+        for algo, run in results[name]["algos"].items():
+            np.testing.assert_allclose(run["logprob"], scored, **TOLERANCE,
+                                       err_msg=f"{name} N={n} --tp {tp} {algo}")
+            assert run["greedy"] == tokens, (name, n, tp, algo)
+            assert run["step"] == "mlx", (name, n, tp, algo)  # MLX's step sums the slices
+            checked += 1
+    assert checked == (1 + len(CP_ALGOS) + (name == "llama"))
+
+
+def test_each_rank_holds_its_share_of_the_weights(grids):
+    """At TP 2 every rank of the embedded model holds at most 0.6x one rank's weights
+    (measured against the whole model's bytes); its KV heads are dealt 2 + 1, the tiny
+    Llama's 2 KV heads over TP 4 one to each pair of ranks."""
+    whole = grids[(1, 1)]["smollm2"]["weights"][0]
+    for key in ((2, 2), (4, 2)):
+        smollm2 = grids[key]["smollm2"]
+        assert max(smollm2["weights"]) <= 0.6 * whole, (key, smollm2["weights"], whole)
+        assert smollm2["kv_heads"] == [2, 1] * (key[0] // 2)
+    assert grids[(4, 4)]["llama"]["kv_heads"] == [1, 1, 1, 1]
+
+
+def test_head_shares_keep_each_kv_head_with_its_queries():
+    """T <= KV heads: KV heads dealt in runs with their query heads; T a multiple of the KV
+    heads dividing each group: one KV head copied to the ranks sharing its queries; else
+    refused, naming the counts."""
+    assert head_shares(9, 3, 2) == [HeadShare(0, 6, 0, 2), HeadShare(6, 9, 2, 3)]
+    assert head_shares(8, 2, 4) == [HeadShare(0, 2, 0, 1), HeadShare(2, 4, 0, 1),
+                                    HeadShare(4, 6, 1, 2), HeadShare(6, 8, 1, 2)]
+    assert head_shares(8, 8, 8)[3] == HeadShare(3, 4, 3, 4)
+    with pytest.raises(ValueError, match="4 tensor-parallel ranks cannot share 9 query heads "
+                                         "over 3 KV heads"):
+        head_shares(9, 3, 4)
+
+
+def test_generate_on_a_grid_reports_it(embedded_model):
+    """``generate --tp 2 --keep-quantized`` at N = 4 (the CLI users run): the greedy answer
+    of one rank, at most 0.6x its weights a rank, and ``tp``, ``cp``, per-rank weight and
+    KV bytes in --json; one line for a --tp that does not divide the ranks or a setting it
+    does not combine with."""
+    args = ["generate", "--prompt", "Name three colours of the rainbow.", "--max-tokens", "12",
+            "--json", "--kv-dtype", "float32"]
+    one = run_cli(1, args).last_json()  # the packed Q4_1 file's matrices, read in place
+    # MLX's quantized form of the same blocks, cut: 1/T of the file a rank
+    grid = run_cli(4, args + ["--tp", "2", "--keep-quantized"]).last_json()
+    assert grid["token_ids"] == one["token_ids"]
+    assert (grid["tp"], grid["cp"], grid["ranks"]) == (2, 2, 4)
+    assert max(grid["model_bytes"]) <= 0.6 * one["model_bytes"][0]
+    assert grid["kv_cache_bytes"][0] == 2 * grid["kv_cache_bytes"][1]  # 2 KV heads and 1
+    assert grid["decode_step"] == "mlx"
+    for n, extra, message in [(2, ["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
+                              (2, ["--tp", "2", "--save-cache", "/tmp/never"],
+                               "--tp 2 does not combine with --save-cache"),
+                              (2, ["--tp", "2", "--decode-step", "native"],
+                               "--tp 2 does not combine with --decode-step native")]:
+        refused = run_cli(n, args + extra, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert message in refused.stderr, refused.stderr
