@@ -4,8 +4,10 @@
 
 MODELS_JSON: {name: [model path, prompt length]}; ALGOS: comma-separated ``--cp-algo``s.
 Per model and algorithm, rank 0 records the logprob of every prompt token (a float32
-cache) and the greedy continuation; per model, every rank's weight bytes and KV heads.
-The grid, the cut and the decode settings are the CLI's own (cli/steps.make_engine's).
+cache) and the greedy continuation; per model, every rank's weight bytes, the most MLX
+memory it held while loading, and its KV heads.
+The grid, the load of each rank's slices and the decode settings are the CLI's own
+(cli/steps.load_checked_model's and make_engine's).
 """
 
 import json
@@ -24,7 +26,7 @@ from spmd_cp.config import DecodeConfig  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402
 from spmd_cp.engine.sharded_model import build_cp_model  # noqa: E402
-from spmd_cp.engine.tensor_groups import cut_model  # noqa: E402
+from spmd_cp.engine.tensor_load import load_tensor_share  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402
 from spmd_cp.runtime.grid import Grid  # noqa: E402
 
@@ -38,12 +40,17 @@ def prompt_ids(length: int) -> np.ndarray:
 def run_model(comm, tp: int, algos: list[str], path: str, length: int) -> dict:
     import mlx.core as mx
 
-    loaded = load_model(path, packed_decode=False)
     grid = Grid.of(comm, tp)
-    rows = cut_model(loaded.model, grid.tp) if grid.tp else None
-    model = build_cp_model(loaded, comm, "float32", None, grid.tp, rows)
+    mx.reset_peak_memory()
+    if grid.tp:  # each rank reads its slices, as the CLI's load does
+        loaded = load_tensor_share(path, grid.tp.rank, tp)
+    else:
+        loaded = load_model(path, packed_decode=False)
+    model = build_cp_model(loaded, comm, "float32", None, grid.tp,
+                           getattr(loaded, "vocab_rows", None))
     decode = grid_decode(DecodeConfig()) if grid.tp else DecodeConfig(decode_tp="off")
     out = {"weights": comm.gather_object(model_nbytes(loaded.model)),
+           "load_peak": comm.gather_object(mx.get_peak_memory()),
            "kv_heads": comm.gather_object(model.num_kv_heads), "algos": {}}
     for algo in algos:
         engine = Engine(model, comm, algo=algo, decode=decode, grid=grid)

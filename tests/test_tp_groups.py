@@ -105,13 +105,15 @@ def test_grids_score_and_decode_as_mlx_lm(grid_models, grids, name):
 
 
 def test_each_rank_holds_its_share_of_the_weights(grids):
-    """At TP 2 every rank of the embedded model holds at most 0.6x one rank's weights
-    (measured against the whole model's bytes); its KV heads are dealt 2 + 1, the tiny
-    Llama's 2 KV heads over TP 4 one to each pair of ranks."""
+    """At TP 2 every rank of the embedded model holds at most 0.6x one rank's weights, and
+    held at most 0.7x of them while it loaded (its slices and one layer whole, never the
+    model); its KV heads are dealt 2 + 1, the tiny Llama's 2 KV heads over TP 4 one to
+    each pair of ranks."""
     whole = grids[(1, 1)]["smollm2"]["weights"][0]
     for key in ((2, 2), (4, 2)):
         smollm2 = grids[key]["smollm2"]
         assert max(smollm2["weights"]) <= 0.6 * whole, (key, smollm2["weights"], whole)
+        assert max(smollm2["load_peak"]) <= 0.7 * whole, (key, smollm2["load_peak"], whole)
         assert smollm2["kv_heads"] == [2, 1] * (key[0] // 2)
     assert grids[(4, 4)]["llama"]["kv_heads"] == [1, 1, 1, 1]
 

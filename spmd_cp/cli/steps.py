@@ -24,7 +24,8 @@ from ..engine.model import CPModel, kv_model_shape
 from ..engine.native_eligibility import flag_obstacle, native_obstacle, upfront_obstacle
 from ..models.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model
-from ..engine.tensor_groups import cut_model, tensor_share
+from ..engine.tensor_groups import tensor_share
+from ..engine.tensor_load import load_tensor_share
 from ..engine.startup import require_same_path
 from ..errors import UserError
 from ..models import hub
@@ -150,7 +151,12 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
     # (--tp cuts the matrices MLX computes with: no packed forms)
     decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1
     start = time.perf_counter()
-    if spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
+    if run.tp > 1:  # world rank r is TP rank r % T of its group (runtime/grid.py)
+        log.info("--tp %d: each rank reads its slices of the weights, a layer at a time",
+                 run.tp)
+        loaded = spmd.everywhere(comm, load_tensor_share, path, comm.rank % run.tp, run.tp,
+                                 run.keep_quantized)
+    elif spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
         log.info("--shard-weights: each rank loads layers i mod %d and 1/%d of the vocabulary",
                  comm.size, comm.size)
         loaded = spmd.everywhere(comm, load_rank_share, path, comm.rank, comm.size,
@@ -262,9 +268,8 @@ def make_engine(comm: Comm, loaded, run: RunConfig,
     use_polynomial_exp(run.fast_exp)
     run = settle_run(comm, loaded, run, decode)  # where the command has not yet
     grid = Grid.of(comm, run.tp)
-    # every rank cuts its slices (or says why it cannot) before the groups' collectives
-    rows = spmd.everywhere(comm, cut_model, loaded.model, grid.tp) if grid.tp else None
-    model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run), grid.tp, rows)
+    model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run), grid.tp,
+                           getattr(loaded, "vocab_rows", None))
     if grid.tp is not None:
         decode = grid_decode(decode)
         if comm.rank == 0:

@@ -19,7 +19,7 @@ def build_cp_model(loaded, comm: Comm, cpu_kv_dtype: str = "float32",
                    vocab_rows: tuple[int, int] | None = None) -> CPModel:
     """``CPModel`` of a loaded model; layer-sharded when it was loaded as one rank's share
     (models/partial_load.py); over the TP group ``tp`` where the model was cut to this
-    rank's slices and ``vocab_rows`` of the vocabulary (tensor_groups.cut_model).
+    rank's slices and ``vocab_rows`` of the vocabulary (tensor_load.py).
     ``cpu_kv_dtype``: the KV cache's on the CPU path; ``compute``: the run's path and
     attention kernel (None: the default's)."""
     share = getattr(loaded, "share", None)

@@ -35,7 +35,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gemma3_text import clip_residual
 
-from ..errors import UserError
 from ..models.shape import ModelShape
 from .expert_slices import expert_slice, expert_width, experts_obstacle
 from .layer_parts import LayerParts, feed_forward, head_counts
@@ -210,15 +209,6 @@ class GroupHead:
         return self.comm.allgather_rows(local, axis=-1, counts=self.widths)
 
 
-def tensor_obstacle(heads: int, kv_heads: int, size: int) -> str | None:
-    """Why ``size`` TP ranks cannot share a model's heads, or None."""
-    try:
-        head_shares(heads, kv_heads, size)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
 def tensor_share(shape: ModelShape, size: int) -> ModelShape:
     """The busiest TP rank's share of a model's shape (the memory forecast's): its query
     and KV heads, its hidden units; the vocabulary stays whole (the logits are gathered)."""
@@ -229,28 +219,6 @@ def tensor_share(shape: ModelShape, size: int) -> ModelShape:
     return replace(shape, num_heads=share.q_stop - share.q_start,
                    num_kv_heads=share.kv_stop - share.kv_start,
                    intermediate=-(-shape.intermediate // size))
-
-
-def cut_model(model: nn.Module, comm) -> tuple[int, int]:
-    """Cut mlx-lm's ``model`` to this TP rank's slices in place (layers, embedding, an
-    untied head); returns the vocabulary rows it keeps. UserError naming what cannot be
-    cut (no collective: every rank cuts its own)."""
-    inner, rank, size = model.model, comm.rank, comm.size
-    try:
-        shares = head_shares(*head_counts(inner.layers[0].self_attn), size)
-    except ValueError as error:
-        raise UserError(f"--tp {size}: {error}") from None
-    for index, layer in enumerate(inner.layers):
-        try:
-            cut_layer(layer, shares[rank], rank, size)
-        except (TypeError, ValueError) as error:
-            raise UserError(f"--tp {size}: layer {index}: {error}") from None
-    table = WeightMatrix.of(inner.embed_tokens)
-    rows = split_ranges(table.out_width, size)[rank]
-    inner.embed_tokens = _module_of(inner.embed_tokens, table.rows(*rows))
-    if getattr(model, "lm_head", None) is not None:
-        model.lm_head = _module_of(model.lm_head, WeightMatrix.of(model.lm_head).rows(*rows))
-    return rows
 
 
 def tensor_parallel(model: CPModel, loaded, comm, rows: tuple[int, int]) -> CPModel:

@@ -108,7 +108,7 @@ def vocab_rows(vocab: int, rank: int, size: int) -> tuple[int, int]:
     return int(bounds[rank]), int(bounds[rank + 1])
 
 
-def _layer_prefix(index: int, base: str = "") -> str:
+def layer_prefix(index: int, base: str = "") -> str:
     return f"{base}model.layers.{index}."
 
 
@@ -187,21 +187,21 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     form = compute_form(files, config, keep_quantized)
     base = text_prefix(config)
     skeleton = build_skeleton(config, specs, form)
-    wanted = _wanted(files, skeleton)
+    wanted = wanted_tensors(files, skeleton)
     model, config = text_part(skeleton, config)
     if "lm_head" in model and not any(n.startswith(f"{base}lm_head.") for n in specs):
         model.sanitize({})  # a head the files lack is the tied embedding (gemma3_text's rule)
     share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
-    _refuse_unstacked_experts(wanted, p)
+    refuse_unstacked_experts(wanted, p)
     for index in range(config["num_hidden_layers"]):
-        prefix = _layer_prefix(index, base)
+        prefix = layer_prefix(index, base)
         names = [n for n in specs if n.startswith(prefix)]
         share.layer_specs.append({n[len(prefix):]: specs[n] for n in names})
         if share.owner(index) == rank:
             share.layers[index] = {n[len(prefix):]: a for n, a in
-                                   _read_all(files, [n for n in names if n in wanted]).items()}
+                                   read_tensors(files, [n for n in names if n in wanted]).items()}
     # The vocabulary slices go into the skeleton's own embedding (and untied head) modules.
-    sliced = _read_all(files, [n for n in wanted
+    sliced = read_tensors(files, [n for n in wanted
                                if n.startswith((f"{base}model.embed_tokens.", f"{base}lm_head."))],
                        rows=share.vocab_rows)
     sliced.update(files.read(f"{base}model.norm.weight"))
@@ -213,7 +213,7 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     return ShardedLoad(model, tokenizer, config, str(p), model_checksum(str(p)), share=share)
 
 
-def _wanted(files, model: nn.Module) -> set:
+def wanted_tensors(files, model: nn.Module) -> set:
     """The file's tensors the model uses (not e.g. a tied head's copy or rotary tables);
     a quantized weight's scales and biases go with it even when it will be dequantized.
     A mixture's experts stored one by one (``experts.N.``: a Hugging Face checkpoint,
@@ -222,14 +222,14 @@ def _wanted(files, model: nn.Module) -> set:
     return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules or ".experts." in n}
 
 
-def _refuse_unstacked_experts(wanted: set, path: Path):
+def refuse_unstacked_experts(wanted: set, path: Path, flag: str = "--shard-weights"):
     if any(".experts." in n for n in wanted):
         raise UserError(f"{path}: the experts are stored one by one (a Hugging Face "
-                        "checkpoint); --shard-weights reads them stacked, as mlx-lm saves "
+                        f"checkpoint); {flag} reads them stacked, as mlx-lm saves "
                         "a model (mlx_lm.convert)")
 
 
-def _read_all(files, names, rows=None) -> dict:
+def read_tensors(files, names, rows=None) -> dict:
     """Read each tensor once (a GGUF quantized weight brings its scales and biases)."""
     readable = set(files.names) if isinstance(files, GGUFFile) else set(files.entries)
     out = {}
@@ -297,12 +297,12 @@ def weight_layout(path: str, keep_quantized: bool = False,
     specs = files.specs()
     form = compute_form(files, config, keep_quantized)
     skeleton = build_skeleton(config, specs, form)
-    wanted = _wanted(files, skeleton)
+    wanted = wanted_tensors(files, skeleton)
     base = text_prefix(config)
     _, text_config = text_part(skeleton, config)  # the layer count, defaults filled in
     packed, compute = [], []
     for index in range(text_config["num_hidden_layers"]):
-        names = [n for n in wanted if n.startswith(_layer_prefix(index, base))]
+        names = [n for n in wanted if n.startswith(layer_prefix(index, base))]
         packed.append(sum(math.prod(specs[n][0]) * specs[n][1].size for n in names))
         compute.append(_compute_bytes(specs, names, form))
     vocab = [n for n in wanted if n.startswith((f"{base}model.embed_tokens.", f"{base}lm_head."))]
