@@ -20,7 +20,6 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from spmd_cp.cli.grid_checks import grid_decode  # noqa: E402
 from spmd_cp.cli.metrics import model_nbytes  # noqa: E402
 from spmd_cp.config import DecodeConfig  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
@@ -48,7 +47,7 @@ def run_model(comm, tp: int, algos: list[str], path: str, length: int) -> dict:
         loaded = load_model(path, packed_decode=False)
     model = build_cp_model(loaded, comm, "float32", None, grid.tp,
                            getattr(loaded, "vocab_rows", None))
-    decode = grid_decode(DecodeConfig()) if grid.tp else DecodeConfig(decode_tp="off")
+    decode = DecodeConfig() if grid.tp else DecodeConfig(decode_tp="off")
     out = {"weights": comm.gather_object(model_nbytes(loaded.model)),
            "load_peak": comm.gather_object(mx.get_peak_memory()),
            "kv_heads": comm.gather_object(model.num_kv_heads), "algos": {}}

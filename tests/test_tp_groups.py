@@ -15,6 +15,7 @@ import pytest
 from conftest import run_cli, run_ranks, write_tiny_model
 from test_families import FAMILIES
 
+from spmd_cp.cli.doctor_checks import grid_report, grid_warnings
 from spmd_cp.engine.tensor_groups import HeadShare, head_shares
 
 TESTS = Path(__file__).parent
@@ -131,26 +132,50 @@ def test_head_shares_keep_each_kv_head_with_its_queries():
         head_shares(9, 3, 4)
 
 
-def test_generate_on_a_grid_reports_it(embedded_model):
+def test_doctor_names_a_tp_group_across_hosts():
+    """A hostfile of one slot a host puts ranks 0 and 1 on two hosts: doctor's grid says
+    so; two slots a host keep each group on one."""
+    assert grid_report(["a", "a", "b", "b"], 2)["tp_groups_across_hosts"] == []
+    across = grid_report(["a", "b", "a", "b"], 2)
+    assert across["tp_groups"] == [[0, 1], [2, 3]] and across["cp"] == 2
+    assert across["tp_groups_across_hosts"] == [[0, 1], [2, 3]]
+    assert "ranks 0, 1 form a tensor-parallel group across hosts" in grid_warnings(across)[0]
+    assert grid_warnings(grid_report(["a", "a"], 3)) == [
+        "--tp 3 does not divide the 2 ranks into tensor-parallel groups"]
+
+
+def test_generate_on_a_grid_reports_it(embedded_model, tmp_path):
     """``generate --tp 2 --keep-quantized`` at N = 4 (the CLI users run): the greedy answer
     of one rank, at most 0.6x its weights a rank, and ``tp``, ``cp``, per-rank weight and
-    KV bytes in --json; one line for a --tp that does not divide the ranks or a setting it
-    does not combine with."""
-    args = ["generate", "--prompt", "Name three colours of the rainbow.", "--max-tokens", "12",
-            "--json", "--kv-dtype", "float32"]
-    one = run_cli(1, args).last_json()  # the packed Q4_1 file's matrices, read in place
-    # MLX's quantized form of the same blocks, cut: 1/T of the file a rank
-    grid = run_cli(4, args + ["--tp", "2", "--keep-quantized"]).last_json()
+    KV bytes in --json; its prompt cache continued on the same grid answers as one rank's
+    continued; one line for a cache of another grid, a --tp that does not divide the ranks
+    or a setting it does not combine with."""
+    args = ["generate", "--max-tokens", "12", "--json", "--kv-dtype", "float32"]
+    first = ["--prompt", "Name three colours of the rainbow.", "--save-cache"]
+    then = ["--prompt", "And three fruits?", "--load-cache"]
+    one = run_cli(1, args + first + [str(tmp_path / "one")]).last_json()
+    # the packed Q4_1 file's matrices read in place (one rank) against MLX's quantized
+    # form of the same blocks, cut: 1/T of the file a rank
+    on_grid = args + ["--tp", "2", "--keep-quantized"]
+    grid = run_cli(4, on_grid + first + [str(tmp_path / "grid")]).last_json()
     assert grid["token_ids"] == one["token_ids"]
     assert (grid["tp"], grid["cp"], grid["ranks"]) == (2, 2, 4)
     assert max(grid["model_bytes"]) <= 0.6 * one["model_bytes"][0]
     assert grid["kv_cache_bytes"][0] == 2 * grid["kv_cache_bytes"][1]  # 2 KV heads and 1
     assert grid["decode_step"] == "mlx"
-    for n, extra, message in [(2, ["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
-                              (2, ["--tp", "2", "--save-cache", "/tmp/never"],
-                               "--tp 2 does not combine with --save-cache"),
-                              (2, ["--tp", "2", "--decode-step", "native"],
-                               "--tp 2 does not combine with --decode-step native")]:
-        refused = run_cli(n, args + extra, check=False)
+    meta = json.loads((tmp_path / "grid" / "meta.json").read_text())
+    assert (meta["cp_size"], meta["tp_size"], len(meta["shard_sha256"])) == (2, 2, 4)
+    again = run_cli(4, on_grid + then + [str(tmp_path / "grid")]).last_json()
+    alone = run_cli(1, args + then + [str(tmp_path / "one")]).last_json()
+    assert again["token_ids"] == alone["token_ids"]
+    assert again["prompt_tokens_reused"] == alone["prompt_tokens_reused"] > 0
+    for n, extra, message in [
+            (2, then + [str(tmp_path / "grid")], "was made on 4 ranks as --tp 2; this job has "
+             "2 as --tp 1 (run with mpiexec -n 4 and --tp 2)"),
+            (2, ["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
+            (2, ["--tp", "2", "--decode-step", "native"],
+             "--tp 2 does not combine with --decode-step native")]:
+        refused = run_cli(n, args + (extra if "--prompt" in extra else
+                                     extra + ["--prompt", "Hi"]), check=False)
         assert refused.returncode == 2, refused.stderr
         assert message in refused.stderr, refused.stderr

@@ -28,9 +28,10 @@ import click
 
 from ..models.checksum import model_checksum
 from ..models.gguf_header import head_counts
-from .doctor_checks import EXIT_MISMATCH, SLOW_RANK_FACTOR, find_mismatches, find_warnings
+from .doctor_checks import (EXIT_MISMATCH, SLOW_RANK_FACTOR, find_mismatches, find_warnings,
+                            grid_report, grid_warnings)
 from .doctor_report import print_report
-from .options import device_options
+from .options import device_options, grid_option
 from ..errors import UserError  # standard library only: importing this module (cli.py does,
 # before the BLAS re-exec) must not load MLX or MPI
 
@@ -133,6 +134,7 @@ def local_report(compute) -> dict:
               help="Measure link and compute again and replace the cached calibration.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
 @device_options
+@grid_option
 def doctor(**options):
     """Check that all ranks agree (versions, model checksum) and measure link and compute."""
     from ..runtime import spmd
@@ -178,6 +180,8 @@ def doctor_command(comm, options: dict, outcome: dict):
     if comm.rank != 0:
         return
     warnings = find_warnings(reports, [r["attention_flops"] for r in reports])
+    grid = grid_report(hosts, run.tp)
+    warnings.extend(grid_warnings(grid))
     crossover = None
     if calibration["source"] == "cache":
         warnings.extend(stale_calibration(reports, measured))
@@ -190,7 +194,7 @@ def doctor_command(comm, options: dict, outcome: dict):
                "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
                **{key: [r[key] for r in reports] for key in reports[0]},
                "calibration": calibration, "decode_collectives": decode_collectives,
-               "auto": crossover, "weights": weights, "decode_plan": plan}
+               "auto": crossover, "weights": weights, "decode_plan": plan, "grid": grid}
     print_report(summary)
     if flags["as_json"]:
         print(json.dumps(summary), flush=True)
@@ -274,13 +278,21 @@ def graph_collectives_report(comm, compute) -> dict | None:
 def decode_plan_report(comm, run) -> dict:
     """Collective: the decode plan `generate` makes on these ranks for ``run.model_path``
     with the default decode flags (engine/decode_plan.py), whole, and the KV cache's
-    dtype it settles on: the model is loaded for it."""
+    dtype it settles on: the model is loaded for it (each rank's slices with ``--tp``;
+    None where ``--tp`` cannot form groups: a warning says why)."""
     from ..attention.calibrate import uncounted
     from ..config import DecodeConfig
+    from ..engine.tensor_load import load_tensor_share
     from ..models.loader import load_model
+    from ..runtime.grid import grid_obstacle
     from .steps import make_engine, settle_run
 
-    loaded = load_model(run.model_path, weight_cache=run.weight_cache)
+    if grid_obstacle(run.tp, comm.size):
+        return None
+    if run.tp > 1:
+        loaded = load_tensor_share(run.model_path, comm.rank % run.tp, run.tp)
+    else:
+        loaded = load_model(run.model_path, weight_cache=run.weight_cache)
     with uncounted(comm):
         run = settle_run(comm, loaded, run, DecodeConfig())
         plan = make_engine(comm, loaded, run).prepare_decode()

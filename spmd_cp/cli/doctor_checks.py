@@ -103,3 +103,27 @@ def find_warnings(reports: list[dict], flops: list[float]) -> list[str]:
                             f"{fastest / rate:.1f}x slower than the fastest rank: every ring "
                             "step waits for it")
     return warnings
+
+
+def grid_report(hosts: list[str], tp: int) -> dict:
+    """``--tp``'s grid over these ranks (``hosts``: each rank's host, in rank order): its
+    TP groups, those that span hosts (their Allreduces then cross a link), or why ``tp``
+    cannot form groups."""
+    from ..runtime.grid import grid_obstacle
+
+    why = grid_obstacle(tp, len(hosts))
+    if why:
+        return {"tp": tp, "error": why}
+    groups = [list(range(g, g + tp)) for g in range(0, len(hosts), tp)]
+    across = [g for g in groups if len({hosts[r] for r in g}) > 1]
+    return {"tp": tp, "cp": len(hosts) // tp, "tp_groups": groups,
+            "tp_groups_across_hosts": across, "error": None}
+
+
+def grid_warnings(grid: dict) -> list[str]:
+    if grid["error"]:
+        return [grid["error"]]
+    return [f"--tp {grid['tp']}: ranks {', '.join(map(str, g))} form a tensor-parallel group "
+            "across hosts (its 2 Allreduces a layer cross the link): give each host a "
+            "multiple of T consecutive slots" for g in grid["tp_groups_across_hosts"]]
+

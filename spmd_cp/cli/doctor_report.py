@@ -118,6 +118,16 @@ def describe_weight_layout(w: dict | None, n: int) -> list[str]:
     return lines
 
 
+def grid_lines(grid: dict | None) -> list[str]:
+    """The CP x TP grid ``--tp`` asked for (none without it)."""
+    if grid is None or grid["tp"] == 1 or grid["error"]:
+        return []
+    groups = " ".join("[" + ", ".join(map(str, g)) + "]" for g in grid["tp_groups"])
+    where = "each on one host" if not grid["tp_groups_across_hosts"] else "some across hosts"
+    return [f"grid (--tp {grid['tp']}): {grid['cp']} context-parallel group(s) x "
+            f"{grid['tp']} tensor-parallel ranks; TP groups {groups}, {where}", ""]
+
+
 def print_report(s: dict):
     """The human-readable report (rank 0, stdout)."""
     n, hosts = s["ranks"], s["hosts"]
@@ -140,6 +150,7 @@ def print_report(s: dict):
     if s["problems"]:
         out += [f"MISMATCH (exit status {EXIT_MISMATCH}):"] + [f"  {p}" for p in s["problems"]]
         out.append("")
+    out += grid_lines(s.get("grid"))
     if s["warnings"]:
         out += ["warnings:"] + [f"  {w}" for w in s["warnings"]] + [""]
     out += calibration_lines(s)

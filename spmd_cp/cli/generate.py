@@ -73,7 +73,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     if args.save_cache:
         text = comm.bcast_object(result.text if comm.rank == 0 else None)
         save_cache(comm, cache, args.save_cache, loaded.checksum,
-                   steps.extend_conversation(conversation, prompt_text, text))
+                   steps.extend_conversation(conversation, prompt_text, text), engine.grid)
     metrics = steps.rank_metrics(comm, cache, steps.model_bytes(engine, loaded), engine.grid)
     if comm.rank == 0:
         report(comm, run, engine, result, len(prompt_ids), reused,
@@ -87,12 +87,9 @@ def validate(run: RunConfig, sampling: SamplingConfig, args: GenerateConfig):
     continue, the outputs."""
     from ..engine.prompt_cache import META, read_meta
     from ..text_input import check_text
-    from .grid_checks import refuse_with_grid
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_prompt, trace_output
 
-    refuse_with_grid(run, **{"--save-cache": bool(args.save_cache),
-                             "--load-cache": bool(args.load_cache)})
     # First: nothing is claimed for a run that cannot tokenize its own arguments.
     for flag, text in (("--prompt", args.prompt), ("--system", args.system),
                        *(("--stop", stop) for stop in sampling.stop)):
@@ -134,7 +131,7 @@ def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
     if meta is None:
         return engine.new_cache(), new_conversation(args.system)
     cache = load_cache(comm, args.load_cache, meta, loaded.checksum, engine.model.num_layers,
-                       engine.model.kv_dtype, loaded.config.get("vocab_size"))
+                       engine.model.kv_dtype, loaded.config.get("vocab_size"), engine.grid)
     log.info("prompt cache %s: %d tokens", args.load_cache, cache.num_tokens)
     return cache, meta["conversation"]
 

@@ -1,4 +1,4 @@
-"""``--tp T``'s checks before anything loads, and the decode settings a grid runs with.
+"""``--tp T``'s checks before anything loads.
 
 Tensor-parallel groups (runtime/grid.py, engine/tensor_groups.py) cut every matrix into
 slices MLX computes with, so what relies on whole matrices on every rank does not combine
@@ -8,14 +8,11 @@ with them, and is refused here in one line rather than after a long load:
   the slices already hold 1/T of every layer, and ``auto`` does not shard.
 - the native decode step (``--decode-step native``), the split decode layout
   (``--decode-tp on``) and MLX's graph collectives (``--decode-comm mlx``): a grid decodes
-  in MLX's step over mpi4py's collectives within each group.
-- prompt cache files (``--save-cache``, ``--load-cache``) and batched decode
-  (``--max-batch`` above 1): not built for a grid yet.
+  in MLX's step over mpi4py's collectives (the decode plan says why, decode_plan.py).
+- batched decode (``--max-batch`` above 1): not built for a grid yet.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from ..config import DecodeConfig, RunConfig
 from ..errors import UserError
@@ -42,10 +39,3 @@ def refuse_with_grid(run: RunConfig, **settings):
     if run.tp > 1 and flag:
         raise UserError(f"--tp {run.tp} does not combine with {flag} (tensor-parallel "
                         "groups decode in MLX's step over their own slices)")
-
-
-def grid_decode(decode: DecodeConfig) -> DecodeConfig:
-    """The decode settings of a grid: the weights are split already (no split layout),
-    MLX's step (its Allreduces are mpi4py's, within each group), mpi4py's collectives."""
-    return dataclasses.replace(decode, decode_tp="off", decode_step="graph",
-                               decode_comm="mpi")

@@ -164,7 +164,7 @@ def preload(comm, engine, loaded, args: ServeConfig, metas: list[dict]):
     for directory, meta in zip(args.preload, metas):
         caches.add(load_cache(comm, directory, meta, loaded.checksum,
                               engine.model.num_layers, engine.model.kv_dtype,
-                              loaded.config.get("vocab_size")))
+                              loaded.config.get("vocab_size"), engine.grid))
         log.info("resident cache from %s: %d tokens", directory, caches.entries[-1].num_tokens)
     return caches
 

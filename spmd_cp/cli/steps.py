@@ -38,7 +38,7 @@ from ..runtime.device import Compute, compiled_kernels_work
 from ..runtime.faults import layer_hook
 from ..runtime.resident import outside_mlx_bytes
 from ..runtime.grid import Grid
-from .grid_checks import check_grid, grid_decode
+from .grid_checks import check_grid
 from .metrics import model_bytes, model_nbytes, rank_metrics  # noqa: F401 (steps.*)
 from .outputs import Output
 from .retired import honour_retired
@@ -270,11 +270,9 @@ def make_engine(comm: Comm, loaded, run: RunConfig,
     grid = Grid.of(comm, run.tp)
     model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run), grid.tp,
                            getattr(loaded, "vocab_rows", None))
-    if grid.tp is not None:
-        decode = grid_decode(decode)
-        if comm.rank == 0:
-            log.info("--tp %d: %s; each rank holds its slices of every matrix", run.tp,
-                     grid.describe())
+    if grid.tp is not None and comm.rank == 0:
+        log.info("--tp %d: %s; each rank holds its slices of every matrix", run.tp,
+                 grid.describe())
     if decode.decode_step == "native":
         refuse_native_decode(spmd.first_reason(comm, native_obstacle(model)))
     return Engine(model, comm, algo=run.cp_algo, prefill_chunk=run.prefill_chunk,

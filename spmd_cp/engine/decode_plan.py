@@ -80,17 +80,20 @@ class DecodePlan:
         return "; ".join(words)
 
 
-def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective_s=None):
+def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective_s=None,
+                grid=None):
     """Collective: (the DecodePlan, the step it names: NativeDecoder or GraphStep).
     ``calibrated()``: the calibration (attention/calibrate.py, read or measured once).
     ``loaded_collective_s()``: the calibration's collective cost where one is loaded
-    already, else None (the transport's choice times the graph's against it)."""
+    already, else None (the transport's choice times the graph's against it). ``grid``:
+    the CP x TP grid (runtime/grid.py) where ``comm`` is its CP group."""
     reasons, inputs = {}, {}
     native_why = _native_obstacle(model, comm, config)
     sharded = is_layer_sharded(model)
     transport = choose_transport(comm, config, native_why is None,
                                  sharded and config.decode_tp != "on",
-                                 loaded_collective_s or (lambda: None), model.compute)
+                                 loaded_collective_s or (lambda: None), model.compute,
+                                 grid, model.tensor_group)
     reasons["transport"] = transport.reason
     split = _layout(model, comm, config, transport, calibrated, reasons, inputs,
                     native=native_why is None)
@@ -142,6 +145,8 @@ def _layout(model, comm, config, transport, calibrated, reasons, inputs, native:
     obstacle = None
     if comm.size == 1:
         obstacle = "one rank"
+    elif model.tensor_group is not None:
+        obstacle = "--tp cut the weights already: each rank computes with its slices"
     elif mode == "off":
         obstacle = "--decode-tp off"
     else:

@@ -22,7 +22,8 @@ class Transport:
 
 
 def choose_transport(comm, config, native: bool, sharded: bool,
-                     calibrated_collective_s, compute=None) -> Transport:
+                     calibrated_collective_s, compute=None, grid=None,
+                     tensor_group=None) -> Transport:
     """Collective. ``native``: the native step will run (its collectives are persistent
     MPI requests, never graph nodes). ``sharded``: replicated steps over layer-sharded
     weights, whose collectives stay MPI's under ``auto``: a step built as one MLX graph
@@ -30,7 +31,11 @@ def choose_transport(comm, config, native: bool, sharded: bool,
     the whole model at once, where MPI's evaluate layer by layer (SmolLM2 Q4_1, N = 2:
     resident peak 354 vs 295 MiB, MLX peak 148 vs 120; decode 3.80 vs 3.79 tok/s).
     ``calibrated_collective_s()``: a bare MPI collective's cost, where one is at hand.
-    ``compute``: the model's (runtime/device.Compute; the GPU path keeps MPI)."""
+    ``compute``: the model's (runtime/device.Compute; the GPU path keeps MPI). ``grid``
+    and ``tensor_group``: ``--tp``'s (runtime/grid.Grid, tensor_groups.TensorGroup), whose
+    layers' sums take the TP group's graph collectives where the CP group's open."""
+    if tensor_group is not None:  # (a grid of one CP group still sums in its TP group)
+        return _grid_transport(comm, config, grid, tensor_group, compute)
     if comm.size == 1:
         return Transport(comm, "none", "one rank")
     mode = config.decode_comm
@@ -49,6 +54,22 @@ def choose_transport(comm, config, native: bool, sharded: bool,
     if graph is None:
         return Transport(comm, "mpi", reason, mpi_s)
     return Transport(graph, "mlx", reason)
+
+
+def _grid_transport(comm, config, grid, tensor_group, compute) -> Transport:
+    """Collective over the world: a grid's decode collectives. MLX's graph collectives
+    open once a process, over the world's ranks, and split into the CP and TP groups
+    (MLX's MPI backend splits as MPI_Comm_split does); the TP group's sums then join the
+    step's one graph (``tensor_group.graph``). Else mpi4py's for both."""
+    world, reason = open_graph_collectives(grid.world, config.decode_comm,
+                                           config.graph_backend, compute)
+    if world is None or world.backend != "mpi":
+        why = reason if world is None else "MLX's ring backend cannot split into groups"
+        return Transport(comm, "mpi", f"{why}; the TP group's sums are mpi4py's too")
+    group, index = divmod(grid.world.rank, grid.tp_size)
+    cp_graph = world.split(grid.cp, index, group)
+    tensor_group.graph = world.split(grid.tp, group, index)
+    return Transport(cp_graph, "mlx", f"{reason}, split into the grid's CP and TP groups")
 
 
 def _faster_of(comm, graph, reason: str, calibrated_collective_s):

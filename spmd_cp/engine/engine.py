@@ -248,7 +248,7 @@ class Engine:
             with span(self.comm.tracer, "decode setup", "decode"):
                 self.plan, self.decoder, self.tp_decoder = open_decode(
                     self.model, self.cp, self.decode, self._calibrated,
-                    lambda: self.measured and self.measured.collective_s)
+                    lambda: self.measured and self.measured.collective_s, self.grid)
         return self.plan
 
     def adopt_plan(self, other: "Engine"):

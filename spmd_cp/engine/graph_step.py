@@ -6,6 +6,8 @@ cannot run: the GPU path, quantized or unusual layers, layer-sharded weights."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import mlx.core as mx
 import numpy as np
 
@@ -27,6 +29,18 @@ class GraphStep:
         """The next logits (V,) on rank 0 (None elsewhere) after ``token`` at
         ``position``. ``token``: an int, or on one rank an unevaluated mx.array scalar,
         whose logits ``wait=False`` leaves unevaluated too (the overlapped loop)."""
+        # a grid's TP sums join this graph where its collectives opened (tensor_groups.py)
+        group = self.model.tensor_group
+        with group.in_graph() if group is not None else nullcontext():
+            logits = self._logits(token, position, cache, store, on_layer, tracer)
+        if wait:
+            with self.comm.bounded("decode step"):  # may run graph collectives
+                mx.eval(logits)
+        return logits.squeeze(0) if self.comm.rank == 0 else None  # a view, not a Gather
+
+    def _logits(self, token, position, cache, store, on_layer, tracer):
+        """The step's graph: the logits on rank 0, (its logits, hidden) elsewhere (each
+        must evaluate its collectives)."""
         lazy = isinstance(token, mx.array)
         if self.split is not None:
             hidden = self.split.forward(token, position, cache, self.attend, store, on_layer,
@@ -41,10 +55,7 @@ class GraphStep:
             logits = self.model.logits(hidden if self.comm.rank == 0 else hidden[:0])
             if self.comm.rank != 0:
                 logits = (logits, hidden)
-        if wait:
-            with self.comm.bounded("decode step"):  # may run graph collectives
-                mx.eval(logits)
-        return logits.squeeze(0) if self.comm.rank == 0 else None  # a view, not a Gather
+        return logits
 
     def free(self):
         """Nothing held outside MLX (the native step's persistent requests have this)."""

@@ -248,8 +248,8 @@ class CPModel:
         # cache into float32 on the CPU path), whose size is elem_bytes.
         self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype, self.compute)
         self.elem_bytes = (self.kv_dtype if self.compute.gpu else mx.float32).size
-        # The TP group's communicator where each rank holds its slices of the weights
-        # (tensor_groups.py, --tp), else None.
+        # The TP group's collectives where each rank holds its slices of the weights
+        # (tensor_groups.TensorGroup, --tp), else None.
         self.tensor_group = None
 
     def forward(

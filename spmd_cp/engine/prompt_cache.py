@@ -38,6 +38,7 @@ import numpy as np
 from ..runtime import spmd
 from .cache import ShardedKVCache
 from ..runtime.comm import Comm
+from ..runtime.grid import Grid
 from ..errors import UserError
 from ..text_input import unicode_problem
 
@@ -89,8 +90,12 @@ def _write_new_file(path: Path, write) -> str:
 
 
 def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum: str,
-               conversation: dict):
-    """Write this rank's shard; rank 0 then writes meta.json (collective)."""
+               conversation: dict, grid: Grid | None = None):
+    """Write this rank's shard; rank 0 then writes meta.json (collective). ``grid``: the
+    CP x TP grid (None: one CP group of every rank), which meta.json records (``cp_size``,
+    and ``tp_size`` where above 1): a shard per world rank, each its KV heads of its CP
+    rank's positions."""
+    grid = grid or Grid(comm, comm, None)
     out = Path(directory)
     arrays, shared = cache.state()
 
@@ -107,7 +112,8 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
     digests = comm.allgather_object(spmd.everywhere(comm, write_shard))
 
     def write_meta():
-        meta = {"format": FORMAT, "model_checksum": model_checksum, "cp_size": comm.size,
+        meta = {"format": FORMAT, "model_checksum": model_checksum, "cp_size": grid.cp.size,
+                **({"tp_size": grid.tp_size} if grid.tp is not None else {}),
                 **shared, "shard_sha256": digests, "conversation": conversation}
         try:
             _write_new_file(out / META, lambda f: f.write(json.dumps(meta).encode()))
@@ -172,8 +178,9 @@ def meta_problem(meta: dict) -> str | None:
     The fields, as ``save_cache`` writes them: model_checksum (sha256 hex), cp_size
     (ranks, >= 1), num_tokens, token_ids (num_tokens ids in [0, 2^31)), shard_sizes
     (cp_size counts summing to num_tokens), decode_steps (<= num_tokens), decode_owner
-    (a rank), shard_sha256 (cp_size sha256 hex), conversation ({"messages": [{"role":
-    system/user/assistant, "content": text}], "text": text}).
+    (a CP rank), shard_sha256 (one sha256 hex a rank: cp_size x tp_size), conversation
+    ({"messages": [{"role": system/user/assistant, "content": text}], "text": text}); and
+    where the grid had TP groups, tp_size (>= 1; absent: 1).
     """
     fields = ("model_checksum", "cp_size", "num_tokens", "token_ids", "shard_sizes",
               "decode_steps", "decode_owner", "shard_sha256", "conversation")
@@ -185,6 +192,9 @@ def meta_problem(meta: dict) -> str | None:
     cp_size, num_tokens = meta["cp_size"], meta["num_tokens"]
     if not _is_int(cp_size, 1):
         return f"'cp_size' must be an integer >= 1, not {_shown(cp_size)}"
+    tp_size = meta.get("tp_size", 1)
+    if not _is_int(tp_size, 1):
+        return f"'tp_size' must be an integer >= 1, not {_shown(tp_size)}"
     if not _is_int(num_tokens, 0):
         return f"'num_tokens' must be an integer >= 0, not {_shown(num_tokens)}"
     ids = meta["token_ids"]
@@ -203,9 +213,9 @@ def meta_problem(meta: dict) -> str | None:
     if not _is_int(meta["decode_owner"], 0, cp_size):
         return f"'decode_owner' must be a rank in [0, {cp_size - 1}]"
     digests = meta["shard_sha256"]
-    if not (isinstance(digests, list) and len(digests) == cp_size
+    if not (isinstance(digests, list) and len(digests) == cp_size * tp_size
             and all(_is_sha256(d) for d in digests)):
-        return f"'shard_sha256' must be cp_size ({cp_size}) sha256 digests"
+        return f"'shard_sha256' must be cp_size x tp_size ({cp_size * tp_size}) sha256 digests"
     return _conversation_problem(meta["conversation"])
 
 
@@ -262,10 +272,13 @@ def check_shard(arrays: dict, rank: int, meta: dict, num_layers: int) -> str | N
 
 
 def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
-               num_layers: int, dtype=None, vocab_size: int | None = None) -> ShardedKVCache:
-    """Every rank loads its own shard of a cache written for the same model and N
+               num_layers: int, dtype=None, vocab_size: int | None = None,
+               grid: Grid | None = None) -> ShardedKVCache:
+    """Every rank loads its own shard of a cache written for the same model and grid
     (``meta``: as ``read_meta`` checked it; ``dtype``: the KV dtype of the engine that
-    continues it; ``vocab_size``: the model's, which every token id must be below)."""
+    continues it; ``vocab_size``: the model's, which every token id must be below;
+    ``grid``: this job's CP x TP grid, None: one CP group of every rank)."""
+    grid = grid or Grid(comm, comm, None)
     if vocab_size and meta["token_ids"] and max(meta["token_ids"]) >= vocab_size:
         raise UserError(f"prompt cache {directory} is corrupt ({META}: token id "
                         f"{max(meta['token_ids'])} is past the model's vocabulary of "
@@ -274,9 +287,14 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
         raise UserError(f"prompt cache {directory} was made with another model "
                         f"(checksum {meta['model_checksum'][:12]}..., this model "
                         f"{model_checksum[:12]}...)")
-    if meta["cp_size"] != comm.size:
-        raise UserError(f"prompt cache {directory} was made on {meta['cp_size']} ranks; "
-                        f"this job has {comm.size} (run with mpiexec -n {meta['cp_size']})")
+    made = (meta["cp_size"], meta.get("tp_size", 1))
+    if made != (grid.cp.size, grid.tp_size):
+        if made[1] == 1 and grid.tp is None:
+            raise UserError(f"prompt cache {directory} was made on {made[0]} ranks; this job "
+                            f"has {comm.size} (run with mpiexec -n {made[0]})")
+        raise UserError(f"prompt cache {directory} was made on {made[0] * made[1]} ranks as "
+                        f"--tp {made[1]}; this job has {comm.size} as --tp {grid.tp_size} "
+                        f"(run with mpiexec -n {made[0] * made[1]} and --tp {made[1]})")
 
     def read_shard():
         path = Path(directory) / shard_name(comm.rank, comm.size)
@@ -290,23 +308,23 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
             raise UserError(f"prompt cache shard {path} is corrupt: {error}") from None
         if not isinstance(arrays, dict):
             raise UserError(f"prompt cache shard {path} is corrupt (not a safetensors file)")
-        problem = check_shard(arrays, comm.rank, meta, num_layers)
+        problem = check_shard(arrays, grid.cp.rank, meta, num_layers)
         if problem:
             raise UserError(f"prompt cache shard {path} is corrupt ({problem})")
         return arrays
 
     arrays = spmd.everywhere(comm, read_shard)
-    layouts = comm.allgather_object(_layout(arrays))
+    layouts = grid.cp.allgather_object(_layout(arrays))  # a TP rank's heads are its own
     if len({layout for layout in layouts if layout}) > 1:
         raise UserError(f"prompt cache {directory} is corrupt (the shards' keys and values "
                         f"differ in shape: {sorted(set(layouts) - {None})})")
-    positions = comm.allgather_object(np.asarray(arrays["positions"], np.int64))
+    positions = grid.cp.allgather_object(np.asarray(arrays["positions"], np.int64))
     every = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int64)
     if not np.array_equal(every, np.arange(meta["num_tokens"])):
         raise UserError(f"prompt cache {directory} is corrupt (the shards' positions are not "
                         f"0 .. {meta['num_tokens'] - 1} once each)")
     try:
-        return ShardedKVCache.from_state(num_layers, comm.rank, positions, arrays, meta,
+        return ShardedKVCache.from_state(num_layers, grid.cp.rank, positions, arrays, meta,
                                          dtype)
     except ValueError as error:
         raise UserError(f"prompt cache {directory} is corrupt ({error})") from None

@@ -29,6 +29,7 @@ product as the replicated head's.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -150,12 +151,43 @@ def cut_layer(layer, share: HeadShare, rank: int, size: int):
     _cut_feed_forward(layer, parts, rank, size)
 
 
-def _summed(comm, x: mx.array) -> mx.array:
-    """The sum of every TP rank's ``x`` (bfloat16 summed as float32: MPI has no bfloat16
-    sum, and its bit patterns travel as integers)."""
-    if x.dtype == mx.bfloat16:
-        return comm.allreduce(x.astype(mx.float32), "sum").astype(x.dtype)
-    return comm.allreduce(x, "sum")
+class TensorGroup:
+    """The TP group's collectives as the layers use them now: mpi4py's (``comm``: prefill,
+    each sum evaluated where it stands), or, inside ``in_graph``, MLX's graph collectives
+    over the same ranks (``graph``, where the decode plan opened them: a decode step's
+    sums are nodes of its one graph)."""
+
+    def __init__(self, comm):
+        self.comm, self.graph = comm, None
+        self.active = comm
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @contextmanager
+    def in_graph(self):
+        if self.graph is not None:
+            self.active = self.graph
+        try:
+            yield
+        finally:
+            self.active = self.comm
+
+    def summed(self, x: mx.array) -> mx.array:
+        """The sum of every TP rank's ``x`` (bfloat16 summed as float32: MPI has no
+        bfloat16 sum, and its bit patterns travel as integers)."""
+        if x.dtype == mx.bfloat16:
+            return self.active.allreduce(x.astype(mx.float32), "sum").astype(x.dtype)
+        return self.active.allreduce(x, "sum")
+
+    def gathered(self, x: mx.array, counts: list[int]) -> mx.array:
+        """Every TP rank's ``x`` (n, counts[r]) side by side along the last axis."""
+        return self.active.allgather_rows(x, axis=-1, counts=counts)
 
 
 class GroupLayer(ReplicatedLayer):
@@ -163,12 +195,12 @@ class GroupLayer(ReplicatedLayer):
     completed by an Allreduce in the TP group (``comm``), norms after the sum where the
     family norms a sublayer's output (Gemma 3's sandwich)."""
 
-    def __init__(self, layer, sandwich: bool, comm):
+    def __init__(self, layer, sandwich: bool, group: TensorGroup):
         super().__init__(layer)
-        self.layer, self.sandwich, self.comm = layer, sandwich, comm
+        self.layer, self.sandwich, self.group = layer, sandwich, group
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
-        o = _summed(self.comm, linear(self.parts.o, out))
+        o = self.group.summed(linear(self.parts.o, out))
         if self.sandwich:
             return clip_residual(h, self.layer.post_attention_layernorm(o))
         return h + o
@@ -176,7 +208,7 @@ class GroupLayer(ReplicatedLayer):
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         if x.size == 0:  # the whole group holds no rows: nothing to add, nobody to wait
             return h
-        y = _summed(self.comm, self.mlp(x))
+        y = self.group.summed(self.mlp(x))
         if self.sandwich:
             return clip_residual(h, self.layer.post_feedforward_layernorm(y))
         return h + y
@@ -186,27 +218,26 @@ class GroupEmbedding:
     """``embed(ids)`` from this rank's vocabulary rows [start, stop): its rows where it
     holds the token, zeros elsewhere, summed over the TP group."""
 
-    def __init__(self, piece: nn.Module, rows: tuple[int, int], comm):
-        self.piece, self.comm = piece, comm
+    def __init__(self, piece: nn.Module, rows: tuple[int, int], group: TensorGroup):
+        self.piece, self.group = piece, group
         self.start, self.width = rows[0], rows[1] - rows[0]
 
     def __call__(self, ids: mx.array) -> mx.array:
         local = ids - self.start
         inside = (local >= 0) & (local < self.width)
         rows = self.piece(mx.where(inside, local, 0))
-        return _summed(self.comm, mx.where(inside[..., None], rows, mx.zeros_like(rows)))
+        return self.group.summed(mx.where(inside[..., None], rows, mx.zeros_like(rows)))
 
 
 class GroupHead:
     """``head(x (n, D)) -> (n, V)``: this rank's vocabulary rows' logits, gathered from
     the TP group along the vocabulary (every rank of the group gets them all)."""
 
-    def __init__(self, project, widths: list[int], comm):
-        self.project, self.widths, self.comm = project, widths, comm
+    def __init__(self, project, widths: list[int], group: TensorGroup):
+        self.project, self.widths, self.group = project, widths, group
 
     def __call__(self, x: mx.array) -> mx.array:
-        local = vocabulary_projection(self.project, x)
-        return self.comm.allgather_rows(local, axis=-1, counts=self.widths)
+        return self.group.gathered(vocabulary_projection(self.project, x), self.widths)
 
 
 def tensor_share(shape: ModelShape, size: int) -> ModelShape:
@@ -224,13 +255,13 @@ def tensor_share(shape: ModelShape, size: int) -> ModelShape:
 def tensor_parallel(model: CPModel, loaded, comm, rows: tuple[int, int]) -> CPModel:
     """``model`` (a CPModel of the cut mlx-lm model) with the TP group's collectives:
     each layer a ``GroupLayer``, the embedding and head vocabulary-parallel."""
-    inner = loaded.model.model
-    model.replicated = [GroupLayer(layer, form.sandwich, comm)
+    inner, group = loaded.model.model, TensorGroup(comm)
+    model.replicated = [GroupLayer(layer, form.sandwich, group)
                         for layer, form in zip(model.layers, model.forms)]
-    model.embed_tokens = GroupEmbedding(inner.embed_tokens, rows, comm)
+    model.embed_tokens = GroupEmbedding(inner.embed_tokens, rows, group)
     head = getattr(loaded.model, "lm_head", None)
     project = head if head is not None else inner.embed_tokens.as_linear
     widths = [b - a for a, b in comm.allgather_object(rows)]
-    model.lm_head = GroupHead(project, widths, comm)
-    model.tensor_group = comm
+    model.lm_head = GroupHead(project, widths, group)
+    model.tensor_group = group
     return model

@@ -80,6 +80,14 @@ class GraphCollectives:
     def _count(self, nbytes: int):
         self.comm.bytes_sent += nbytes
 
+    def split(self, comm, color: int, key: int) -> GraphCollectives | None:
+        """Collective over this group: the graph collectives of ``comm``, a sub-group of
+        these ranks split as ``MPI_Comm_split(color, key)`` made it (runtime/grid.py's
+        CP and TP groups); None on the ring backend, which cannot split."""
+        if self.backend != "mpi":
+            return None
+        return GraphCollectives(self.group.split(color, key), comm, self.backend)
+
     def allgather_rows(self, array: mx.array, axis: int, counts: list) -> mx.array:
         """Every rank's ``array`` concatenated along ``axis`` (``counts[r]`` rows from rank r;
         MLX's all_gather needs equal shapes, so shorter pieces travel padded)."""
