@@ -378,7 +378,10 @@ MESSAGE = {"role": "user", "content": "hi"}
     ({"shard_sizes": [2, "0"]}, "'shard_sizes' must be cp_size (2) counts summing to"),
     ({"decode_steps": 3}, "'decode_steps' must be an integer in [0, 2]"),
     ({"decode_owner": 2}, "'decode_owner' must be a rank in [0, 1]"),
-    ({"shard_sha256": [SHA, "abc"]}, "'shard_sha256' must be cp_size (2) sha256 digests"),
+    ({"shard_sha256": [SHA, "abc"]},
+     "'shard_sha256' must be cp_size x tp_size (2) sha256 digests"),
+    ({"tp_size": 2}, "'shard_sha256' must be cp_size x tp_size (4) sha256 digests"),
+    ({"tp_size": 0}, "'tp_size' must be an integer >= 1, not 0"),
     ({"model_checksum": 42}, "'model_checksum' is not a sha256"),
     ({"token_ids": None, "conversation": None}, "no 'token_ids', 'conversation'"),
 ])

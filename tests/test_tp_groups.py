@@ -6,6 +6,8 @@ algorithm, and at N = 4 as TP 4 where T exceeds the KV heads."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -179,3 +181,27 @@ def test_generate_on_a_grid_reports_it(embedded_model, tmp_path):
                                      extra + ["--prompt", "Hi"]), check=False)
         assert refused.returncode == 2, refused.stderr
         assert message in refused.stderr, refused.stderr
+
+
+def test_serve_on_a_grid_answers_as_one_rank(tmp_path):
+    """``serve --tp 2`` (N = 2) through the openai client: one rank's greedy answer, and
+    again from its resident cache."""
+    from test_serve import free_port, launch_server
+
+    question = ["--prompt", "What is the capital of France?"]
+    alone = run_cli(1, ["generate", *question, "--max-tokens", "12", "--json", "--kv-dtype",
+                        "float32"]).last_json()
+    server = launch_server(free_port(), tmp_path / "server.log",
+                           ["--tp", "2", "--kv-dtype", "float32"])
+    try:
+        server.wait_healthy()
+        for _ in range(2):
+            reply = server.client().chat.completions.create(
+                model="any", messages=[{"role": "user", "content": question[1]}],
+                max_tokens=12, temperature=0)
+            assert reply.choices[0].message.content == alone["text"], server.log()
+        assert reply.usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(timeout=30)

@@ -161,14 +161,6 @@ class TensorGroup:
         self.comm, self.graph = comm, None
         self.active = comm
 
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
-
     @contextmanager
     def in_graph(self):
         if self.graph is not None:
@@ -192,7 +184,7 @@ class TensorGroup:
 
 class GroupLayer(ReplicatedLayer):
     """A layer's projections over this rank's slices: q/k/v of its heads, o and the MLP
-    completed by an Allreduce in the TP group (``comm``), norms after the sum where the
+    completed by an Allreduce in the TP group (``group``), norms after the sum where the
     family norms a sublayer's output (Gemma 3's sandwich)."""
 
     def __init__(self, layer, sandwich: bool, group: TensorGroup):
