@@ -205,3 +205,24 @@ def test_serve_on_a_grid_answers_as_one_rank(tmp_path):
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
             server.proc.wait(timeout=30)
+
+
+def test_batch_on_a_grid_decodes_jobs_together_as_one_rank(tmp_path):
+    """``batch --tp 2 --max-batch 2`` at N = 4: three jobs after one document, decoded two
+    at a time across CP 2 x TP 2, answer as one rank's jobs one after another."""
+    (tmp_path / "doc.txt").write_text("The GNU General Public License is a free, copyleft "
+                                      "license for software and other kinds of works. " * 12)
+    questions = [("a", "What is this?", 10), ("b", "Who wrote it?", 10), ("c", "Is it free?", 6)]
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": i, "prefix_file": "doc.txt", "prompt": q,
+                                        "max_tokens": n, "ignore_eos": True}) + "\n"
+                            for i, q, n in questions))
+    answers = {}
+    for n, extra in ((1, []), (4, ["--tp", "2", "--max-batch", "2"])):
+        out = tmp_path / f"out-{n}.jsonl"
+        summary = run_cli(n, ["batch", "--jobs", str(jobs), "--output", str(out), "--json",
+                              "--kv-dtype", "float32", *extra]).last_json()
+        answers[n] = {job["id"]: job["text"] for job in map(json.loads, out.open())}
+    assert answers[4] == answers[1] and len(answers[1]) == 3
+    assert (summary["tp"], summary["cp"], summary["max_batch"]) == (2, 2, 2)
+    assert summary["batch_sizes"].get("2", 0) > 0

@@ -78,8 +78,6 @@ def choose_max_batch(setting: str, run: RunConfig, loaded) -> tuple[int, str]:
 
     if getattr(loaded, "share", None) is not None:
         return 1, "layer-sharded weights decode one sequence at a time"
-    if run.tp > 1:  # an explicit --max-batch above 1 is refused by validate
-        return 1, "tensor-parallel groups decode one sequence at a time"
     if setting != "auto":
         return int(setting), "--max-batch"
     if compute_of(run).gpu:
@@ -160,14 +158,11 @@ def validate(run: RunConfig, args: BatchConfig):
     from ..errors import UserError
     from ..text_input import check_text
     from .inputs import JOB_LINE_FACTOR, input_bound, read_timeout
-    from .grid_checks import refuse_with_grid
     from .jobs import load_finished, read_jobs
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import log, model_inputs, trace_output
 
     check_text(args.system, "--system")  # before anything is claimed
-    refuse_with_grid(run, **{f"--max-batch {args.max_batch}":
-                             args.max_batch not in ("auto", "1")})
     if args.resume and run.overwrite:
         raise UserError("give --resume (keep the results) or --overwrite (start over), not both")
     outputs = [Output("--output", args.output, appended=True), trace_output(run)]

@@ -6,10 +6,9 @@ with them, and is refused here in one line rather than after a long load:
 
 - ``--shard-weights on``: both divide the weights (by layers, by slices); with ``--tp``
   the slices already hold 1/T of every layer, and ``auto`` does not shard.
-- the native decode step (``--decode-step native``), the split decode layout
-  (``--decode-tp on``) and MLX's graph collectives (``--decode-comm mlx``): a grid decodes
-  in MLX's step over mpi4py's collectives (the decode plan says why, decode_plan.py).
-- batched decode (``--max-batch`` above 1): not built for a grid yet.
+- the native decode step (``--decode-step native``) and the split decode layout
+  (``--decode-tp on``): a grid decodes in MLX's step over its own slices (the decode plan
+  says why, decode_plan.py).
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ def check_grid(run: RunConfig, ranks: int, decode: DecodeConfig | None = None):
     refuse_with_grid(run, **{"--shard-weights on": run.shard_weights == "on"})
     if decode is not None:
         refuse_with_grid(run, **{"--decode-step native": decode.decode_step == "native",
-                                 "--decode-tp on": decode.decode_tp == "on",
-                                 "--decode-comm mlx": decode.decode_comm == "mlx"})
+                                 "--decode-tp on": decode.decode_tp == "on"})
 
 
 def refuse_with_grid(run: RunConfig, **settings):

@@ -138,7 +138,9 @@ class BatchedDecoder:
     """
 
     def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
-        self.engine, self.model, self.comm = engine, engine.model, engine.comm
+        # the CP group's ranks deal the rows (all of them without --tp); a TP group's
+        # ranks hold the same rows and sum their slices' products in the layers
+        self.engine, self.model, self.comm = engine, engine.model, engine.cp
         self.prefix, self.prefix_tokens = prefix, prefix_tokens
         self.tails = TailKV(self.model.kv_dtype)
         self.sequences: dict = {}

@@ -65,6 +65,8 @@ def _grid_transport(comm, config, grid, tensor_group, compute) -> Transport:
                                            config.graph_backend, compute)
     if world is None or world.backend != "mpi":
         why = reason if world is None else "MLX's ring backend cannot split into groups"
+        if config.decode_comm == "mlx":
+            raise UserError(f"--decode-comm mlx: {why}")
         return Transport(comm, "mpi", f"{why}; the TP group's sums are mpi4py's too")
     group, index = divmod(grid.world.rank, grid.tp_size)
     cp_graph = world.split(grid.cp, index, group)

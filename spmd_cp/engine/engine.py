@@ -233,7 +233,9 @@ class Engine:
         ``--decode-comm mpi``), else the communicator."""
         if self._batched_collectives is None:
             graph = None
-            if self.cp.size > 1:
+            # (a grid's MLX group opens over the world, split by the decode plan: its
+            # batched steps keep mpi4py's)
+            if self.cp.size > 1 and self.grid.tp is None:
                 graph, _ = open_graph_collectives(self.cp, self.decode.decode_comm,
                                                   self.decode.graph_backend, self.model.compute)
             self._batched_collectives = graph or self.cp
