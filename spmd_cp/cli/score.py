@@ -38,8 +38,8 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     text = spmd.on_root(comm, validate, run, args)
     loaded = steps.resolve_model(comm, run)  # no decode step: no shadows
     run = steps.settle_run(comm, loaded, run)
-    engine = steps.make_engine(comm, loaded, run)  # with --tp, the forecast sees the cut
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
+    engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()
     warmup_s = warm_up(engine, decode=False)  # no decode step follows
     mx.reset_peak_memory()

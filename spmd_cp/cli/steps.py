@@ -260,10 +260,10 @@ def refuse_native_decode(obstacle: str | None):
 
 def make_engine(comm: Comm, loaded, run: RunConfig,
                 decode: DecodeConfig = DecodeConfig()) -> Engine:
-    """The engine over the loaded model, cut to this rank's tensor-parallel slices with
-    ``--tp`` (the grid's groups split here, once); with ``--decode-step native``, refused
-    here, before any prompt is prefilled, where any rank's model rules the native step
-    out (the same rules the decode plan applies)."""
+    """The engine over the loaded model and the CP x TP grid of ``--tp`` (its groups
+    split here, once; the model was loaded as this rank's slices); with ``--decode-step
+    native``, refused here, before any prompt is prefilled, where any rank's model rules
+    the native step out (the same rules the decode plan applies)."""
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     use_polynomial_exp(run.fast_exp)
     run = settle_run(comm, loaded, run, decode)  # where the command has not yet
@@ -334,7 +334,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     from ..engine.decode_choice import split_copy_bytes
 
     limit = memory_limit(run)
-    replicated = model_nbytes(loaded.model)  # with --tp, cut already (make_engine)
+    replicated = model_nbytes(loaded.model)  # with --tp, this rank's slices
     if split_decode and getattr(loaded, "share", None) is None and run.tp == 1:
         replicated += split_copy_bytes(loaded.model.model, comm.size)
     weights = weight_plan(loaded, replicated, run.keep_quantized)

@@ -25,9 +25,8 @@ def build_cp_model(loaded, comm: Comm, cpu_kv_dtype: str = "float32",
     share = getattr(loaded, "share", None)
     inner = loaded.model.model
     if tp is not None:
-        rows = vocab_rows
         return tensor_parallel(CPModel(loaded.model, None, cpu_kv_dtype, compute), loaded,
-                               tp, rows)
+                               tp, vocab_rows)
     # The KV dtype comes from running layer 0 on the GPU path (kv_dtype_for): a sharded
     # load's layers are placeholders, so lazy zeros of its computed form stand in.
     model = CPModel(loaded.model, first_layer_stand_in(loaded), cpu_kv_dtype, compute)
