@@ -226,3 +226,17 @@ def test_batch_on_a_grid_decodes_jobs_together_as_one_rank(tmp_path):
     assert answers[4] == answers[1] and len(answers[1]) == 3
     assert (summary["tp"], summary["cp"], summary["max_batch"]) == (2, 2, 2)
     assert summary["batch_sizes"].get("2", 0) > 0
+
+
+def test_the_gpu_paths_arithmetic_on_a_grid_scores_as_one_rank(tmp_path):
+    """``score --device gpu --tp 2`` (the GPU path's dtypes and fused attention, run on
+    this CPU) against one rank's ``--device gpu``: the same logprobs within 1e-4."""
+    (tmp_path / "doc.txt").write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    scored = {}
+    for n, extra in ((1, []), (2, ["--tp", "2"])):
+        out = tmp_path / f"scores-{n}.jsonl"
+        run_cli(n, ["score", "--text-file", str(tmp_path / "doc.txt"), "--output", str(out),
+                    "--device", "gpu", *extra])
+        scored[n] = [json.loads(line)["logprob"] for line in out.open()]
+    assert len(scored[2]) == len(scored[1]) >= 300
+    np.testing.assert_allclose(scored[2], scored[1], **TOLERANCE)
