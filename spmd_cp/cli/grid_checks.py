@@ -24,16 +24,15 @@ def check_grid(run: RunConfig, ranks: int, decode: DecodeConfig | None = None):
     why = grid_obstacle(run.tp, ranks)
     if why:
         raise UserError(why)
-    refuse_with_grid(run, **{"--shard-weights on": run.shard_weights == "on"})
-    if decode is not None:
-        refuse_with_grid(run, **{"--decode-step native": decode.decode_step == "native",
-                                 "--decode-tp on": decode.decode_tp == "on"})
-
-
-def refuse_with_grid(run: RunConfig, **settings):
-    """UserError naming the first of ``settings`` ({flag: whether it is given}) that is
-    given, where ``--tp`` is above 1."""
-    flag = next((name for name, given in settings.items() if given), None)
-    if run.tp > 1 and flag:
-        raise UserError(f"--tp {run.tp} does not combine with {flag} (tensor-parallel "
-                        "groups decode in MLX's step over their own slices)")
+    if run.tp == 1:
+        return
+    decoding = decode is not None
+    refused = [("--shard-weights on", run.shard_weights == "on",
+                "both divide the weights: the slices hold 1/T of every layer already"),
+               ("--decode-step native", decoding and decode.decode_step == "native",
+                "the native step reads whole matrices; a grid decodes in MLX's step"),
+               ("--decode-tp on", decoding and decode.decode_tp == "on",
+                "the split step would cut the slices again")]
+    for flag, given, reason in refused:
+        if given:
+            raise UserError(f"--tp {run.tp} does not combine with {flag} ({reason})")
