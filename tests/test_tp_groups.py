@@ -209,7 +209,8 @@ def test_serve_on_a_grid_answers_as_one_rank(tmp_path):
 
 def test_batch_on_a_grid_decodes_jobs_together_as_one_rank(tmp_path):
     """``batch --tp 2 --max-batch 2`` at N = 4: three jobs after one document, decoded two
-    at a time across CP 2 x TP 2, answer as one rank's jobs one after another."""
+    at a time across CP 2 x TP 2, answer as one rank's jobs one after another; rank 0
+    says what ``--keep-quantized`` would hold."""
     (tmp_path / "doc.txt").write_text("The GNU General Public License is a free, copyleft "
                                       "license for software and other kinds of works. " * 12)
     questions = [("a", "What is this?", 10), ("b", "Who wrote it?", 10), ("c", "Is it free?", 6)]
@@ -220,12 +221,16 @@ def test_batch_on_a_grid_decodes_jobs_together_as_one_rank(tmp_path):
     answers = {}
     for n, extra in ((1, []), (4, ["--tp", "2", "--max-batch", "2"])):
         out = tmp_path / f"out-{n}.jsonl"
-        summary = run_cli(n, ["batch", "--jobs", str(jobs), "--output", str(out), "--json",
-                              "--kv-dtype", "float32", *extra]).last_json()
+        launch = run_cli(n, ["batch", "--jobs", str(jobs), "--output", str(out), "--json",
+                             "--kv-dtype", "float32", *extra])
+        summary = launch.last_json()
         answers[n] = {job["id"]: job["text"] for job in map(json.loads, out.open())}
     assert answers[4] == answers[1] and len(answers[1]) == 3
     assert (summary["tp"], summary["cp"], summary["max_batch"]) == (2, 2, 2)
     assert summary["batch_sizes"].get("2", 0) > 0
+    # the quantized file held as float32 slices: rank 0 names what --keep-quantized holds
+    assert "--tp 2: each rank holds 1/2 of the float32 weights" in launch.stderr
+    assert "--keep-quantized would hold 1/2 of 0.09 GB" in launch.stderr
 
 
 def test_the_gpu_paths_arithmetic_on_a_grid_scores_as_one_rank(tmp_path):

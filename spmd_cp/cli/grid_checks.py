@@ -36,3 +36,24 @@ def check_grid(run: RunConfig, ranks: int, decode: DecodeConfig | None = None):
     for flag, given, reason in refused:
         if given:
             raise UserError(f"--tp {run.tp} does not combine with {flag} ({reason})")
+
+
+def keep_quantized_hint(run: RunConfig, path: str) -> str | None:
+    """Rank 0, before the load: where ``--tp`` will hold 1/T of a quantized file's
+    float32 form (the CPU default), what ``--keep-quantized`` would hold instead (from the
+    file's headers); None where it would not hold less."""
+    from .sharding import layout_of
+
+    if run.tp == 1 or run.keep_quantized:
+        return None
+    try:
+        dense = layout_of(path, False, False).replicated
+        packed = layout_of(path, True, False).replicated
+    except (UserError, ValueError, KeyError):  # a hint only: the load says what is wrong
+        return None
+    if packed >= dense:
+        return None
+    return (f"--tp {run.tp}: each rank holds 1/{run.tp} of the float32 weights "
+            f"({dense / 2**30:.2f} GB in all); --keep-quantized would hold 1/{run.tp} of "
+            f"{packed / 2**30:.2f} GB (MLX's quantized products: slower on a CPU)")
+

@@ -38,7 +38,7 @@ from ..runtime.device import Compute, compiled_kernels_work
 from ..runtime.faults import layer_hook
 from ..runtime.resident import outside_mlx_bytes
 from ..runtime.grid import Grid
-from .grid_checks import check_grid
+from .grid_checks import check_grid, keep_quantized_hint
 from .metrics import model_bytes, model_nbytes, rank_metrics  # noqa: F401 (steps.*)
 from .outputs import Output
 from .retired import honour_retired
@@ -152,8 +152,9 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
     decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1
     start = time.perf_counter()
     if run.tp > 1:  # world rank r is TP rank r % T of its group (runtime/grid.py)
-        log.info("--tp %d: each rank reads its slices of the weights, a layer at a time",
-                 run.tp)
+        hint = keep_quantized_hint(run, path) if comm.rank == 0 else None
+        if hint:
+            log.info(hint)
         loaded = spmd.everywhere(comm, load_tensor_share, path, comm.rank % run.tp, run.tp,
                                  run.keep_quantized)
     elif spmd.on_root(comm, wants_sharding, run, path, comm.size, decode):
