@@ -18,8 +18,6 @@ from spmd_cp.blas import ensure_fast_blas
 if __name__ == "__main__":
     ensure_fast_blas()  # as the CLI does, before MPI_Init and the heavy imports
 
-import numpy as np  # noqa: E402
-
 from spmd_cp.cli.metrics import model_nbytes  # noqa: E402
 from spmd_cp.config import DecodeConfig  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
@@ -29,11 +27,10 @@ from spmd_cp.engine.tensor_load import load_tensor_share  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402
 from spmd_cp.runtime.grid import Grid  # noqa: E402
 
-DECODE = 6
+# the prompts and continuation length test_families' mlx-lm reference takes
+from families_driver import DECODE, prompt_ids  # noqa: E402
 
-
-def prompt_ids(length: int) -> np.ndarray:
-    return np.random.RandomState(7).randint(3, 20000, size=length)
+SEED = 7
 
 
 def run_model(comm, tp: int, algos: list[str], path: str, length: int) -> dict:
@@ -54,7 +51,7 @@ def run_model(comm, tp: int, algos: list[str], path: str, length: int) -> dict:
     for algo in algos:
         engine = Engine(model, comm, algo=algo, decode=decode, grid=grid)
         cache = engine.new_cache()
-        logits, records = engine.prefill(cache, prompt_ids(length), score=True)
+        logits, records = engine.prefill(cache, prompt_ids(length, SEED), score=True)
         tokens = [t for t, _ in decode_tokens(engine, cache, logits, mx.argmax, DECODE)]
         out["algos"][algo] = {"logprob": records.logprob if records else None,
                               "greedy": tokens, "step": engine.decode_modes["decode_step"]}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, run_ranks, write_tiny_model
-from test_families import FAMILIES
+from test_families import FAMILIES, reference
 
 from spmd_cp.cli.doctor_checks import grid_report, grid_warnings
 from spmd_cp.engine.tensor_groups import HeadShare, head_shares
@@ -23,7 +23,7 @@ from spmd_cp.engine.tensor_groups import HeadShare, head_shares
 TESTS = Path(__file__).parent
 DRIVER = [sys.executable, str(TESTS / "grid_driver.py")]
 sys.path.insert(0, str(TESTS))
-from grid_driver import DECODE, prompt_ids  # noqa: E402
+from grid_driver import SEED  # noqa: E402
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 CP_ALGOS = ["pass-kv", "pass-q", "allgather-kv"]
@@ -64,25 +64,6 @@ def grids(grid_models, tmp_path_factory) -> dict:
     return out
 
 
-def reference(path: str, length: int):
-    """mlx-lm's own forward over the whole prompt (float32): every prompt token's logprob
-    and the greedy continuation (its generate_step)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    from spmd_cp.models.loader import load_model
-
-    model = load_model(path, packed_decode=False).model
-    model.set_dtype(mx.float32)
-    ids = prompt_ids(length)
-    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
-    logprobs = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    scored = logprobs[np.arange(length - 1), ids[1:]]
-    tokens = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=DECODE,
-                                                sampler=lambda x: mx.argmax(x, axis=-1))]
-    return scored, tokens
-
-
 @pytest.mark.parametrize("name", ["smollm2", "llama", "qwen3", "gemma3", "qwen2", "phi3",
                                   "qwen3_moe", "mixtral"])
 def test_grids_score_and_decode_as_mlx_lm(grid_models, grids, name):
@@ -93,7 +74,7 @@ def test_grids_score_and_decode_as_mlx_lm(grid_models, grids, name):
         alone = grids[(1, 1)][name]["algos"]["pass-kv"]
         scored, tokens = alone["logprob"], alone["greedy"]
     else:
-        scored, tokens = reference(*grid_models[name])
+        scored, tokens = reference(*grid_models[name], SEED)
     checked = 0
     for (n, tp), results in grids.items():
         if name not in results or tp == 1:

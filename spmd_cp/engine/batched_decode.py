@@ -148,7 +148,9 @@ class BatchedDecoder:
         # (the step is then one graph, evaluated once), else mpi4py's.
         self.collectives = engine.batched_collectives()
         width = self.model.norm.weight.shape[-1]
-        self.vocab = self.model.logits(mx.zeros((1, width))).shape[-1]  # a shape, not run
+        # its shape (a grid's head does gather its group's pieces: every rank builds
+        # this decoder at the same point)
+        self.vocab = self.model.logits(mx.zeros((1, width))).shape[-1]
         gemv_forward.lend_pool(rank_threads())  # the packed products of B rows
 
     # -- sequences in and out ------------------------------------------------------

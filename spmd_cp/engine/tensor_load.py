@@ -18,11 +18,8 @@ from mlx.utils import tree_unflatten
 
 from ..errors import UserError
 from ..models.checksum import model_checksum
-from ..models.loader import LoadedModel, check_model_path, text_part
-from ..models.partial_load import (build_skeleton, compute_form, layer_prefix, read_config,
-                                   read_tensors, refuse_unstacked_experts, text_prefix,
-                                   wanted_tensors)
-from ..models.tensor_files import open_tensor_files
+from ..models.loader import LoadedModel
+from ..models.partial_load import layer_prefix, open_skeleton, read_tensors
 from .layer_parts import head_counts
 from .tensor_groups import cut_layer, head_shares
 from .weight_slices import split_ranges
@@ -34,25 +31,15 @@ class TensorShareLoad(LoadedModel):
     its embedding (and untied head) hold."""
 
     vocab_rows: tuple = (0, 0)
-    tp_size: int = 1
 
 
 def load_tensor_share(path: str, rank: int, size: int,
                       keep_quantized: bool = False) -> TensorShareLoad:
     """TP rank ``rank`` of ``size``: its slices of every layer, its vocabulary rows, the
     norms. UserError naming what cannot be cut (the same on every rank of the group)."""
-    p = check_model_path(path)
-    files = open_tensor_files(str(p))
-    config, tokenizer = read_config(files, p)
-    specs = files.specs()
-    form = compute_form(files, config, keep_quantized)
-    base = text_prefix(config)
-    skeleton = build_skeleton(config, specs, form)
-    wanted = wanted_tensors(files, skeleton)
-    model, config = text_part(skeleton, config)
-    if "lm_head" in model and not any(n.startswith(f"{base}lm_head.") for n in specs):
-        model.sanitize({})  # a head the files lack is the tied embedding (gemma3_text's rule)
-    refuse_unstacked_experts(wanted, p, f"--tp {size}")
+    skeleton = open_skeleton(path, keep_quantized, f"--tp {size}")
+    files, form, base, model = skeleton.files, skeleton.form, skeleton.base, skeleton.model
+    wanted, config = skeleton.wanted, skeleton.config
     layers = model.model.layers
     try:
         share = head_shares(*head_counts(layers[0].self_attn), size)[rank]
@@ -77,5 +64,6 @@ def load_tensor_share(path: str, rank: int, size: int,
     model.update(tree_unflatten([(n[len(base):], a) for n, a in form.convert(sliced).items()]))
     mx.eval(model.parameters())
     model.eval()
-    return TensorShareLoad(model, tokenizer, config, str(p), model_checksum(str(p)),
-                           vocab_rows=rows, tp_size=size)
+    where = str(skeleton.path)
+    return TensorShareLoad(model, skeleton.tokenizer, config, where, model_checksum(where),
+                           vocab_rows=rows)

@@ -178,8 +178,26 @@ def _compute_dtype(dtype, form: ComputeForm):
     return dtype
 
 
-def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = False) -> ShardedLoad:
-    """Rank ``rank`` of ``size``: its layers, vocabulary rows and the final norm."""
+@dataclass
+class Skeleton:
+    """A model's files opened and mlx-lm's model built of empty placeholders: what a
+    rank's share is then read into (``--shard-weights`` here, ``--tp``'s
+    engine/tensor_load.py)."""
+
+    path: Path
+    files: object  # tensor_files.GGUFFile or the safetensors files
+    config: dict  # the text model's
+    tokenizer: object
+    specs: dict  # {file tensor name: (shape, dtype)}
+    form: ComputeForm
+    base: str  # where the language model's tensors sit in the files (text_prefix)
+    model: nn.Module  # the text model, parameters empty
+    wanted: set  # the file's tensors the model uses
+
+
+def open_skeleton(path: str, keep_quantized: bool, flag: str) -> Skeleton:
+    """The ``Skeleton`` of the model at ``path``; ``flag``: the option that reads shares
+    (named where stored experts cannot be read one by one)."""
     p = check_model_path(path)
     files = open_tensor_files(str(p))
     config, tokenizer = read_config(files, p)
@@ -191,8 +209,16 @@ def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = Fals
     model, config = text_part(skeleton, config)
     if "lm_head" in model and not any(n.startswith(f"{base}lm_head.") for n in specs):
         model.sanitize({})  # a head the files lack is the tied embedding (gemma3_text's rule)
+    refuse_unstacked_experts(wanted, p, flag)
+    return Skeleton(p, files, config, tokenizer, specs, form, base, model, wanted)
+
+
+def load_rank_share(path: str, rank: int, size: int, keep_quantized: bool = False) -> ShardedLoad:
+    """Rank ``rank`` of ``size``: its layers, vocabulary rows and the final norm."""
+    s = open_skeleton(path, keep_quantized, "--shard-weights")
+    p, files, config, tokenizer, specs, form, base, model, wanted = (
+        s.path, s.files, s.config, s.tokenizer, s.specs, s.form, s.base, s.model, s.wanted)
     share = RankShare(rank, size, form, vocab_rows=vocab_rows(config["vocab_size"], rank, size))
-    refuse_unstacked_experts(wanted, p)
     for index in range(config["num_hidden_layers"]):
         prefix = layer_prefix(index, base)
         names = [n for n in specs if n.startswith(prefix)]
@@ -222,7 +248,7 @@ def wanted_tensors(files, model: nn.Module) -> set:
     return {n for n in files.specs() if n.rsplit(".", 1)[0] in modules or ".experts." in n}
 
 
-def refuse_unstacked_experts(wanted: set, path: Path, flag: str = "--shard-weights"):
+def refuse_unstacked_experts(wanted: set, path: Path, flag: str):
     if any(".experts." in n for n in wanted):
         raise UserError(f"{path}: the experts are stored one by one (a Hugging Face "
                         f"checkpoint); {flag} reads them stacked, as mlx-lm saves "
