@@ -117,6 +117,11 @@ class RunConfig(_Settings):
     # Ranks per tensor-parallel group (runtime/grid.py): each holds 1/tp of every matrix;
     # the N / tp groups split the sequence.
     tp: int = 1
+    # Attention-FFN disaggregation (runtime/afd.py): "A:F", A attention ranks (the CP
+    # group, every KV) and F FFN ranks (the MLPs or experts), or None.
+    afd: str | None = None
+    # Micro-batches a layer's rows cross to the FFN ranks in (runtime/afd.py).
+    afd_micro_batches: int = 2
     fault: str | None = None  # test-only fault injection (runtime/faults.py; a hidden flag)
 
 

@@ -91,10 +91,10 @@ class Server:
         pytest.fail(f"the server was not healthy within {START_DEADLINE_S}s:\n{self.log()}")
 
 
-def launch_server(port: int, log_path, args: list[str]) -> Server:
+def launch_server(port: int, log_path, args: list[str], ranks: int = 2) -> Server:
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [MPIEXEC, "-n", "2", *SPMD_CP, "serve", "--port", str(port), *args],
+            [MPIEXEC, "-n", str(ranks), *SPMD_CP, "serve", "--port", str(port), *args],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **RANK_ENV}, start_new_session=True)
     return Server(proc, port, log_path)

@@ -28,8 +28,8 @@ import click
 
 from ..models.checksum import model_checksum
 from ..models.gguf_header import head_counts
-from .doctor_checks import (EXIT_MISMATCH, SLOW_RANK_FACTOR, find_mismatches, find_warnings,
-                            grid_report, grid_warnings)
+from .doctor_checks import (EXIT_MISMATCH, SLOW_RANK_FACTOR, afd_report, find_mismatches,
+                            find_warnings, grid_report, grid_warnings)
 from .doctor_report import print_report
 from .options import device_options, grid_option
 from ..errors import UserError  # standard library only: importing this module (cli.py does,
@@ -182,14 +182,19 @@ def doctor_command(comm, options: dict, outcome: dict):
     warnings = find_warnings(reports, [r["attention_flops"] for r in reports])
     grid = grid_report(hosts, run.tp)
     warnings.extend(grid_warnings(grid))
+    if run.afd is not None:
+        grid["afd"] = afd_report(hosts, run.afd)
+        warnings.extend([grid["afd"]["error"]] if grid["afd"]["error"] else [])
     crossover = None
     if calibration["source"] == "cache":
         warnings.extend(stale_calibration(reports, measured))
     weights = None
     if reports[0]["model_error"] is None:
-        crossover = describe_auto(reports[0]["model_path"], comm.size, measured, warnings,
-                                  compute)
-        weights = describe_weights(reports[0]["model_path"], comm.size, warnings)
+        crossover = describe_auto(reports[0]["model_path"], attention_ranks(run, comm.size),
+                                  measured, warnings, compute)
+        # (--afd: each side holds its part, not one of these layouts)
+        weights = None if run.afd else describe_weights(reports[0]["model_path"], comm.size,
+                                                        warnings)
     summary = {"ok": not problems, "exit_code": outcome["exit_code"], "ranks": comm.size,
                "hosts": list(dict.fromkeys(hosts)), "problems": problems, "warnings": warnings,
                **{key: [r[key] for r in reports] for key in reports[0]},
@@ -275,6 +280,15 @@ def graph_collectives_report(comm, compute) -> dict | None:
     return {"opened": graph is not None, "reason": reason, "latency_s": latency}
 
 
+def attention_ranks(run, ranks: int) -> int:
+    """The ranks that run attention: ``--afd``'s attention ranks, else all of them."""
+    from ..runtime.afd import AfdRoles, afd_obstacle
+
+    if run.afd is None or afd_obstacle(run.afd, ranks):
+        return ranks
+    return AfdRoles.of(run.afd, ranks).attention
+
+
 def decode_plan_report(comm, run) -> dict:
     """Collective: the decode plan `generate` makes on these ranks for ``run.model_path``
     with the default decode flags (engine/decode_plan.py), whole, and the KV cache's
@@ -284,18 +298,24 @@ def decode_plan_report(comm, run) -> dict:
     from ..config import DecodeConfig
     from ..engine.tensor_load import load_tensor_share
     from ..models.loader import load_model
+    from ..engine.afd_load import load_afd_share
+    from ..runtime.afd import AfdRoles, afd_obstacle
     from ..runtime.grid import grid_obstacle
     from .steps import make_engine, settle_run
 
-    if grid_obstacle(run.tp, comm.size):
+    if grid_obstacle(run.tp, comm.size) or afd_obstacle(run.afd, comm.size):
         return None
-    if run.tp > 1:
+    if run.afd is not None:
+        loaded = load_afd_share(run.model_path, AfdRoles.of(run.afd, comm.size), comm.rank)
+    elif run.tp > 1:
         loaded = load_tensor_share(run.model_path, comm.rank % run.tp, run.tp)
     else:
         loaded = load_model(run.model_path, weight_cache=run.weight_cache)
     with uncounted(comm):
         run = settle_run(comm, loaded, run, DecodeConfig())
         plan = make_engine(comm, loaded, run).prepare_decode()
+    if plan is None:  # an FFN rank's (--afd): rank 0's is the report's
+        return None
     return {**plan.as_dict(), "kv_dtype": run.kv_dtype}  # --kv-dtype auto's, settled
 
 

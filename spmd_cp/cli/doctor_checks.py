@@ -120,6 +120,22 @@ def grid_report(hosts: list[str], tp: int) -> dict:
             "tp_groups_across_hosts": across, "error": None}
 
 
+def afd_report(hosts: list[str], spec: str) -> dict:
+    """``--afd``'s roles over these ranks: which run attention and which the feed-forward,
+    and the hosts of each (or why ``spec`` cannot split them)."""
+    from ..runtime.afd import AfdRoles, afd_obstacle
+
+    why = afd_obstacle(spec, len(hosts))
+    if why:
+        return {"afd": spec, "error": why}
+    roles = AfdRoles.of(spec, len(hosts))
+    attention = list(range(roles.attention))
+    ffn = list(range(roles.attention, len(hosts)))
+    return {"afd": spec, "attention_ranks": attention, "ffn_ranks": ffn,
+            "attention_hosts": sorted({hosts[r] for r in attention}),
+            "ffn_hosts": sorted({hosts[r] for r in ffn}), "error": None}
+
+
 def grid_warnings(grid: dict) -> list[str]:
     if grid["error"]:
         return [grid["error"]]

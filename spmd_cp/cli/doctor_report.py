@@ -119,7 +119,12 @@ def describe_weight_layout(w: dict | None, n: int) -> list[str]:
 
 
 def grid_lines(grid: dict | None) -> list[str]:
-    """The CP x TP grid ``--tp`` asked for (none without it)."""
+    """The CP x TP grid ``--tp`` asked for, the roles of ``--afd`` (none without them)."""
+    afd = (grid or {}).get("afd")
+    if afd and not afd["error"]:
+        return [f"roles (--afd {afd['afd']}): attention ranks {afd['attention_ranks']} on "
+                f"{', '.join(afd['attention_hosts'])}; FFN ranks {afd['ffn_ranks']} on "
+                f"{', '.join(afd['ffn_hosts'])} (no KV; the MLPs or experts)", ""]
     if grid is None or grid["tp"] == 1 or grid["error"]:
         return []
     groups = " ".join("[" + ", ".join(map(str, g)) + "]" for g in grid["tp_groups"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..engine.engine import Engine
 from ..engine.sharded_model import weight_bytes
 from ..models.quantized_shadows import SHADOWS
+from ..runtime.afd import straggler_summary
 from ..runtime.comm import Comm
 from ..runtime.grid import Grid
 from ..runtime.resident import mlx_peak_bytes, resident_peak_bytes
@@ -22,10 +23,30 @@ def rank_metrics(comm: Comm, cache, model_bytes: int, grid: Grid | None = None) 
             "window_kv_bytes": int(grid.cp.window_kv_bytes),
             "window_kv_ring_bytes": int(grid.cp.window_kv_ring_bytes),
             "kv_tokens": int(cache.shard_sizes[grid.cp.rank])}
+    if grid.afd is not None:
+        mine["afd"] = {**grid.afd.times.as_dict(), "rows": grid.afd.times.rows,
+                       "bytes": int(grid.afd.comm.bytes_sent)}
     gathered = comm.gather_object(mine)
     if comm.rank != 0:
         return {}
-    return {name: [g[name] for g in gathered] for name in mine}
+    out = {name: [g[name] for g in gathered] for name in mine if name != "afd"}
+    if grid.afd is not None:
+        out["afd"] = afd_summary([g["afd"] for g in gathered], grid.afd)
+    return out
+
+
+def afd_summary(per_rank: list[dict], link) -> dict:
+    """``--json``'s ``afd``: the roles, the micro-batches, the bytes that crossed the
+    bipartite link (both ways, every rank) per token row the attention ranks sent, each
+    rank's waits and the slowest rank of each side (runtime/afd.py)."""
+    crossed = sum(r["bytes"] for r in per_rank)
+    rows = sum(r["rows"] for r in per_rank)
+    return {**link.roles.as_dict(), "micro_batches": link.micro_batches,
+            "bytes_crossed": crossed,
+            "bytes_per_token": round(crossed / rows, 1) if rows else 0.0,
+            "wait_s": [r["wait_s"] for r in per_rank],
+            "work_s": [r["work_s"] for r in per_rank],
+            "straggler": straggler_summary(per_rank, link.roles)}
 
 
 def model_bytes(engine: Engine, loaded) -> int:

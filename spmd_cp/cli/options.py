@@ -93,7 +93,18 @@ def device_options(fn):
 
 
 def grid_option(fn):
-    """``--tp``: the ranks as context-parallel groups of tensor-parallel ranks."""
+    """``--tp``: the ranks as context-parallel groups of tensor-parallel ranks; ``--afd``:
+    as attention ranks and FFN ranks."""
+    fn = click.option(
+        "--afd", default=RunConfig.default("afd"), metavar="A:F",
+        help="Attention-FFN disaggregation: the first A ranks run attention (context "
+        "parallel, every KV), the other F hold the MLPs or experts and no KV; each layer's "
+        "rows cross to them and back.")(fn)
+    fn = click.option(
+        "--afd-micro-batches", type=click.IntRange(min=1),
+        default=RunConfig.default("afd_micro_batches"), show_default=True, metavar="M",
+        help="With --afd: a layer's rows cross in M micro-batches, so an FFN rank computes "
+        "one while the next arrives.")(fn)
     return click.option(
         "--tp", type=click.IntRange(min=1), default=RunConfig.default("tp"), show_default=True,
         metavar="T", help="Tensor-parallel groups of T ranks (T divides the ranks): each rank "

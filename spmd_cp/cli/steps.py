@@ -18,13 +18,13 @@ import numpy as np
 from ..attention.exp import use_polynomial_exp
 from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
+from ..engine.afd_engine import open_afd_engine
+from ..engine.afd_load import load_afd_share
 from ..engine.engine import Engine
-from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
-from ..engine.model import CPModel, kv_model_shape
+from ..engine.model import CPModel
 from ..engine.native_eligibility import flag_obstacle, native_obstacle, upfront_obstacle
 from ..models.quantized_shadows import SHADOWS
 from ..engine.sharded_model import build_cp_model
-from ..engine.tensor_groups import tensor_share
 from ..engine.tensor_load import load_tensor_share
 from ..engine.startup import require_same_path
 from ..errors import UserError
@@ -36,13 +36,14 @@ from ..runtime import allocator, huge_pages, scheduling, spmd
 from ..runtime.comm import Comm
 from ..runtime.device import Compute, compiled_kernels_work
 from ..runtime.faults import layer_hook
-from ..runtime.resident import outside_mlx_bytes
+from ..runtime.afd import AfdRoles
 from ..runtime.grid import Grid
 from .grid_checks import check_grid, keep_quantized_hint
+from .memory import check_memory, cp_ranks, forecast_algo, memory_limit  # noqa: F401 (steps.*)
 from .metrics import model_bytes, model_nbytes, rank_metrics  # noqa: F401 (steps.*)
 from .outputs import Output
 from .retired import honour_retired
-from .sharding import wants_sharding, weight_plan
+from .sharding import wants_sharding
 
 log = spmd.log
 
@@ -149,9 +150,16 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = Tru
     will follow (a quantized model's packed matrices kept for them, unless
     ``--no-quantized-decode`` or on the GPU path, ``--device gpu`` on a CPU too)."""
     # (--tp cuts the matrices MLX computes with: no packed forms)
-    decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1
+    decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1 \
+        and run.afd is None
     start = time.perf_counter()
-    if run.tp > 1:  # world rank r is TP rank r % T of its group (runtime/grid.py)
+    if run.afd is not None:  # each side reads its part (engine/afd_load.py)
+        hint = keep_quantized_hint(run, path) if comm.rank == 0 else None
+        if hint:
+            log.info(hint)
+        loaded = spmd.everywhere(comm, load_afd_share, path, AfdRoles.of(run.afd, comm.size),
+                                 comm.rank, run.keep_quantized)
+    elif run.tp > 1:  # world rank r is TP rank r % T of its group (runtime/grid.py)
         hint = keep_quantized_hint(run, path) if comm.rank == 0 else None
         if hint:
             log.info(hint)
@@ -242,6 +250,8 @@ def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
         reason = "layer-sharded weights decode in MLX's step"
     elif run.tp > 1:
         reason = "tensor-parallel slices (--tp) decode in MLX's step"
+    elif run.afd is not None:
+        reason = "--afd's attention ranks decode in MLX's step"
     else:
         reason = flag_obstacle(decode) or spmd.first_reason(comm, native_obstacle(
             CPModel(loaded.model, None, AUTO_KV_FALLBACK, compute)))
@@ -268,6 +278,9 @@ def make_engine(comm: Comm, loaded, run: RunConfig,
     compiled_kernels_work()  # else compilation is off from here on (runtime/device.py)
     use_polynomial_exp(run.fast_exp)
     run = settle_run(comm, loaded, run, decode)  # where the command has not yet
+    if run.afd is not None:
+        return open_afd_engine(comm, loaded, run, decode, compute_of(run),
+                               layer_hook(comm.rank, comm.watchdog, run.fault))
     grid = Grid.of(comm, run.tp)
     model = build_cp_model(loaded, comm, run.kv_dtype, compute_of(run), grid.tp,
                            getattr(loaded, "vocab_rows", None))
@@ -311,44 +324,6 @@ def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None,
         log.warning("%s %d capped at %d: the prompt's %d tokens and the answer must fit the "
                     "context of %d tokens", name, max_tokens, capped, prompt_tokens, context)
     return capped
-
-
-def memory_limit(run: RunConfig) -> int:
-    return parse_bytes(run.memory_limit) if run.memory_limit else default_memory_limit()
-
-
-def forecast_algo(run: RunConfig) -> str:
-    # auto picks per call; pass-KV's buffers bound what the others need.
-    return "pass-kv" if run.cp_algo == "auto" else run.cp_algo
-
-
-def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_tokens: int,
-                 score: bool = False, split_decode: bool = False,
-                 process_bytes: int | None = None, **server_parts) -> dict:
-    """Refuse before prefill when the forecast per rank exceeds --memory-limit; else the
-    forecast (``--json``'s ``memory_forecast``). ``split_decode``: decode steps follow
-    and may run split (``--decode-tp`` on or auto): its copied slices count as weights
-    (replicated weights; with sharded ones they are not forecast); the busiest rank's,
-    as every one of the forecast's parts. ``process_bytes``: the most any rank holds
-    outside MLX (None: this rank's, measured now); ``server_parts``: forecast_rank_bytes's
-    ``held_kv_tokens`` and ``buffer_cache_bytes``."""
-    from ..engine.decode_choice import split_copy_bytes
-
-    limit = memory_limit(run)
-    replicated = model_nbytes(loaded.model)  # with --tp, this rank's slices
-    if split_decode and getattr(loaded, "share", None) is None and run.tp == 1:
-        replicated += split_copy_bytes(loaded.model.model, comm.size)
-    weights = weight_plan(loaded, replicated, run.keep_quantized)
-    shape = tensor_share(kv_model_shape(loaded, run.kv_dtype, compute_of(run)), run.tp)
-    need = check_fits(shape, weights,
-                      total_tokens, min(run.prefill_chunk or new_tokens, new_tokens),
-                      comm.size // run.tp, limit, forecast_algo(run), score,
-                      process_bytes=outside_mlx_bytes() if process_bytes is None
-                      else process_bytes, **server_parts)
-    log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
-             "allowed", need.total / 2**30, need.kv / 2**30, need.process / 2**30,
-             limit / 2**30)
-    return need.as_dict()
 
 
 # -- results ---------------------------------------------------------------------------

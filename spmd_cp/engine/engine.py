@@ -9,6 +9,7 @@ prompt are ever gathered.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -117,7 +118,7 @@ class Engine:
                 log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
             with span(self.comm.tracer, "prefill chunk", "prefill", tokens=len(ids),
-                      cached=start, algo=algo):
+                      cached=start, algo=algo), self._crossing(replicated=False):
                 hidden = self.model.forward(ids[positions - start], positions, cache, attend,
                                             on_layer=self.layer_hook("prefill"),
                                             tracer=self.comm.tracer)
@@ -209,7 +210,8 @@ class Engine:
         cache.add_positions(rank_positions, [-1 if lazy else token])
         store, hook = self.cp.rank == owner, self.layer_hook("decode")
         plan, tracer = self.prepare_decode(), self.comm.tracer
-        with span(tracer, "decode step", "decode", layout=plan.layout, step=plan.step):
+        with span(tracer, "decode step", "decode", layout=plan.layout, step=plan.step), \
+                self._crossing(replicated=True):
             if lazy:
                 return self._overlapped_step().step(token, position, cache, store, hook,
                                                     tracer, wait)
@@ -218,6 +220,16 @@ class Engine:
                     return self.decoder.step(int(token), int(position[0]), cache, store,
                                              hook, tracer)
             return self.decoder.step(token, position, cache, store, hook, tracer)
+
+    def _crossing(self, replicated: bool):
+        """Around one forward pass: ``--afd``'s exchanges with the FFN ranks (every rank
+        computes a decode step's token: ``replicated``)."""
+        client = self.model.ffn_client
+        return client.forward(replicated) if client is not None else nullcontext()
+
+    def twin(self, algo: str) -> "Engine":
+        """An engine over the same model, grid and decode settings (startup.warm_up)."""
+        return Engine(self.model, self.comm, algo=algo, decode=self.decode, grid=self.grid)
 
     def _overlapped_step(self) -> GraphStep:
         """One rank's overlapped loop feeds unevaluated tokens: MLX's graph step."""

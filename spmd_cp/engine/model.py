@@ -251,6 +251,9 @@ class CPModel:
         # The TP group's collectives where each rank holds its slices of the weights
         # (tensor_groups.TensorGroup, --tp), else None.
         self.tensor_group = None
+        # The FFN ranks' end of every layer's MLP (afd_attention.FeedForwardClient,
+        # --afd on an attention rank), else None.
+        self.ffn_client = None
 
     def forward(
         self,

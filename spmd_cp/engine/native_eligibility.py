@@ -79,6 +79,8 @@ def native_obstacle(model: CPModel) -> str | None:
     ``NativeDecoder`` is built)."""
     if model.tensor_group is not None:
         return "the weights are cut into tensor-parallel slices (--tp), MLX's step sums them"
+    if model.ffn_client is not None:
+        return "the MLPs run on the FFN ranks (--afd)"
     kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")
     reason = settings_obstacle(model.compute, kv_dtype, getattr(model.layers, "sharded", False))
     if reason:

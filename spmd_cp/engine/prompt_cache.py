@@ -98,8 +98,11 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
     grid = grid or Grid(comm, comm, None)
     out = Path(directory)
     arrays, shared = cache.state()
+    holds = _holds_kv(grid)
 
     def write_shard():
+        if not holds:  # an FFN rank (--afd): no shard
+            return None
         try:
             out.mkdir(parents=True, exist_ok=True)
             if comm.rank == 0:
@@ -109,11 +112,13 @@ def save_cache(comm: Comm, cache: ShardedKVCache, directory: str, model_checksum
         except OSError as error:
             raise UserError(f"cannot write prompt cache {directory}: {error}") from None
 
-    digests = comm.allgather_object(spmd.everywhere(comm, write_shard))
+    digests = [d for d in comm.allgather_object(spmd.everywhere(comm, write_shard))
+               if d is not None]
 
     def write_meta():
         meta = {"format": FORMAT, "model_checksum": model_checksum, "cp_size": grid.cp.size,
                 **({"tp_size": grid.tp_size} if grid.tp is not None else {}),
+                **({"afd": _afd_of(grid)} if grid.afd is not None else {}),
                 **shared, "shard_sha256": digests, "conversation": conversation}
         try:
             _write_new_file(out / META, lambda f: f.write(json.dumps(meta).encode()))
@@ -180,7 +185,8 @@ def meta_problem(meta: dict) -> str | None:
     (cp_size counts summing to num_tokens), decode_steps (<= num_tokens), decode_owner
     (a CP rank), shard_sha256 (one sha256 hex a rank: cp_size x tp_size), conversation
     ({"messages": [{"role": system/user/assistant, "content": text}], "text": text}); and
-    where the grid had TP groups, tp_size (>= 1; absent: 1).
+    where the grid had TP groups, tp_size (>= 1; absent: 1); where the ranks were split
+    into attention and FFN ranks, afd ("A:F", A = cp_size: the FFN ranks keep no shard).
     """
     fields = ("model_checksum", "cp_size", "num_tokens", "token_ids", "shard_sizes",
               "decode_steps", "decode_owner", "shard_sha256", "conversation")
@@ -195,6 +201,11 @@ def meta_problem(meta: dict) -> str | None:
     tp_size = meta.get("tp_size", 1)
     if not _is_int(tp_size, 1):
         return f"'tp_size' must be an integer >= 1, not {_shown(tp_size)}"
+    afd = meta.get("afd")
+    if afd is not None and not (isinstance(afd, str) and afd.count(":") == 1
+                                and afd.split(":")[0] == str(cp_size)
+                                and afd.split(":")[1].isdigit()):
+        return f"'afd' must be 'A:F' with A = cp_size ({cp_size}), not {_shown(afd)}"
     if not _is_int(num_tokens, 0):
         return f"'num_tokens' must be an integer >= 0, not {_shown(num_tokens)}"
     ids = meta["token_ids"]
@@ -271,6 +282,18 @@ def check_shard(arrays: dict, rank: int, meta: dict, num_layers: int) -> str | N
     return None
 
 
+def _holds_kv(grid: Grid) -> bool:
+    """Whether this rank keeps a shard: every rank but ``--afd``'s FFN ranks."""
+    return grid.afd is None or grid.afd.attention
+
+
+def _afd_of(grid: Grid) -> str | None:
+    """``--afd``'s A:F of the grid, or None."""
+    if grid.afd is None:
+        return None
+    return f"{grid.afd.roles.attention}:{grid.afd.roles.ffn}"
+
+
 def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
                num_layers: int, dtype=None, vocab_size: int | None = None,
                grid: Grid | None = None) -> ShardedKVCache:
@@ -287,8 +310,14 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
         raise UserError(f"prompt cache {directory} was made with another model "
                         f"(checksum {meta['model_checksum'][:12]}..., this model "
                         f"{model_checksum[:12]}...)")
+    if meta.get("afd") != _afd_of(grid):
+        made_as = f"--afd {meta['afd']}" if meta.get("afd") else "without --afd"
+        job_as = f"--afd {_afd_of(grid)}" if grid.afd is not None else "without --afd"
+        raise UserError(f"prompt cache {directory} was made {made_as}; this job runs "
+                        f"{job_as} (continue it as it was made)")
     made = (meta["cp_size"], meta.get("tp_size", 1))
-    if made != (grid.cp.size, grid.tp_size):
+    cp_size = grid.afd.roles.attention if grid.afd is not None else grid.cp.size
+    if made != (cp_size, grid.tp_size):
         if made[1] == 1 and grid.tp is None:
             raise UserError(f"prompt cache {directory} was made on {made[0]} ranks; this job "
                             f"has {comm.size} (run with mpiexec -n {made[0]})")
@@ -296,7 +325,11 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
                         f"--tp {made[1]}; this job has {comm.size} as --tp {grid.tp_size} "
                         f"(run with mpiexec -n {made[0] * made[1]} and --tp {made[1]})")
 
+    holds = _holds_kv(grid)
+
     def read_shard():
+        if not holds:
+            return None
         path = Path(directory) / shard_name(comm.rank, comm.size)
         try:
             if _sha256(path) != meta["shard_sha256"][comm.rank]:
@@ -314,6 +347,8 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
         return arrays
 
     arrays = spmd.everywhere(comm, read_shard)
+    if not holds:
+        return ShardedKVCache(num_layers, grid.cp.rank, grid.cp.size, dtype)
     layouts = grid.cp.allgather_object(_layout(arrays))  # a TP rank's heads are its own
     if len({layout for layout in layouts if layout}) > 1:
         raise UserError(f"prompt cache {directory} is corrupt (the shards' keys and values "

@@ -53,8 +53,7 @@ def warm_up(engine: Engine, enabled: bool | None = None, decode: bool = True) ->
     comm = engine.comm
     start = time.perf_counter()
     # A twin engine: the real one keeps its algorithm log, probes and calibration state.
-    twin = Engine(engine.model, comm, algo="pass-kv" if engine.algo == "auto" else engine.algo,
-                  decode=engine.decode, grid=engine.grid)
+    twin = engine.twin("pass-kv" if engine.algo == "auto" else engine.algo)
     with ExitStack() as quiet:
         for each in engine.grid.comms:
             quiet.enter_context(uncounted(each))

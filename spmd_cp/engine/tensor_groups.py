@@ -117,7 +117,7 @@ def _cut_attention(attn: nn.Module, parts: LayerParts, share: HeadShare, first: 
         setattr(attn, name, count)
 
 
-def _cut_feed_forward(layer, parts: LayerParts, rank: int, size: int):
+def cut_feed_forward(layer, parts: LayerParts, rank: int, size: int):
     """This rank's share of the MLP's hidden units (of every expert's, for a mixture)."""
     mlp = feed_forward(layer)
     name = next(n for n in ("mlp", "block_sparse_moe") if n in layer)
@@ -148,7 +148,7 @@ def cut_layer(layer, share: HeadShare, rank: int, size: int):
     the whole matrices are no longer referenced from the model."""
     parts = LayerParts.of(layer)
     _cut_attention(layer.self_attn, parts, share, first=rank == 0)
-    _cut_feed_forward(layer, parts, rank, size)
+    cut_feed_forward(layer, parts, rank, size)
 
 
 class TensorGroup:

@@ -117,6 +117,11 @@ class Comm:
             if self.tracer is not None:
                 self.tracer.complete(f"wait: {what}", "wait", start, end, peer=peer)
 
+    def waiting(self, what: str, peer: int | None = None):
+        """``_waiting`` for a blocking call made outside this class (runtime/afd.py's
+        exchanges over a communicator of another shape)."""
+        return self._waiting(what, peer)
+
     @contextmanager
     def bounded(self, what: str):
         """Around a blocking call that is not communication alone (an evaluation that runs

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UserError
+from .afd import AfdRoles, Bipartite
 from .comm import Comm
 
 
@@ -38,6 +39,9 @@ class Grid:
     world: Comm
     cp: Comm  # the ranks of this TP index, one per group: attention's communicator
     tp: Comm | None  # this rank's TP group (None: T = 1, nothing split)
+    # --afd: the link to the other side; ``cp`` is then this rank's side (the attention
+    # ranks, or the FFN ranks, which run no attention)
+    afd: Bipartite | None = None
 
     @classmethod
     def of(cls, world: Comm, tp: int = 1) -> Grid:
@@ -52,6 +56,13 @@ class Grid:
         tp_comm = _sub(world, world.mpi.Split(group, index))
         cp_comm = _sub(world, world.mpi.Split(index, group))
         return cls(world, cp_comm, tp_comm)
+
+    @classmethod
+    def of_afd(cls, world: Comm, roles: AfdRoles, micro_batches: int) -> Grid:
+        """Collective on ``world``: the sides of ``--afd`` and the link between them."""
+        side = _sub(world, world.mpi.Split(0 if roles.is_attention(world.rank) else 1,
+                                           world.rank))
+        return cls(world, side, None, Bipartite.open(world, roles, micro_batches))
 
     @property
     def tp_size(self) -> int:
@@ -68,7 +79,8 @@ class Grid:
     @property
     def comms(self) -> list[Comm]:
         """Every communicator this rank sends through, each once."""
-        return [self.world] + ([self.cp, self.tp] if self.tp is not None else [])
+        sides = [self.cp, self.afd.comm] if self.afd is not None else []
+        return [self.world] + ([self.cp, self.tp] if self.tp is not None else sides)
 
     @property
     def bytes_sent(self) -> int:
@@ -76,10 +88,16 @@ class Grid:
         return sum(c.bytes_sent for c in self.comms)
 
     def describe(self) -> str:
+        if self.afd is not None:
+            roles = self.afd.roles
+            return (f"{roles.attention} attention rank(s) (context parallel) and {roles.ffn} "
+                    "FFN rank(s)")
         cp = self.world.size // self.tp_size
         return f"{cp} context-parallel group(s) x {self.tp_size} tensor-parallel rank(s)"
 
     def as_dict(self) -> dict:
+        if self.afd is not None:
+            return {"tp": 1, "cp": self.afd.roles.attention}
         return {"tp": self.tp_size, "cp": self.world.size // self.tp_size}
 
 
