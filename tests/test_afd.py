@@ -99,7 +99,11 @@ def test_ffn_ranks_hold_no_kv_and_attention_ranks_no_experts(afd_runs):
                 afd = run["afd"]
                 assert (afd["attention"], afd["ffn"], afd["micro_batches"]) == \
                     (roles.attention, roles.ffn, micro)
-                assert afd["bytes_per_token"] > 0
+                # every row crosses out and back, D = 64 float32s each way, to each FFN rank
+                # for a dense layer; per token, through the 3 layers
+                per_layer = afd["bytes_per_token_layer"]
+                assert per_layer >= 2 * 64 * 4 * (roles.ffn if name == "llama" else 1)
+                assert afd["bytes_per_token"] == pytest.approx(3 * per_layer, rel=1e-3)
                 assert afd["straggler"]["ffn"]["slowest_rank"] >= roles.attention
 
 
@@ -172,30 +176,31 @@ def test_generate_score_and_caches_with_afd_answer_as_one_rank(tmp_path):
 
 
 def test_batch_and_serve_with_afd_answer_as_one_rank(tmp_path):
-    """``batch --afd 2:1``: jobs after one document answer as one rank's (the second
-    from the first's prefix); ``--max-batch 2`` is refused before the load. ``serve --afd
-    2:1`` through the openai client: one rank's answer, again from its resident cache."""
+    """``batch --afd 2:1``: jobs after one document answer as one rank's, one after
+    another (the second from the first's prefix) and decoded two at a time (each
+    attention rank's rows of a batched step cross to the FFN rank). ``serve --afd 2:1``
+    through the openai client: one rank's answer, again from its resident cache."""
     from test_serve import free_port, launch_server
 
     (tmp_path / "doc.txt").write_text("The GNU General Public License is a free, copyleft "
                                       "license for software and other kinds of works. " * 8)
     jobs = tmp_path / "jobs.jsonl"
+    questions = (("a", "What is this?", 8), ("b", "Who wrote it?", 8), ("c", "Free?", 5))
     jobs.write_text("".join(json.dumps({"id": i, "prefix_file": "doc.txt", "prompt": q,
-                                        "max_tokens": 8}) + "\n"
-                            for i, q in (("a", "What is this?"), ("b", "Who wrote it?"))))
-    answers = {}
-    for n, extra in ((1, []), (3, ["--afd", "2:1"])):
-        out = tmp_path / f"out-{n}.jsonl"
-        run_cli(n, ["batch", "--jobs", str(jobs), "--output", str(out), "--kv-dtype",
-                    "float32", *extra])
-        answers[n] = [json.loads(line) for line in out.open()]
-    assert [a["text"] for a in answers[3]] == [a["text"] for a in answers[1]]
-    assert answers[3][1]["prefix_reused"]
-    refused = run_cli(3, ["batch", "--jobs", str(jobs), "--output", str(tmp_path / "x.jsonl"),
-                          "--afd", "2:1", "--max-batch", "2"], check=False)
-    assert refused.returncode == 2 and "--afd 2:1 decodes one sequence at a time" in \
-        refused.stderr, refused.stderr
-    assert "loaded in" not in refused.stderr  # refused before the load
+                                        "max_tokens": n, "ignore_eos": True}) + "\n"
+                            for i, q, n in questions))
+    answers, summaries = {}, {}
+    for key, n, extra in (("one", 1, []), ("afd", 3, ["--afd", "2:1"]),
+                          ("together", 3, ["--afd", "2:1", "--max-batch", "2"])):
+        out = tmp_path / f"out-{key}.jsonl"
+        summaries[key] = run_cli(n, ["batch", "--jobs", str(jobs), "--output", str(out),
+                                     "--kv-dtype", "float32", "--json", *extra]).last_json()
+        answers[key] = [json.loads(line) for line in out.open()]
+    texts = {key: [a["text"] for a in each] for key, each in answers.items()}
+    assert texts["afd"] == texts["one"] and texts["together"] == texts["one"]
+    assert answers["afd"][1]["prefix_reused"]
+    assert summaries["together"]["batch_sizes"].get("2", 0) > 0
+    assert summaries["together"]["afd"]["ffn"] == 1
 
     question = "What is the capital of France?"
     alone = run_cli(1, ["generate", "--prompt", question, "--max-tokens", "12", "--json",

@@ -78,24 +78,12 @@ def choose_max_batch(setting: str, run: RunConfig, loaded) -> tuple[int, str]:
 
     if getattr(loaded, "share", None) is not None:
         return 1, "layer-sharded weights decode one sequence at a time"
-    if run.afd is not None:  # (any other setting was refused before the load)
-        return 1, "auto: --afd decodes one sequence at a time"
     if setting != "auto":
         return int(setting), "--max-batch"
     if compute_of(run).gpu:
         return GPU_MAX_BATCH, "auto: the GPU path's steps are MLX's, batched they read the " \
                               "weights once for all"
     return 1, "auto: on the CPU path one job's native step is about as fast as batched ones"
-
-
-def refuse_afd_batches(run: RunConfig, args: BatchConfig):
-    """Rank 0, before the load: ``--afd`` with ``--max-batch`` above 1."""
-    if run.afd is not None and args.max_batch not in ("auto", "1"):
-        from ..errors import UserError
-
-        raise UserError(f"--afd {run.afd} decodes one sequence at a time: --max-batch "
-                        f"{args.max_batch} needs the FFN ranks to serve batched steps, "
-                        "which they do not")
 
 
 @contextmanager
@@ -128,7 +116,6 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     plan = {}  # rank 0's: the pending jobs stay there
 
     def check():
-        refuse_afd_batches(run, args)
         plan.update(validate(run, args))
         return len(plan["pending"])
 

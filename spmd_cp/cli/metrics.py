@@ -24,7 +24,8 @@ def rank_metrics(comm: Comm, cache, model_bytes: int, grid: Grid | None = None) 
             "window_kv_ring_bytes": int(grid.cp.window_kv_ring_bytes),
             "kv_tokens": int(cache.shard_sizes[grid.cp.rank])}
     if grid.afd is not None:
-        mine["afd"] = {**grid.afd.times.as_dict(), "rows": grid.afd.times.rows,
+        times = grid.afd.times
+        mine["afd"] = {**times.as_dict(), "rows": times.rows, "row_layers": times.row_layers,
                        "bytes": int(grid.afd.comm.bytes_sent)}
     gathered = comm.gather_object(mine)
     if comm.rank != 0:
@@ -37,13 +38,16 @@ def rank_metrics(comm: Comm, cache, model_bytes: int, grid: Grid | None = None) 
 
 def afd_summary(per_rank: list[dict], link) -> dict:
     """``--json``'s ``afd``: the roles, the micro-batches, the bytes that crossed the
-    bipartite link (both ways, every rank) per token row the attention ranks sent, each
-    rank's waits and the slowest rank of each side (runtime/afd.py)."""
+    bipartite link (both ways, every rank) per token the attention ranks sent through the
+    layers and per token and layer, each rank's waits and the slowest rank of each side
+    (runtime/afd.py)."""
     crossed = sum(r["bytes"] for r in per_rank)
     rows = sum(r["rows"] for r in per_rank)
+    row_layers = sum(r["row_layers"] for r in per_rank)
     return {**link.roles.as_dict(), "micro_batches": link.micro_batches,
             "bytes_crossed": crossed,
             "bytes_per_token": round(crossed / rows, 1) if rows else 0.0,
+            "bytes_per_token_layer": round(crossed / row_layers, 1) if row_layers else 0.0,
             "wait_s": [r["wait_s"] for r in per_rank],
             "work_s": [r["work_s"] for r in per_rank],
             "straggler": straggler_summary(per_rank, link.roles)}

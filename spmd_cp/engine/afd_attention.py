@@ -79,13 +79,14 @@ class FeedForwardClient:
 
     def __init__(self, link: Bipartite, side_rank: int):
         self.link, self.side_rank = link, side_rank
-        self.replicated = False
+        self.replicated, self.first_layer = False, True
 
     @contextmanager
     def forward(self, replicated: bool):
         """Around one forward pass; ``replicated``: every attention rank computes the same
         rows (a decode step's token), which the first alone sends."""
         self.replicated = replicated
+        self.first_layer = True  # the forward's tokens are counted once, at layer 0
         self.link.times.begin()
         try:
             yield
@@ -109,7 +110,9 @@ class FeedForwardClient:
             targets = [np.flatnonzero(((ids >= a) & (ids < b)).any(axis=1)) for a, b in experts]
         sending = not self.replicated or self.side_rank == 0
         if sending:
-            self.link.times.rows += n
+            self.link.times.rows += n * self.first_layer
+            self.link.times.row_layers += n
+        self.first_layer = False
         back = self._exchange(payload, targets, sending, width, x.dtype)
         out = np.zeros((n, width), np.float32)
         for peer_rows, pieces in zip(targets, back):

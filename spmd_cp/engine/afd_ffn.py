@@ -113,6 +113,9 @@ class FfnEngine:
         self.plan = self.decoder = self.tp_decoder = None
         self.measured = None
 
+    def layer_hook(self, phase: str):
+        return None  # (an FFN rank runs no layer loop of its own)
+
     def twin(self, algo: str) -> FfnEngine:
         return FfnEngine(self.model, self.server, self.comm, self.grid, 0, algo, self.decode)
 
@@ -138,6 +141,9 @@ class FfnEngine:
         self.server.serve_forward()
         return None
 
+    def batched_decoder(self, cache, prefix_tokens: int) -> "FfnBatchedDecoder":
+        return FfnBatchedDecoder(self.server)
+
     def prepare_decode(self):
         return None
 
@@ -148,3 +154,25 @@ class FfnEngine:
     def decode_modes(self) -> dict:
         return {"decode_tp": "off", "decode_comm": "mpi", "decode_step": "mlx",
                 "decode_plan": None}
+
+
+class FfnBatchedDecoder:
+    """An FFN rank's side of batched decode steps (batched_decode.BatchedDecoder's calls):
+    each step one forward pass served; no sequences held."""
+
+    class _NoTails:
+        lengths: tuple = ()
+        nbytes = 0
+
+    def __init__(self, server: FfnServer):
+        self.server, self.tails = server, self._NoTails()
+
+    def admit(self, key, capacity: int):
+        pass
+
+    def retire(self, key):
+        pass
+
+    def step(self, keys: list, tokens: list[int], on_layer=None):
+        self.server.serve_forward()
+        return None

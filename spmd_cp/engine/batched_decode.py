@@ -191,9 +191,10 @@ class BatchedDecoder:
         split = RowSplit.of(len(keys), self.comm.size)
         mine = split.rows(self.comm.rank)
         view = _BatchView(self, self._rows(sequences, owners))
-        hidden = self.model.forward(np.array(tokens, np.int64)[mine], positions[mine], view,
-                                    self._attention(sequences, positions, split),
-                                    store=True, on_layer=on_layer, tracer=self.comm.tracer)
+        with self.engine.crossing(replicated=False):  # --afd: each rank's own rows
+            hidden = self.model.forward(np.array(tokens, np.int64)[mine], positions[mine],
+                                        view, self._attention(sequences, positions, split),
+                                        store=True, on_layer=on_layer, tracer=self.comm.tracer)
         logits = self.model.logits(hidden)  # this rank's rows
         graph = self.collectives is not self.comm
         if graph:  # gathered inside the step's one graph

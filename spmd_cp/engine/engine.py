@@ -118,7 +118,7 @@ class Engine:
                 log.info("prefill attention: %s (%s)", algo, reason)
             self.algos_used.append(algo)
             with span(self.comm.tracer, "prefill chunk", "prefill", tokens=len(ids),
-                      cached=start, algo=algo), self._crossing(replicated=False):
+                      cached=start, algo=algo), self.crossing(replicated=False):
                 hidden = self.model.forward(ids[positions - start], positions, cache, attend,
                                             on_layer=self.layer_hook("prefill"),
                                             tracer=self.comm.tracer)
@@ -211,7 +211,7 @@ class Engine:
         store, hook = self.cp.rank == owner, self.layer_hook("decode")
         plan, tracer = self.prepare_decode(), self.comm.tracer
         with span(tracer, "decode step", "decode", layout=plan.layout, step=plan.step), \
-                self._crossing(replicated=True):
+                self.crossing(replicated=True):
             if lazy:
                 return self._overlapped_step().step(token, position, cache, store, hook,
                                                     tracer, wait)
@@ -221,11 +221,18 @@ class Engine:
                                              hook, tracer)
             return self.decoder.step(token, position, cache, store, hook, tracer)
 
-    def _crossing(self, replicated: bool):
+    def crossing(self, replicated: bool):
         """Around one forward pass: ``--afd``'s exchanges with the FFN ranks (every rank
         computes a decode step's token: ``replicated``)."""
         client = self.model.ffn_client
         return client.forward(replicated) if client is not None else nullcontext()
+
+    def batched_decoder(self, cache: ShardedKVCache, prefix_tokens: int):
+        """Collective: the batched decode steps after ``cache``'s prefix
+        (batched_decode.BatchedDecoder)."""
+        from .batched_decode import BatchedDecoder
+
+        return BatchedDecoder(self, cache, prefix_tokens)
 
     def twin(self, algo: str) -> "Engine":
         """An engine over the same model, grid and decode settings (startup.warm_up)."""
@@ -246,8 +253,8 @@ class Engine:
         if self._batched_collectives is None:
             graph = None
             # (a grid's MLX group opens over the world, split by the decode plan: its
-            # batched steps keep mpi4py's)
-            if self.cp.size > 1 and self.grid.tp is None:
+            # batched steps keep mpi4py's; --afd's spans the FFN ranks: mpi4py's)
+            if self.cp.size > 1 and self.grid.tp is None and self.grid.afd is None:
                 graph, _ = open_graph_collectives(self.cp, self.decode.decode_comm,
                                                   self.decode.graph_backend, self.model.compute)
             self._batched_collectives = graph or self.cp

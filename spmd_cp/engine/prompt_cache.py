@@ -282,6 +282,25 @@ def check_shard(arrays: dict, rank: int, meta: dict, num_layers: int) -> str | N
     return None
 
 
+def refuse_other_layout(comm: Comm, directory: str, meta: dict, grid: Grid):
+    """UserError where the cache was made on another layout of ranks than ``grid``'s,
+    naming the launch that continues it."""
+    if meta.get("afd") != _afd_of(grid):
+        made_as = f"--afd {meta['afd']}" if meta.get("afd") else "without --afd"
+        job_as = f"--afd {_afd_of(grid)}" if grid.afd is not None else "without --afd"
+        raise UserError(f"prompt cache {directory} was made {made_as}; this job runs "
+                        f"{job_as} (continue it as it was made)")
+    made = (meta["cp_size"], meta.get("tp_size", 1))
+    cp_size = grid.afd.roles.attention if grid.afd is not None else grid.cp.size
+    if made != (cp_size, grid.tp_size):
+        if made[1] == 1 and grid.tp is None:
+            raise UserError(f"prompt cache {directory} was made on {made[0]} ranks; this job "
+                            f"has {comm.size} (run with mpiexec -n {made[0]})")
+        raise UserError(f"prompt cache {directory} was made on {made[0] * made[1]} ranks as "
+                        f"--tp {made[1]}; this job has {comm.size} as --tp {grid.tp_size} "
+                        f"(run with mpiexec -n {made[0] * made[1]} and --tp {made[1]})")
+
+
 def _holds_kv(grid: Grid) -> bool:
     """Whether this rank keeps a shard: every rank but ``--afd``'s FFN ranks."""
     return grid.afd is None or grid.afd.attention
@@ -310,21 +329,7 @@ def load_cache(comm: Comm, directory: str, meta: dict, model_checksum: str,
         raise UserError(f"prompt cache {directory} was made with another model "
                         f"(checksum {meta['model_checksum'][:12]}..., this model "
                         f"{model_checksum[:12]}...)")
-    if meta.get("afd") != _afd_of(grid):
-        made_as = f"--afd {meta['afd']}" if meta.get("afd") else "without --afd"
-        job_as = f"--afd {_afd_of(grid)}" if grid.afd is not None else "without --afd"
-        raise UserError(f"prompt cache {directory} was made {made_as}; this job runs "
-                        f"{job_as} (continue it as it was made)")
-    made = (meta["cp_size"], meta.get("tp_size", 1))
-    cp_size = grid.afd.roles.attention if grid.afd is not None else grid.cp.size
-    if made != (cp_size, grid.tp_size):
-        if made[1] == 1 and grid.tp is None:
-            raise UserError(f"prompt cache {directory} was made on {made[0]} ranks; this job "
-                            f"has {comm.size} (run with mpiexec -n {made[0]})")
-        raise UserError(f"prompt cache {directory} was made on {made[0] * made[1]} ranks as "
-                        f"--tp {made[1]}; this job has {comm.size} as --tp {grid.tp_size} "
-                        f"(run with mpiexec -n {made[0] * made[1]} and --tp {made[1]})")
-
+    refuse_other_layout(comm, directory, meta, grid)
     holds = _holds_kv(grid)
 
     def read_shard():

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import SamplingConfig
-from .batched_decode import BatchedDecoder
 from .generation import Generation, Answer, failure_text, rank0_sampler
 
 
@@ -80,7 +79,7 @@ class Scheduler:
         self.cache, self.prefix_tokens = cache, prefix_tokens
         self.tokenizer, self.max_batch = tokenizer, max(1, max_batch)
         self.finished, self.prefill_progress = finished, prefill_progress
-        self.decoder = BatchedDecoder(engine, cache, prefix_tokens)
+        self.decoder = engine.batched_decoder(cache, prefix_tokens)
         self.running: dict[str, _Running] = {}
         self.stats = BatchStats()
 

@@ -86,6 +86,7 @@ class CrossingTimes:
     work_s: float = 0.0
     exchanges: int = 0
     rows: int = 0  # token rows sent out (an attention rank's; a decode token once)
+    row_layers: int = 0  # rows sent out, every layer's
     _since: float | None = field(default=None, repr=False)
 
     def waited(self, start: float, end: float):
