@@ -120,8 +120,10 @@ class RunConfig(_Settings):
     # Attention-FFN disaggregation (runtime/afd.py): "A:F", A attention ranks (the CP
     # group, every KV) and F FFN ranks (the MLPs or experts), or None.
     afd: str | None = None
-    # Micro-batches a layer's rows cross to the FFN ranks in (runtime/afd.py).
-    afd_micro_batches: int = 2
+    # Micro-batches a layer's rows cross to the FFN ranks in (runtime/afd.py). One: on the
+    # 2-core machine of docs/BENCHMARKS.md two measured no faster (the sides share the
+    # cores, so there is none idle for the overlap).
+    afd_micro_batches: int = 1
     fault: str | None = None  # test-only fault injection (runtime/faults.py; a hidden flag)
 
 

@@ -44,7 +44,8 @@ def afd_models(tiny_models, tmp_path_factory) -> dict:
     models = {name: str(write_tiny_model(root / name, extra["model_type"], seed=5,
                                          extra_config=extra))
               for name, extra in MIXTURES.items()}
-    return {name: [path, LENGTH] for name, path in {**models, "llama": tiny_models["llama"]}.items()}
+    models["llama"] = tiny_models["llama"]
+    return {name: [path, LENGTH] for name, path in models.items()}
 
 
 @pytest.fixture(scope="module")
