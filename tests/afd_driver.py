@@ -19,7 +19,7 @@ from spmd_cp.blas import ensure_fast_blas
 if __name__ == "__main__":
     ensure_fast_blas()  # as the CLI does, before MPI_Init and the heavy imports
 
-from spmd_cp.cli.metrics import model_nbytes, rank_metrics  # noqa: E402
+from spmd_cp.run.metrics import model_nbytes, rank_metrics  # noqa: E402
 from spmd_cp.config import DecodeConfig, RunConfig  # noqa: E402
 from spmd_cp.engine.afd_attention import is_mixture  # noqa: E402
 from spmd_cp.engine.afd_engine import open_afd_engine  # noqa: E402

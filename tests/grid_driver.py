@@ -18,7 +18,7 @@ from spmd_cp.blas import ensure_fast_blas
 if __name__ == "__main__":
     ensure_fast_blas()  # as the CLI does, before MPI_Init and the heavy imports
 
-from spmd_cp.cli.metrics import model_nbytes  # noqa: E402
+from spmd_cp.run.metrics import model_nbytes  # noqa: E402
 from spmd_cp.config import DecodeConfig  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402

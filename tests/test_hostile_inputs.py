@@ -123,7 +123,7 @@ def test_control_tokens_in_user_text_are_plain_text():
     """With the real tokenizer: the template's control tokens (ids 1 and 2 around each
     turn) and no more, whatever the document holds; --parse-special's reading has more."""
     from spmd_cp.cli.steps import new_conversation
-    from spmd_cp.cli.tokens import encode, render
+    from spmd_cp.run.prompts import encode, render
     from spmd_cp.models.gguf import default_model_path
     from spmd_cp.models.loader import load_model
 

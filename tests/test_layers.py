@@ -7,10 +7,13 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "spmd_cp"
-# Lowest first; packages in one layer may import each other (the front ends: the command
-# line and the HTTP server). errors.py, config.py and text_input.py sit under all of them.
+# Lowest first; packages in one layer may import each other. The front ends sit on top:
+# the HTTP server (server/) under the command line (cli/, whose serve command opens it),
+# both over what they share around the engine (run/). errors.py, config.py and
+# text_input.py sit under all of them.
 LAYER_OF = {name: level for level, names in enumerate(
-    [("runtime",), ("kernels",), ("blas",), ("attention",), ("models",), ("engine",), ("cli", "server")])
+    [("runtime",), ("kernels",), ("blas",), ("attention",), ("models",), ("engine",), ("run",),
+     ("server",), ("cli",)])
     for name in names}
 LAYERS = list(LAYER_OF)
 BASE = {"errors", "config", "text_input"}

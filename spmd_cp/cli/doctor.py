@@ -348,7 +348,7 @@ def describe_weights(model_path: str, cp_size: int, warnings: list[str]) -> dict
     (from the file headers; None, with a warning, where they cannot be read)."""
     from ..engine.forecast import default_memory_limit
     from ..engine.weights import PREFETCH_LAYERS
-    from .sharding import auto_shards, layout_of
+    from ..run.sharding import auto_shards, layout_of
 
     try:
         layout = layout_of(model_path, False)

@@ -68,7 +68,7 @@ def keep_quantized_hint(run: RunConfig, path: str) -> str | None:
     float32 form (the CPU default), or ``--afd``'s sides all of it between them, what
     ``--keep-quantized`` would hold instead (from the file's headers); None where it would
     not hold less."""
-    from .sharding import layout_of
+    from ..run.sharding import layout_of
 
     if (run.tp == 1 and run.afd is None) or run.keep_quantized:
         return None

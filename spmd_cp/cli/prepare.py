@@ -53,7 +53,7 @@ class Preparer:
     def __init__(self, loaded, run: RunConfig, sampling: SamplingConfig, args: BatchConfig,
                  ranks: int):
         from .inputs import context_bound, read_timeout
-        from .sharding import weight_plan
+        from ..run.sharding import weight_plan
         from .steps import memory_limit, model_nbytes
 
         self.loaded = loaded
@@ -97,7 +97,7 @@ class Preparer:
         from ..engine.generation import token_sampler
         from ..runtime.resident import outside_mlx_bytes
         from .steps import compute_of, forecast_algo, new_conversation, prompt_parts_for
-        from .tokens import encode
+        from ..run.prompts import encode
 
         # The same text generate builds (chat template, stripped user turn), the user's
         # text tokenized as plain text as generate does.

@@ -13,8 +13,6 @@ import socket
 import sys
 import time
 
-import numpy as np
-
 from ..attention.exp import use_polynomial_exp
 from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
@@ -39,11 +37,12 @@ from ..runtime.faults import layer_hook
 from ..runtime.afd import AfdRoles
 from ..runtime.grid import Grid
 from .grid_checks import check_grid, keep_quantized_hint
-from .memory import check_memory, cp_ranks, forecast_algo, memory_limit  # noqa: F401 (steps.*)
-from .metrics import model_bytes, model_nbytes, rank_metrics  # noqa: F401 (steps.*)
+from ..run.memory import check_memory, cp_ranks, forecast_algo, memory_limit  # noqa: F401
+from ..run.metrics import model_bytes, model_nbytes, rank_metrics  # noqa: F401 (steps.*)
+from ..run.prompts import cap_to_context, tokenize_checked  # noqa: F401 (steps.*)
 from .outputs import Output
 from .retired import honour_retired
-from .sharding import wants_sharding
+from ..run.sharding import wants_sharding
 
 log = spmd.log
 
@@ -294,38 +293,6 @@ def make_engine(comm: Comm, loaded, run: RunConfig,
                   grid=grid)
 
 
-# -- prompts and memory (rank 0) -------------------------------------------------------
-def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0,
-                     user_spans: list | None = None, parse_special: bool = False) -> np.ndarray:
-    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt.
-    ``user_spans``: where the user's text lies (None: all of it), tokenized as plain text
-    unless ``parse_special`` (cli/tokens.py)."""
-    from .tokens import encode
-
-    spans = [(0, len(text))] if user_spans is None else user_spans
-    ids = np.asarray(encode(loaded, text, spans, parse_special), np.int64)
-    if ids.size == 0:
-        raise UserError("the prompt is empty after tokenization")
-    limit = max_context or loaded.max_context
-    if limit is not None and ids.size + reserve > limit:
-        extra = f" + {reserve} tokens to generate" if reserve else ""
-        whose = f"--max-context {limit}" if max_context else \
-            f"the model's context of {limit} tokens"
-        raise UserError(f"prompt has {ids.size} tokens{extra}, more than {whose}")
-    return ids
-
-
-def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None,
-                   name: str | None = None) -> int:
-    """Tokens to generate after ``prompt_tokens``, within the model's ``context``; a cap
-    of the setting ``name`` (``--max-tokens``, ``max_tokens``) is warned about."""
-    capped = max_tokens if not context else max(0, min(max_tokens, context - prompt_tokens))
-    if name and capped < max_tokens:
-        log.warning("%s %d capped at %d: the prompt's %d tokens and the answer must fit the "
-                    "context of %d tokens", name, max_tokens, capped, prompt_tokens, context)
-    return capped
-
-
 # -- results ---------------------------------------------------------------------------
 def algos_used(engine: Engine) -> str:
     return ",".join(sorted(set(engine.algos_used)))
@@ -357,7 +324,7 @@ def prompt_text_for(loaded, conversation: dict, prompt: str, chat: bool) -> str:
 
 def prompt_parts_for(loaded, conversation: dict, prompt: str, chat: bool) -> tuple[str, list]:
     """(the full text to tokenize, where each message's content lies in it)."""
-    from .tokens import render
+    from ..run.prompts import render
 
     return render(loaded, conversation, prompt, chat)
 

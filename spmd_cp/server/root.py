@@ -58,9 +58,9 @@ class RootSide:
 
     def prompt_text(self, request) -> tuple[str, list | None]:
         """(the text to tokenize, where the user's contents lie in it: None for all of
-        it). Control-token strings inside a message stay text (cli/tokens.py), as in
+        it). Control-token strings inside a message stay text (run/prompts.py), as in
         generate, unless --parse-special."""
-        from ..cli.tokens import content_spans
+        from ..run.prompts import content_spans
 
         tokenizer = self.loaded.tokenizer
         if request.kind != "chat":
@@ -80,7 +80,8 @@ class RootSide:
         kept, the entries evicted), the sampling; checked: the context and the memory
         forecast with the resident entries kept: the busiest rank's (every part the
         most any rank holds), MLX's buffer cache at its bound included where bounded."""
-        from ..cli.steps import cap_to_context, check_memory, tokenize_checked
+        from ..run.memory import check_memory
+        from ..run.prompts import cap_to_context, tokenize_checked
         from ..engine.forecast import kv_tokens_per_rank
         from ..runtime.resident import outside_mlx_bytes
         from .resident import held_room

@@ -13,11 +13,21 @@ exactly the tokenizer's own; otherwise the text is split at the template's contr
 tokens and each piece between them is tokenized with special parsing off, which is what
 the tokenizer does itself (added tokens split the text, the pieces are encoded apart).
 ``--parse-special`` restores the tokenizer's own reading of the whole text.
+
+``tokenize_checked`` and ``cap_to_context`` hold a prompt and its answer to the model's
+context, for every front end (the command line's and the HTTP server's).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+
+import numpy as np
+
+from ..errors import UserError
+
+log = logging.getLogger("spmd_cp")
 
 
 def render(loaded, conversation: dict, prompt: str, chat: bool) -> tuple[str, list]:
@@ -105,3 +115,32 @@ def encode(loaded, text: str, user_spans: list, parse_special: bool = False) -> 
 def _overlaps(span, spans) -> bool:
     start, end = span
     return any(start < s_end and s_start < end for s_start, s_end in spans)
+
+
+def tokenize_checked(loaded, text: str, max_context: int | None, reserve: int = 0,
+                     user_spans: list | None = None, parse_special: bool = False) -> np.ndarray:
+    """Token ids of ``text`` (rank 0), refusing an empty or over-long prompt.
+    ``user_spans``: where the user's text lies (None: all of it), tokenized as plain text
+    unless ``parse_special`` (``encode``)."""
+    spans = [(0, len(text))] if user_spans is None else user_spans
+    ids = np.asarray(encode(loaded, text, spans, parse_special), np.int64)
+    if ids.size == 0:
+        raise UserError("the prompt is empty after tokenization")
+    limit = max_context or loaded.max_context
+    if limit is not None and ids.size + reserve > limit:
+        extra = f" + {reserve} tokens to generate" if reserve else ""
+        whose = f"--max-context {limit}" if max_context else \
+            f"the model's context of {limit} tokens"
+        raise UserError(f"prompt has {ids.size} tokens{extra}, more than {whose}")
+    return ids
+
+
+def cap_to_context(max_tokens: int, prompt_tokens: int, context: int | None,
+                   name: str | None = None) -> int:
+    """Tokens to generate after ``prompt_tokens``, within the model's ``context``; a cap
+    of the setting ``name`` (``--max-tokens``, ``max_tokens``) is warned about."""
+    capped = max_tokens if not context else max(0, min(max_tokens, context - prompt_tokens))
+    if name and capped < max_tokens:
+        log.warning("%s %d capped at %d: the prompt's %d tokens and the answer must fit the "
+                    "context of %d tokens", name, max_tokens, capped, prompt_tokens, context)
+    return capped
