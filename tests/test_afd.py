@@ -129,7 +129,9 @@ def test_generate_score_and_caches_with_afd_answer_as_one_rank(tmp_path):
     """The CLI users run, on the embedded model: ``generate --afd 2:1`` gives one rank's
     greedy tokens, reports the roles, the bytes crossed and the stragglers, and traces
     both sides' waits; its prompt cache continues as one rank's does; ``score --afd 2:2``
-    scores as one rank; settings it does not combine with are refused in one line."""
+    on the GPU path's arithmetic (``--device gpu``, run on this CPU: the model's dtypes,
+    the warm-up on every rank) scores as one rank's; settings it does not combine with
+    are refused in one line."""
     args = ["generate", "--max-tokens", "10", "--json", "--kv-dtype", "float32"]
     first = ["--prompt", "Name three colours of the rainbow.", "--save-cache"]
     then = ["--prompt", "And three fruits?", "--load-cache"]
@@ -160,7 +162,7 @@ def test_generate_score_and_caches_with_afd_answer_as_one_rank(tmp_path):
     for n, extra in ((1, []), (4, ["--afd", "2:2"])):
         out = tmp_path / f"scores-{n}.jsonl"
         run_cli(n, ["score", "--text-file", str(tmp_path / "doc.txt"), "--output", str(out),
-                    "--kv-dtype", "float32", *extra])
+                    "--device", "gpu", *extra])
         scored[n] = [json.loads(line)["logprob"] for line in out.open()]
     np.testing.assert_allclose(scored[4], scored[1], **TOLERANCE)
     for n, extra, message in [

@@ -20,7 +20,7 @@ from ..runtime.comm import Comm
 from ..runtime.device import Compute
 from ..runtime.grid import Grid
 from .afd_attention import remote_feed_forward
-from .afd_ffn import FfnEngine, FfnServer
+from .afd_ffn import FfnEngine, FfnModel, FfnServer
 from .engine import Engine
 from .model import CPModel
 
@@ -39,13 +39,15 @@ def open_afd_engine(world: Comm, loaded, run: RunConfig, decode: DecodeConfig,
     roles = AfdRoles.of(run.afd, world.size)
     grid = Grid.of_afd(world, roles, run.afd_micro_batches)
     decode = afd_decode(decode)
-    model = CPModel(loaded.model, None, run.kv_dtype, compute)
     if world.rank == 0:
         log.info("--afd %s: %s; %d micro-batch(es) a layer", run.afd, grid.describe(),
                  run.afd_micro_batches)
     if roles.is_attention(world.rank):
-        remote_feed_forward(model, grid.afd, grid.cp.rank, roles.ffn)
+        model = remote_feed_forward(CPModel(loaded.model, None, run.kv_dtype, compute),
+                                    grid.afd, grid.cp.rank, roles.ffn)
         return Engine(model, world, algo=run.cp_algo, prefill_chunk=run.prefill_chunk,
                       on_layer=on_layer, decode=decode, grid=grid)
     server = FfnServer(loaded.ffn_layers, grid.afd, world.tracer)
-    return FfnEngine(model, server, world, grid, run.prefill_chunk, run.cp_algo, decode)
+    layers = loaded.model.model.layers
+    return FfnEngine(FfnModel(compute, len(layers), layers), server, world, grid,
+                     run.prefill_chunk, run.cp_algo, decode)

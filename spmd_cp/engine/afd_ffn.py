@@ -10,16 +10,18 @@ own broadcasts and gathers, and no control message of its own is needed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
 from ..runtime.afd import Bipartite
 from ..runtime.comm import to_wire
+from ..runtime.device import Compute
 from ..runtime.grid import Grid
 from ..runtime.trace import span
 from .afd_attention import HEADER, WIRE_DTYPES
 from .cache import ShardedKVCache
-from .model import CPModel
 
 
 class FfnLayer:
@@ -100,11 +102,23 @@ class FfnServer:
             link.wait(request, "AFD results back")
 
 
+@dataclass(frozen=True)
+class FfnModel:
+    """What an FFN rank's engine reports of its model: the compute path (every rank takes
+    the same, the GPU path's warm-up included), the layers, and a KV dtype for its empty
+    cache (it holds no embedding to find one from, and no KV)."""
+
+    compute: Compute
+    num_layers: int
+    layers: list
+    kv_dtype: mx.Dtype = mx.float32
+
+
 class FfnEngine:
     """The ``Engine`` of an FFN rank: the same calls, each serving the forward passes
     the attention ranks run for it; no KV, no logits."""
 
-    def __init__(self, model: CPModel, server: FfnServer, comm, grid: Grid,
+    def __init__(self, model: FfnModel, server: FfnServer, comm, grid: Grid,
                  prefill_chunk: int = 0, algo: str = "auto", decode=None):
         self.model, self.server, self.comm, self.grid = model, server, comm, grid
         self.cp = grid.cp
