@@ -54,13 +54,13 @@ class Preparer:
                  ranks: int):
         from .inputs import context_bound, read_timeout
         from ..run.sharding import weight_plan
-        from .steps import memory_limit, model_nbytes
+        from .steps import cp_ranks, memory_limit, model_nbytes
 
         self.loaded = loaded
         self.run = run
         self.defaults = sampling
         self.args = args
-        self.ranks = ranks
+        self.ranks = cp_ranks(run, ranks)  # the ranks that hold the KV (--afd: attention's)
         self.limit = run.max_context or loaded.max_context
         self.input_bound = context_bound(self.limit, run.memory_limit)
         self.read_timeout = read_timeout(run.comm_timeout)
@@ -93,6 +93,7 @@ class Preparer:
 
         from ..engine.forecast import check_fits
         from ..engine.model import kv_model_shape
+        from ..engine.tensor_groups import tensor_share
         from ..config import sampling_problem
         from ..engine.generation import token_sampler
         from ..runtime.resident import outside_mlx_bytes
@@ -121,8 +122,8 @@ class Preparer:
         # The memory forecast generate checks, per job: one huge job must not take the
         # whole batch down with it.
         try:
-            check_fits(kv_model_shape(self.loaded, self.run.kv_dtype, compute_of(self.run)),
-                       self.weights_bytes,
+            shape = kv_model_shape(self.loaded, self.run.kv_dtype, compute_of(self.run))
+            check_fits(tensor_share(shape, self.run.tp), self.weights_bytes,
                        int(ids.size) + self.sampling(job, int(ids.size)).max_tokens,
                        min(self.run.prefill_chunk or int(ids.size), int(ids.size)), self.ranks,
                        self.memory_limit, forecast_algo(self.run),

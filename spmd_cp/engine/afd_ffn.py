@@ -25,8 +25,8 @@ from .cache import ShardedKVCache
 
 
 class FfnLayer:
-    """One layer's feed-forward share: ``module`` is the cut mlx-lm MLP (a dense share
-    of the hidden units), or the mixture's experts [start, stop) as a SwitchGLU
+    """One layer's feed-forward share: ``module`` computes the cut MLP (a dense share of
+    the hidden units), or is the mixture's experts [start, stop) as a SwitchGLU
     (``experts``) of which a row's k chosen ones run here."""
 
     def __init__(self, module, hidden: int, experts: tuple[int, int] | None = None,

@@ -24,6 +24,7 @@ from .afd_attention import expert_ranges, is_mixture, routing_obstacle
 from .afd_ffn import FfnLayer
 from .expert_slices import EXPERT_PROJECTIONS, experts_per_token
 from .layer_parts import LayerParts, feed_forward
+from .model import ReplicatedLayer
 from .tensor_groups import cut_feed_forward
 
 
@@ -103,8 +104,9 @@ def _feed_forward_share(layer, rank: int, size: int, index: int, flag: str) -> F
         cut_feed_forward(layer, LayerParts.of(layer), rank, size)
     except (TypeError, ValueError) as error:
         raise UserError(f"{flag}: layer {index}: {error}") from None
-    piece = feed_forward(layer)
-    return FfnLayer(piece, _output_width(piece))
+    # the MLP as one rank's layer loop computes it (model.ReplicatedLayer.mlp: a SwiGLU's
+    # gate and up through the same products and activation, anything else mlx-lm's module)
+    return FfnLayer(ReplicatedLayer(layer).mlp, _output_width(feed_forward(layer)))
 
 
 def _output_width(mlp) -> int:
