@@ -108,6 +108,17 @@ def test_ffn_ranks_hold_no_kv_and_attention_ranks_no_experts(afd_runs):
                 assert afd["straggler"]["ffn"]["slowest_rank"] >= roles.attention
 
 
+def test_a_mixture_of_fewer_experts_than_ffn_ranks_is_refused(afd_models):
+    """Each FFN rank holds whole experts: 8 experts over 9 FFN ranks is refused in one line
+    naming the layer and the counts, as the load begins."""
+    from spmd_cp.engine.afd_load import load_afd_share
+    from spmd_cp.errors import UserError
+
+    with pytest.raises(UserError, match="--afd 1:9: layer 0: 8 experts cannot be divided "
+                                        "over 9 FFN ranks"):
+        load_afd_share(afd_models["qwen3_moe"][0], AfdRoles(1, 9), 1)
+
+
 def test_roles_and_their_refusals():
     """A:F must add up to the ranks, each side at least one rank; doctor's roles."""
     assert afd_obstacle("2:1", 3) is None
