@@ -108,6 +108,29 @@ def test_ffn_ranks_hold_no_kv_and_attention_ranks_no_experts(afd_runs):
                 assert afd["straggler"]["ffn"]["slowest_rank"] >= roles.attention
 
 
+def test_a_quantized_mixture_keeps_its_quantized_experts_apart(afd_models, tmp_path):
+    """The 8-expert mixture in MLX's 4-bit form, ``--keep-quantized``: at 2:2 each FFN rank
+    holds half the quantized experts (their scales and biases cut with them), the sides'
+    bytes add up to one rank's, and the scores are one rank's."""
+    from mlx_lm.convert import convert
+
+    quantized = tmp_path / "qwen3_moe-4bit"
+    convert(afd_models["qwen3_moe"][0], str(quantized), quantize=True, q_group_size=32,
+            q_bits=4)
+    (tmp_path / "doc.txt").write_text("The quick brown fox jumps over the lazy dog. " * 10)
+    runs = {}
+    for n, extra in ((1, []), (4, ["--afd", "2:2"])):
+        out = tmp_path / f"scores-{n}.jsonl"
+        summary = run_cli(n, ["score", "--model", str(quantized), "--keep-quantized",
+                              "--text-file", str(tmp_path / "doc.txt"), "--output", str(out),
+                              "--kv-dtype", "float32", "--json", *extra]).last_json()
+        runs[n] = (summary, [json.loads(line)["logprob"] for line in out.open()])
+    np.testing.assert_allclose(runs[4][1], runs[1][1], **TOLERANCE)
+    weights = runs[4][0]["model_bytes"]
+    assert weights[0] == weights[1] and weights[2] == weights[3] > 0
+    assert weights[0] + weights[2] + weights[3] == runs[1][0]["model_bytes"][0]
+
+
 def test_a_mixture_of_fewer_experts_than_ffn_ranks_is_refused(afd_models):
     """Each FFN rank holds whole experts: 8 experts over 9 FFN ranks is refused in one line
     naming the layer and the counts, as the load begins."""
