@@ -214,9 +214,11 @@ def test_generate_score_and_caches_with_afd_answer_as_one_rank(tmp_path):
 
 def test_batch_and_serve_with_afd_answer_as_one_rank(tmp_path):
     """``batch --afd 2:1``: jobs after one document answer as one rank's, one after
-    another (the second from the first's prefix) and decoded two at a time (each
-    attention rank's rows of a batched step cross to the FFN rank). ``serve --afd 2:1``
-    through the openai client: one rank's answer, again from its resident cache."""
+    another (the second from the first's prefix), decoded three at a time (each
+    attention rank's rows of a batched step cross to the FFN rank), and so with two
+    micro-batches (each step two halves, one's attention while the FFN rank computes
+    the other's MLP). ``serve --afd 2:1`` through the openai client: one rank's answer,
+    again from its resident cache."""
     from test_serve import free_port, launch_server
 
     (tmp_path / "doc.txt").write_text("The GNU General Public License is a free, copyleft "
@@ -227,17 +229,21 @@ def test_batch_and_serve_with_afd_answer_as_one_rank(tmp_path):
                                         "max_tokens": n, "ignore_eos": True}) + "\n"
                             for i, q, n in questions))
     answers, summaries = {}, {}
+    together = ["--afd", "2:1", "--max-batch", "3"]
     for key, n, extra in (("one", 1, []), ("afd", 3, ["--afd", "2:1"]),
-                          ("together", 3, ["--afd", "2:1", "--max-batch", "2"])):
+                          ("together", 3, together),
+                          ("ping-pong", 3, together + ["--afd-micro-batches", "2"])):
         out = tmp_path / f"out-{key}.jsonl"
         summaries[key] = run_cli(n, ["batch", "--jobs", str(jobs), "--output", str(out),
                                      "--kv-dtype", "float32", "--json", *extra]).last_json()
         answers[key] = [json.loads(line) for line in out.open()]
     texts = {key: [a["text"] for a in each] for key, each in answers.items()}
-    assert texts["afd"] == texts["one"] and texts["together"] == texts["one"]
+    for key in ("afd", "together", "ping-pong"):
+        assert texts[key] == texts["one"], key
     assert answers["afd"][1]["prefix_reused"]
-    assert summaries["together"]["batch_sizes"].get("2", 0) > 0
-    assert summaries["together"]["afd"]["ffn"] == 1
+    for key in ("together", "ping-pong"):
+        assert summaries[key]["batch_sizes"].get("3", 0) > 0, summaries[key]
+    assert summaries["ping-pong"]["afd"]["micro_batches"] == 2
 
     question = "What is the capital of France?"
     alone = run_cli(1, ["generate", "--prompt", question, "--max-tokens", "12", "--json",

@@ -97,6 +97,11 @@ class FeedForwardClient:
         """The feed-forward of rows ``x`` (n, D) summed over the FFN ranks. ``experts``:
         each FFN rank's expert range (a mixture) or None (a dense MLP's hidden units);
         ``routing``: (ids, scores) of a mixture's rows."""
+        return self.start(x, experts, routing).finish()
+
+    def start(self, x: mx.array, experts: list | None, routing=None) -> "Crossing":
+        """``__call__``'s first half: the rows sent (the counts exchanged, the transfers
+        posted); the returned Crossing's ``finish`` waits for the sums."""
         rows = to_wire(x.astype(mx.float32))
         n, width = rows.shape
         if experts is None:
@@ -113,41 +118,48 @@ class FeedForwardClient:
             self.link.times.rows += n * self.first_layer
             self.link.times.row_layers += n
         self.first_layer = False
-        back = self._exchange(payload, targets, sending, width, x.dtype)
-        out = np.zeros((n, width), np.float32)
-        for peer_rows, pieces in zip(targets, back):
-            out[peer_rows] += pieces  # each row at most once per FFN rank
-        return mx.array(out).astype(x.dtype)
+        return Crossing(self.link, payload, targets, sending, width, x.dtype,
+                        self.replicated)
 
-    def _exchange(self, payload: np.ndarray, targets: list, sending: bool,
-                  width: int, dtype) -> list[np.ndarray]:
-        """Send each FFN rank its rows in micro-batches, return each one's partial sums
-        for ``targets[p]`` (in that order). ``dtype``: the rows' own, which the FFN ranks
-        compute in (they travel as float32)."""
-        link = self.link
+
+class Crossing:
+    """One layer's rows on their way to the FFN ranks and back: each FFN rank's rows in
+    micro-batches, its partial sums for ``targets[p]`` (in that order) added up."""
+
+    def __init__(self, link: Bipartite, payload: np.ndarray, targets: list, sending: bool,
+                 width: int, dtype, replicated: bool):
+        self.link, self.targets, self.width, self.dtype = link, targets, width, dtype
+        self.rows = payload.shape[0]
         # a decode step's one row is one micro-batch (the FFN ranks apply the same rule)
-        batches = 1 if self.replicated else link.micro_batches
+        batches = 1 if replicated else link.micro_batches
         parts = [np.array_split(t, batches) for t in targets]  # [peer][mb]
         headers = np.zeros((len(parts), HEADER + link.micro_batches), np.int64)
-        headers[:, 0] = int(self.replicated)
-        headers[:, 1] = WIRE_DTYPES.index(dtype)
+        headers[:, 0] = int(replicated)
+        headers[:, 1] = WIRE_DTYPES.index(dtype)  # the FFN ranks compute in the rows' dtype
         if sending:
             headers[:, HEADER:HEADER + batches] = [[len(mb) for mb in p] for p in parts]
         link.counts(headers)
         link.times.exchanges += 1
         empty = np.zeros((0, payload.shape[1]), np.float32)
-        outs = [link.post([payload[p[m]] if sending else empty for p in parts],
-                          [0] * len(parts), payload.shape[1], np.float32)
-                for m in range(batches)]
-        backs = [link.post([np.zeros((0, width), np.float32)] * len(parts),
-                           [len(p[m]) for p in parts], width, np.float32)
-                 for m in range(batches)]
-        for request, _, _ in outs:
+        self.outs = [link.post([payload[p[m]] if sending else empty for p in parts],
+                               [0] * len(parts), payload.shape[1], np.float32)
+                     for m in range(batches)]
+        self.backs = [link.post([np.zeros((0, width), np.float32)] * len(parts),
+                                [len(p[m]) for p in parts], width, np.float32)
+                      for m in range(batches)]
+
+    def finish(self) -> mx.array:
+        """The rows' feed-forward (n, D), in their dtype."""
+        link = self.link
+        for request, _, _ in self.outs:
             link.wait(request, "AFD rows out")
-        for request, _, _ in backs:
+        for request, _, _ in self.backs:
             link.wait(request, "AFD rows back")
-        return [np.concatenate([backs[m][1][p] for m in range(batches)])
-                for p in range(len(parts))]
+        out = np.zeros((self.rows, self.width), np.float32)
+        for p, peer_rows in enumerate(self.targets):
+            back = np.concatenate([b[1][p] for b in self.backs])
+            out[peer_rows] += back  # each row at most once per FFN rank
+        return mx.array(out).astype(self.dtype)
 
 
 class RemoteFeedForward:
@@ -170,6 +182,10 @@ class RemoteFeedForward:
         return self.local.add_output(h, out)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
+        return self.finish_mlp(h, x.shape, self.start_mlp(x))
+
+    def start_mlp(self, x: mx.array) -> Crossing:
+        """The MLP's input rows sent (a mixture's routed here first)."""
         rows = x.reshape(-1, x.shape[-1])
         routing = None
         if self.router is not None and rows.shape[0]:
@@ -177,10 +193,61 @@ class RemoteFeedForward:
         elif self.router is not None:  # no rows here: no router call (MLX's quantized
             k = experts_per_token(self.router)  # product dies on 0 rows)
             routing = (mx.zeros((0, k), mx.int32), mx.zeros((0, k), mx.float32))
-        y = self.client(rows, self.experts, routing).reshape(x.shape)
+        return self.client.start(rows, self.experts, routing)
+
+    def finish_mlp(self, h: mx.array, shape, crossing: Crossing) -> mx.array:
+        """The residual ``h`` plus the MLP's output, once it is back."""
+        y = crossing.finish().reshape(shape)
         if self.sandwich:
             return clip_residual(h, self.layer.post_feedforward_layernorm(y))
         return h + y
+
+
+def afd_halves(rows: int, micro_batches: int) -> list[slice]:
+    """A batched step's rows as the passes ``ping_pong`` interleaves: with micro-batches
+    (``--afd-micro-batches`` above 1) and two rows or more, two halves (the first the
+    larger), else one pass."""
+    if rows < 2 or micro_batches < 2:
+        return [slice(0, rows)]
+    middle = -(-rows // 2)
+    return [slice(0, middle), slice(middle, rows)]
+
+
+def ping_pong(model, passes: list, on_layer=None) -> list[mx.array]:
+    """Two forward passes over independent rows (two halves of a batched decode step),
+    interleaved so that one's attention runs while the FFN ranks compute the other's
+    MLP: ``passes`` holds each pass's (token_ids, positions, cache, attend) and the
+    hidden states (n, D) of each are returned. The FFN ranks serve the exchanges in the
+    order they are started: layer by layer, pass 0 then pass 1
+    (afd_ffn.FfnServer.serve_forward's ``streams``).
+
+        attention:  a0(0) a1(0) | a0(1)      a1(1)      | ...
+        FFN ranks:        f0(0)   f1(0)      f0(1)      | ...
+    """
+    started = [model.begin_pass(ids, positions, cache, attend)
+               for ids, positions, cache, attend in passes]
+    rows = [r for r, _ in started]
+    h = [h0 for _, h0 in started]
+    caches = [cache for _, _, cache, _ in passes]
+    layers = list(zip(model.layers, model.replicated, model.forms))
+    crossings, shapes = [None, None], [None, None]
+
+    def attend_and_send(s: int, index: int):
+        layer, project, form = layers[index]
+        h[s], x = model.attention_half(rows[s], index, layer, project,
+                                       caches[s].layers[index], form, h[s])
+        crossings[s], shapes[s] = project.start_mlp(x), x.shape
+
+    for s in (0, 1):
+        attend_and_send(s, 0)
+    for index in range(len(layers)):
+        if on_layer is not None:
+            on_layer(index)
+        for s in (0, 1):
+            h[s] = layers[index][1].finish_mlp(h[s], shapes[s], crossings[s])
+            if index + 1 < len(layers):
+                attend_and_send(s, index + 1)
+    return [r.finish(x) for r, x in zip(rows, h)]
 
 
 def remote_feed_forward(model, link: Bipartite, side_rank: int, ffn_ranks: int):

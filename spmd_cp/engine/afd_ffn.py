@@ -20,7 +20,7 @@ from ..runtime.comm import to_wire
 from ..runtime.device import Compute
 from ..runtime.grid import Grid
 from ..runtime.trace import span
-from .afd_attention import HEADER, WIRE_DTYPES
+from .afd_attention import HEADER, WIRE_DTYPES, afd_halves
 from .cache import ShardedKVCache
 
 
@@ -72,11 +72,14 @@ class FfnServer:
     def __init__(self, layers: list[FfnLayer], link: Bipartite, tracer=None):
         self.layers, self.link, self.tracer = layers, link, tracer
 
-    def serve_forward(self):
+    def serve_forward(self, streams: int = 1):
+        """One forward pass's exchanges, layer by layer; ``streams`` passes interleaved
+        (afd_attention.ping_pong: each layer's exchanges of pass 0, then pass 1)."""
         self.link.times.begin()
         for index, layer in enumerate(self.layers):
             with span(self.tracer, f"ffn layer {index}", "layer"):
-                self._serve(layer)
+                for _ in range(streams):
+                    self._serve(layer)
 
     def _serve(self, layer: FfnLayer):
         link, batches = self.link, self.link.micro_batches
@@ -188,5 +191,6 @@ class FfnBatchedDecoder:
         pass
 
     def step(self, keys: list, tokens: list[int], on_layer=None):
-        self.server.serve_forward()
+        halves = afd_halves(len(keys), self.server.link.micro_batches)
+        self.server.serve_forward(streams=len(halves))
         return None

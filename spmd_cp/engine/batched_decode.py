@@ -32,11 +32,12 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from ..attention import block_attention, merge_partials, merge_stacked
-from ..attention.block import pack_partial, unpack_partial
+from ..attention import block_attention, merge_partials
 from ..attention.partition import decode_owner
 from ..blas.libraries import rank_threads
 from ..kernels import gemv_forward
+from .afd_attention import afd_halves, ping_pong
+from .batch_rows import RowSplit
 from .cache import ShardedKVCache
 
 # Tail capacity grows in steps of this many entries (every slot at once).
@@ -184,17 +185,38 @@ class BatchedDecoder:
     # -- one step ----------------------------------------------------------------------
     def step(self, keys: list, tokens: list[int], on_layer=None):
         """Feed ``tokens[b]`` to sequence ``keys[b]``; the next logits (B, V) on rank 0
-        (None elsewhere)."""
+        (None elsewhere). Under ``--afd`` with ``--afd-micro-batches`` above 1 a step of
+        two or more sequences runs as two halves, one's attention while the FFN ranks
+        compute the other's MLP (afd_attention.ping_pong)."""
         sequences = [self.sequences[key] for key in keys]
         owners = [self._place(sequence) for sequence in sequences]
-        positions = np.array([s.position for s in sequences], np.int64)
-        split = RowSplit.of(len(keys), self.comm.size)
-        mine = split.rows(self.comm.rank)
-        view = _BatchView(self, self._rows(sequences, owners))
+        client = self.model.ffn_client
+        parts = [slice(0, len(keys))] if client is None else \
+            afd_halves(len(keys), client.link.micro_batches)
+        # every half's new rows placed before any half's attention reads the tails
+        views = [_BatchView(self, self._rows(sequences[p], owners[p])) for p in parts]
+        passes, splits = [], []
+        for part, view in zip(parts, views):
+            positions = np.array([s.position for s in sequences[part]], np.int64)
+            split = RowSplit.of(len(positions), self.comm.size)
+            mine = split.rows(self.comm.rank)
+            passes.append((np.array(tokens[part], np.int64)[mine], positions[mine], view,
+                           self._attention(sequences[part], positions, split)))
+            splits.append(split)
         with self.engine.crossing(replicated=False):  # --afd: each rank's own rows
-            hidden = self.model.forward(np.array(tokens, np.int64)[mine], positions[mine],
-                                        view, self._attention(sequences, positions, split),
-                                        store=True, on_layer=on_layer, tracer=self.comm.tracer)
+            if len(passes) == 2:
+                hidden = ping_pong(self.model, passes, on_layer)
+            else:
+                hidden = [self.model.forward(*passes[0], store=True, on_layer=on_layer,
+                                             tracer=self.comm.tracer)]
+        logits = [self._logits(h, split) for h, split in zip(hidden, splits)]
+        for sequence, owner in zip(sequences, owners):
+            sequence.position += 1
+            sequence.tail_sizes[owner] += 1
+        return mx.concatenate(logits) if self.comm.rank == 0 else None
+
+    def _logits(self, hidden: mx.array, split: "RowSplit"):
+        """Every rank's rows' logits, gathered to rank 0."""
         logits = self.model.logits(hidden)  # this rank's rows
         graph = self.collectives is not self.comm
         if graph:  # gathered inside the step's one graph
@@ -203,10 +225,7 @@ class BatchedDecoder:
             mx.eval(logits, hidden)
         if not graph:
             logits = self._gathered(logits, split)
-        for sequence, owner in zip(sequences, owners):
-            sequence.position += 1
-            sequence.tail_sizes[owner] += 1
-        return logits if self.comm.rank == 0 else None
+        return logits
 
     def _gathered(self, logits: mx.array, split: "RowSplit"):
         """Every rank's rows of logits, (B, V) on rank 0 (graph collectives: on every
@@ -279,44 +298,6 @@ class BatchedDecoder:
             return split.merge_mine(collectives, out, lse)
 
         return attend
-
-
-class RowSplit(NamedTuple):
-    """The batch's rows dealt to the ranks in contiguous runs (the first ``B mod N``
-    ranks one more): each rank computes its rows' projections, MLP and logits (the
-    replicated weights read once a step for B / N rows), while attention takes every
-    rank's KV shard for every row."""
-
-    total: int
-    counts: list[int]
-
-    @classmethod
-    def of(cls, total: int, ranks: int) -> "RowSplit":
-        return cls(total, [total // ranks + (r < total % ranks) for r in range(ranks)])
-
-    def rows(self, rank: int) -> slice:
-        start = sum(self.counts[:rank])
-        return slice(start, start + self.counts[rank])
-
-    def gather(self, collectives, q, k, v):
-        """Every rank's rows of q (NH, n, d), k and v (NKV, n, d), as (., B, d): one
-        Allgather of the three."""
-        if collectives.size == 1:
-            return q, k, v
-        heads, kv_heads = q.shape[0], k.shape[0]
-        joined = collectives.allgather_rows(
-            mx.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)]), axis=1,
-            counts=self.counts)
-        return (joined[:heads], joined[heads:heads + kv_heads].astype(k.dtype),
-                joined[heads + kv_heads:].astype(v.dtype))
-
-    def merge_mine(self, collectives, out: mx.array, lse: mx.array) -> mx.array:
-        """The partials (NH, B, d) and (NH, B) of this rank's shard: every rank's
-        gathered (one Allgather of B rows' partials: a few KB; graph collectives have no
-        Alltoallv), this rank's rows merged over every rank's shard."""
-        gathered = collectives.allgather_stack(pack_partial(out, lse, mx.float32))
-        mine = gathered[:, :, self.rows(collectives.rank)]
-        return merge_stacked(*unpack_partial(mine, out.shape[-1]))[0]
 
 
 class _LayerInputs(NamedTuple):

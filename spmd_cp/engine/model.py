@@ -218,6 +218,31 @@ class SandwichLayer(ReplicatedLayer):
         return clip_residual(h, self.layer.post_feedforward_layernorm(self.parts.feed_forward(x)))
 
 
+@dataclasses.dataclass(frozen=True)
+class PassRows:
+    """What every layer of one forward pass reads: this rank's rows, their positions and
+    runs, the cache and attention of the pass, and the norm and RoPE forms chosen for
+    them (CPModel._norm_and_rope)."""
+
+    runs: list
+    positions: np.ndarray
+    cache: object
+    attend: AttendFn
+    store: bool
+    norm: Callable
+    rope_matrix: Callable | None
+    row_matrices: Callable | None
+
+    @property
+    def row_form(self) -> bool:
+        """One token on the CPU path: (1, D) rows (one_token.py)."""
+        return self.rope_matrix is not None
+
+    def finish(self, h: mx.array) -> mx.array:
+        """The pass's hidden states as (n, D)."""
+        return h if self.row_form else h.squeeze(0)
+
+
 class CPModel:
     """An mlx-lm causal LM evaluated one rank's positions at a time."""
 
@@ -284,37 +309,54 @@ class CPModel:
                 reads (default ``self.layers``; a layer-sharded split step passes copies
                 of the small parts, tp_decode.LayerShell, so no layer is fetched).
         """
-        runs = contiguous_runs(positions)
-        if isinstance(token_ids, mx.array):
-            ids = token_ids.astype(mx.int32)
-        else:
-            ids = mx.array(token_ids, mx.int32)
         modules = modules or self.layers
-        norm, rope_matrix, row_matrices = self._norm_and_rope(modules, positions, runs)
-        row_form = rope_matrix is not None  # one token on the CPU path: (1, D) rows
-        # (1, D) or (1, n, D); a packed-only embedding's rows come from its packed form
-        h = embedding_rows(self.embed_tokens, ids if row_form else ids[None])
-        if self.embed_scale is not None:
-            h = h * self.embed_scale.astype(h.dtype)
+        rows, h = self.begin_pass(token_ids, positions, cache, attend, store, modules)
         layers = zip(modules, projections or self.replicated, cache.layers, self.forms)
         for index, (layer, project, layer_kv, form) in enumerate(layers):
             if on_layer is not None:
                 on_layer(index)
             with span(tracer, f"layer {index}", "layer"):
-                attn = layer.self_attn
-                ropes = [None if f is None else partial(f, index)
-                         for f in (rope_matrix, row_matrices)]
-                q, k, v = heads_with_rope(
-                    attn, *project.qkv(norm(layer.input_layernorm, h)), runs, *ropes)
-                keys, values = layer_kv.shard(k, v, store)
-                out = attend(q, keys, values, positions, cache.positions, attn.scale,
-                             form.window)
-                # float32 partials must not widen the residual
-                h = project.add_output(h, heads_to_rows(out.astype(q.dtype), row_form))
-                h = project.add_mlp(h, norm(getattr(layer, form.mlp_norm), h))
+                h, x = self.attention_half(rows, index, layer, project, layer_kv, form, h)
+                h = project.add_mlp(h, x)
                 if tracer is not None:
                     mx.eval(h)
-        return h if row_form else h.squeeze(0)
+        return rows.finish(h)
+
+    def begin_pass(self, token_ids, positions: np.ndarray, cache: ShardedKVCache,
+                   attend: AttendFn, store: bool = True, modules=None):
+        """(what every layer of one pass reads, the embedded rows): ``forward``'s start,
+        which an interleaved pair of passes (afd_attention.ping_pong) shares."""
+        runs = contiguous_runs(positions)
+        if isinstance(token_ids, mx.array):
+            ids = token_ids.astype(mx.int32)
+        else:
+            ids = mx.array(token_ids, mx.int32)
+        norm, rope_matrix, row_matrices = self._norm_and_rope(modules or self.layers,
+                                                              positions, runs)
+        rows = PassRows(runs, positions, cache, attend, store, norm, rope_matrix,
+                        row_matrices)
+        # (1, D) or (1, n, D); a packed-only embedding's rows come from its packed form
+        h = embedding_rows(self.embed_tokens, ids if rows.row_form else ids[None])
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.astype(h.dtype)
+        return rows, h
+
+    @staticmethod
+    def attention_half(rows: "PassRows", index: int, layer, project, layer_kv, form,
+                       h: mx.array) -> tuple[mx.array, mx.array]:
+        """Layer ``index`` up to its MLP: (the residual with attention added, the MLP's
+        normed input); ``project.add_mlp(h, x)`` completes the layer."""
+        attn, norm = layer.self_attn, rows.norm
+        ropes = [None if f is None else partial(f, index)
+                 for f in (rows.rope_matrix, rows.row_matrices)]
+        q, k, v = heads_with_rope(
+            attn, *project.qkv(norm(layer.input_layernorm, h)), rows.runs, *ropes)
+        keys, values = layer_kv.shard(k, v, rows.store)
+        out = rows.attend(q, keys, values, rows.positions, rows.cache.positions, attn.scale,
+                          form.window)
+        # float32 partials must not widen the residual
+        h = project.add_output(h, heads_to_rows(out.astype(q.dtype), rows.row_form))
+        return h, norm(getattr(layer, form.mlp_norm), h)
 
     def _norm_and_rope(self, modules, positions: np.ndarray, runs):
         """``norm(module, x)``, ``rope_matrix(layer_index, head_dim)`` and
