@@ -11,6 +11,12 @@ hidden 576, 16 experts of 512 hidden units, 2 a token: 0.21 B parameters, 0.19 B
 them experts; the embedded model's tokenizer). Layouts, each:
 
 - here, N = 3 over shared memory: CP 3; ``--afd 2:1`` in one micro-batch and in two;
+Then batched decode (``spmd-cp batch --max-batch 8 --kv-dtype float32 --json``, N = 3
+here): 8 jobs of 24 tokens (``ignore_eos``) after the document's first 2,500 characters
+as a shared prefix, CP 3 against ``--afd 2:1`` with one micro-batch and with two (each
+batched step then two halves, one's attention while the FFN rank computes the other's
+MLP): the aggregate decode tok/s, and whether every job's tokens equal CP 3's.
+
 Rounds interleave the layouts; the tables give medians.
 
 - with ``--rate R``, N = 4 on the simulated two-host TCP cluster (``launch/netns-cluster
@@ -119,6 +125,57 @@ def summary_rows(runs: dict) -> list[list]:
     return rows
 
 
+BATCH = {"CP 3": [], "AFD 2:1, 1 micro-batch": ["--afd", "2:1", "--afd-micro-batches", "1"],
+         "AFD 2:1, 2 micro-batches (ping-pong)": ["--afd", "2:1", "--afd-micro-batches", "2"]}
+QUESTIONS = ["What is this?", "Who wrote it?", "Is it free?", "What may I change?",
+             "May I sell it?", "What must I share?", "Name a duty.", "Name a right."]
+
+
+def batch_run(jobs: Path, flags: list[str], out: Path) -> dict:
+    """One ``spmd-cp batch`` run: its summary and every job's token ids."""
+    program = str(Path(sys.executable).parent / "spmd-cp")
+    command = bl.mpi_cmd(3, program, "batch", "--jobs", str(jobs), "--output", str(out),
+                         "--max-batch", "8", "--kv-dtype", "float32", "--json", "--overwrite",
+                         *flags)
+    summary = bl.run_json(command, env=bl.bench_env(1), timeout=1800)
+    tokens = {job["id"]: job["token_ids"] for job in map(json.loads, out.open())}
+    return {"decode_tok_s": summary["decode_tok_s"], "batch_sizes": summary["batch_sizes"],
+            "tokens": tokens}
+
+
+def measure_batches(models: dict, doc: Path, scratch: Path, rounds: int) -> dict:
+    """{"model | layout": [each round's batch run]}."""
+    prefix = scratch / "prefix.txt"
+    prefix.write_text(doc.read_text()[:2500])
+    jobs = scratch / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": str(i), "prefix_file": str(prefix), "prompt": q,
+                                        "max_tokens": 24, "ignore_eos": True}) + "\n"
+                            for i, q in enumerate(QUESTIONS)))
+    runs = {}
+    for _ in range(rounds):
+        for model, path in models.items():
+            for name, flags in BATCH.items():
+                bl.log(f"{model}: batch, {name}")
+                extra = ["--model", path] if path else []
+                runs.setdefault(f"{model} | {name}", []).append(
+                    batch_run(jobs, flags + extra, scratch / "out.jsonl"))
+    return runs
+
+
+def batch_rows(runs: dict) -> list[list]:
+    rows, firsts = [], {}
+    for key, each in runs.items():
+        model, layout = key.split(" | ")
+        first = firsts.setdefault(model, each[0])
+        same = all(r["tokens"] == first["tokens"] for r in each)
+        rows.append([model, layout, bl.fmt(bl.median(r["decode_tok_s"] for r in each), 1),
+                     "yes" if same else "no"])
+    return rows
+
+
+BATCH_HEADER = ["model", "layout", "aggregate decode tok/s", "every job's tokens = CP 3's"]
+
+
 HEADER = ["model", "layout", "prefill tok/s", "decode tok/s", "KB crossing / token and layer",
           "weights MiB a rank (max)", "KV MiB a rank (max)", "slowest rank of each side",
           "tokens = CP's"]
@@ -138,6 +195,7 @@ def main():
         models = {"SmolLM2-135M (dense)": None,
                   "Qwen3-MoE 16x2 (random)": write_moe(Path(scratch) / "moe")}
         local = measure(models, LOCAL, 3, doc, args.tokens, False, args.rounds)
+        batches = measure_batches(models, doc, Path(scratch), args.rounds)
         two_hosts = None
         if args.rate:
             try:
@@ -158,9 +216,11 @@ def main():
     if two_hosts:
         text += (f"\n\n### N = 4, two simulated hosts at {args.rate} (2 ranks a host)\n\n"
                  + bl.table(HEADER, summary_rows(two_hosts)))
+    text += ("\n\n### Batched decode, N = 3: 8 jobs of 24 tokens after a shared prefix\n\n"
+             + bl.table(BATCH_HEADER, batch_rows(batches)))
     print(text)
     bl.save("afd", {"command": command, "machine": bl.machine(), "local": local,
-                    "two_hosts": two_hosts, "rate": args.rate}, text)
+                    "two_hosts": two_hosts, "rate": args.rate, "batches": batches}, text)
 
 
 if __name__ == "__main__":
