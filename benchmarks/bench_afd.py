@@ -78,30 +78,31 @@ def write_moe(path: Path) -> str:
 def launch(ranks: int, doc: Path, tokens: int, flags: list[str], cluster: bool) -> dict:
     args = ["generate", "--prompt-file", str(doc), "--no-chat-template", "--max-tokens",
             str(tokens), "--ignore-eos", "--kv-dtype", "float32", "--json", *flags]
-    program = str(Path(sys.executable).parent / "spmd-cp")
-    if cluster:
-        command = [sys.executable, str(REPO / "launch" / "spmd-cp-run"), "--netns-cluster",
-                   "-n", str(ranks), "--threads", "1", "--program", program, "--", *args]
-    else:
-        command = bl.mpi_cmd(ranks, program, *args)
-    run = bl.run_json(command, env=bl.bench_env(1), timeout=1800)
+    run = bl.run_json(bl.spmd_cp_command(ranks, args, cluster), env=bl.bench_env(1),
+                      timeout=1800)
     return {key: run.get(key) for key in (
         "prompt_tokens", "tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "model_bytes",
         "kv_cache_bytes", "comm_bytes", "token_ids", "afd", "_others")}
 
 
-def measure(models: dict, layouts: dict, ranks: int, doc: Path, tokens: int,
-            cluster: bool, rounds: int) -> dict:
-    """{"model | layout": [each round's run]}."""
+def rounds_of(models: dict, layouts: dict, rounds: int, run, what: str) -> dict:
+    """{"model | layout": [each round's ``run(flags)``]}, the rounds interleaving every
+    model and layout."""
     runs = {}
     for _ in range(rounds):
         for model, path in models.items():
             for name, flags in layouts.items():
-                bl.log(f"{model}: {name} at N = {ranks}{' (two hosts)' if cluster else ''}")
+                bl.log(f"{model}: {name} {what}")
                 extra = ["--model", path] if path else []
-                runs.setdefault(f"{model} | {name}", []).append(
-                    launch(ranks, doc, tokens, flags + extra, cluster))
+                runs.setdefault(f"{model} | {name}", []).append(run(flags + extra))
     return runs
+
+
+def measure(models: dict, layouts: dict, ranks: int, doc: Path, tokens: int,
+            cluster: bool, rounds: int) -> dict:
+    where = f"at N = {ranks}{' (two hosts)' if cluster else ''}"
+    return rounds_of(models, layouts, rounds,
+                     lambda flags: launch(ranks, doc, tokens, flags, cluster), where)
 
 
 def summary_rows(runs: dict) -> list[list]:
@@ -133,10 +134,9 @@ QUESTIONS = ["What is this?", "Who wrote it?", "Is it free?", "What may I change
 
 def batch_run(jobs: Path, flags: list[str], out: Path) -> dict:
     """One ``spmd-cp batch`` run: its summary and every job's token ids."""
-    program = str(Path(sys.executable).parent / "spmd-cp")
-    command = bl.mpi_cmd(3, program, "batch", "--jobs", str(jobs), "--output", str(out),
-                         "--max-batch", "8", "--kv-dtype", "float32", "--json", "--overwrite",
-                         *flags)
+    command = bl.spmd_cp_command(3, ["batch", "--jobs", str(jobs), "--output", str(out),
+                                     "--max-batch", "8", "--kv-dtype", "float32", "--json",
+                                     "--overwrite", *flags])
     summary = bl.run_json(command, env=bl.bench_env(1), timeout=1800)
     tokens = {job["id"]: job["token_ids"] for job in map(json.loads, out.open())}
     return {"decode_tok_s": summary["decode_tok_s"], "batch_sizes": summary["batch_sizes"],
@@ -151,15 +151,8 @@ def measure_batches(models: dict, doc: Path, scratch: Path, rounds: int) -> dict
     jobs.write_text("".join(json.dumps({"id": str(i), "prefix_file": str(prefix), "prompt": q,
                                         "max_tokens": 24, "ignore_eos": True}) + "\n"
                             for i, q in enumerate(QUESTIONS)))
-    runs = {}
-    for _ in range(rounds):
-        for model, path in models.items():
-            for name, flags in BATCH.items():
-                bl.log(f"{model}: batch, {name}")
-                extra = ["--model", path] if path else []
-                runs.setdefault(f"{model} | {name}", []).append(
-                    batch_run(jobs, flags + extra, scratch / "out.jsonl"))
-    return runs
+    return rounds_of(models, BATCH, rounds,
+                     lambda flags: batch_run(jobs, flags, scratch / "out.jsonl"), "(batch)")
 
 
 def batch_rows(runs: dict) -> list[list]:

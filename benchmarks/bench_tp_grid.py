@@ -43,13 +43,8 @@ TWO_HOSTS = {"CP 4": ["--tp", "1"], "CP 2 x TP 2": ["--tp", "2"]}
 def launch(ranks: int, doc: Path, tokens: int, flags: list[str], cluster: bool) -> dict:
     args = ["generate", "--prompt-file", str(doc), "--no-chat-template", "--max-tokens",
             str(tokens), "--ignore-eos", "--json", *flags]
-    program = str(Path(sys.executable).parent / "spmd-cp")
-    if cluster:
-        command = [sys.executable, str(REPO / "launch" / "spmd-cp-run"), "--netns-cluster",
-                   "-n", str(ranks), "--threads", "1", "--program", program, "--", *args]
-    else:
-        command = bl.mpi_cmd(ranks, program, *args)
-    return bl.run_json(command, env=bl.bench_env(1), timeout=1800)
+    return bl.run_json(bl.spmd_cp_command(ranks, args, cluster), env=bl.bench_env(1),
+                       timeout=1800)
 
 
 def measure(ranks: int, doc: Path, tokens: int, flags: list[str], cluster: bool) -> dict:

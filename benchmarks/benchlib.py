@@ -299,6 +299,17 @@ def mpi_cmd(ranks: int, *args) -> list[str]:
     return [MPIEXEC, "-n", str(ranks), *map(str, args)]
 
 
+def spmd_cp_command(ranks: int, args: list[str], cluster: bool = False) -> list[str]:
+    """``spmd-cp ARGS`` on ``ranks`` ranks: through mpiexec here, or with ``cluster`` on
+    the simulated hosts of ``launch/netns-cluster`` (through launch/spmd-cp-run, one BLAS
+    thread a rank)."""
+    program = str(Path(BIN) / "spmd-cp")
+    if cluster:
+        return [sys.executable, str(ROOT / "launch" / "spmd-cp-run"), "--netns-cluster",
+                "-n", str(ranks), "--threads", "1", "--program", program, "--", *args]
+    return mpi_cmd(ranks, program, *args)
+
+
 # -- statistics and output ------------------------------------------------------------
 def median(values) -> float:
     values = [v for v in values if v is not None]

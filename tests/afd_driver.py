@@ -5,8 +5,9 @@ in one launch.
 
 MODELS_JSON: {name: [model path, prompt length]}; ALGOS: comma-separated ``--cp-algo``s.
 Per model and algorithm, rank 0 records the logprob of every prompt token (a float32
-cache) and the greedy continuation; per model, every rank's weight bytes (and the whole model's,
-and its experts'), and per algorithm the KV bytes and the AFD summary (bytes crossed,
+cache) and the greedy continuation; per model, every rank's weight bytes and the most MLX
+memory it held while loading (and the whole model's bytes, its experts' and its largest
+layer's), and per algorithm the KV bytes and the AFD summary (bytes crossed,
 waits). The load and the engine are the CLI's own
 (engine/afd_load.py, engine/afd_engine.py).
 """
@@ -40,12 +41,15 @@ SEED = 7
 def run_model(comm, spec: str, algos: list[str], micro: int, path: str, length: int) -> dict:
     import mlx.core as mx
 
+    mx.reset_peak_memory()
     loaded = load_afd_share(path, AfdRoles.of(spec, comm.size), comm.rank)
-    out = {"weights": comm.gather_object(model_nbytes(loaded.model)), "algos": {}}
+    out = {"weights": comm.gather_object(model_nbytes(loaded.model)),
+           "load_peak": comm.gather_object(mx.get_peak_memory()), "algos": {}}
     if comm.rank == 0:  # the whole model, and of it the experts' matrices
         whole = load_model(path, packed_decode=False).model
         mixtures = [layer for layer in whole.model.layers if is_mixture(feed_forward(layer))]
         out["whole"] = model_nbytes(whole)
+        out["largest_layer"] = max(model_nbytes(layer) for layer in whole.model.layers)
         out["experts"] = sum(expert_bytes(feed_forward(layer)) for layer in mixtures)
     for algo in algos:
         run = RunConfig(afd=spec, afd_micro_batches=micro, kv_dtype="float32", cp_algo=algo,

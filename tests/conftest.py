@@ -69,6 +69,15 @@ def run_cli(n: int, args: list[str], **kwargs) -> Launch:
     return run_ranks(n, SPMD_CP + args, **kwargs)
 
 
+def assert_refused(n: int, args: list[str], message: str) -> Launch:
+    """``args`` on ``n`` ranks must be refused as bad input: exit status 2 and ``message``
+    in the ranks' stderr."""
+    refused = run_cli(n, args, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert message in refused.stderr, refused.stderr
+    return refused
+
+
 def _c_helpers_build() -> bool:
     """Whether this machine can build spmd-cp's C helpers (runtime/native.py): a C
     compiler with the C library's headers. Where it cannot, spmd-cp runs without them,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli, run_ranks, write_tiny_model
+from conftest import assert_refused, run_cli, run_ranks, write_tiny_model
 from test_families import FAMILIES, reference
 
 from spmd_cp.cli.doctor_checks import afd_report
@@ -82,7 +82,8 @@ def test_afd_scores_and_decodes_as_mlx_lm(afd_models, afd_runs, name):
 def test_ffn_ranks_hold_no_kv_and_attention_ranks_no_experts(afd_runs):
     """The sides partition the model: an attention rank holds everything but the
     feed-forward (a mixture's router stays), the FFN ranks the feed-forward between
-    them (no embedding, head or attention); only attention ranks hold KV. Bytes cross the
+    them (no embedding, head or attention), and each read only that, a layer at a time;
+    only attention ranks hold KV. Bytes cross the
     link both ways, and each side names its slowest rank."""
     for (n, spec, micro), results in afd_runs.items():
         roles = AfdRoles.of(spec, n)
@@ -94,6 +95,9 @@ def test_ffn_ranks_hold_no_kv_and_attention_ranks_no_experts(afd_runs):
             if result["experts"]:
                 assert attention[0] <= whole - result["experts"], (name, weights)
                 assert sum(ffn) >= result["experts"], (name, weights)
+            # while loading, a rank held its part and the layer being cut, never the model
+            for held, peak in zip(weights, result["load_peak"]):
+                assert peak <= held + 2 * result["largest_layer"], (name, spec, peak, held)
             for algo, run in result["algos"].items():
                 kv = run["kv_cache_bytes"]
                 assert min(kv[:roles.attention]) > 0 and kv[roles.attention:] == [0] * roles.ffn
@@ -206,10 +210,8 @@ def test_generate_score_and_caches_with_afd_answer_as_one_rank(tmp_path):
             (4, ["--afd", "2:2", "--tp", "2"], "--afd 2:2 does not combine with --tp"),
             (3, ["--afd", "2:1", "--decode-step", "native"],
              "--afd 2:1 does not combine with --decode-step native")]:
-        refused = run_cli(n, args + (extra if "--prompt" in extra else
-                                     extra + ["--prompt", "Hi"]), check=False)
-        assert refused.returncode == 2, refused.stderr
-        assert message in refused.stderr, refused.stderr
+        assert_refused(n, args + (extra if "--prompt" in extra else
+                                  extra + ["--prompt", "Hi"]), message)
 
 
 def test_batch_and_serve_with_afd_answer_as_one_rank(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli, run_ranks, write_tiny_model
+from conftest import assert_refused, run_cli, run_ranks, write_tiny_model
 from test_families import FAMILIES, reference
 
 from spmd_cp.cli.doctor_checks import grid_report, grid_warnings
@@ -158,10 +158,8 @@ def test_generate_on_a_grid_reports_it(embedded_model, tmp_path):
             (2, ["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
             (2, ["--tp", "2", "--decode-step", "native"],
              "--tp 2 does not combine with --decode-step native")]:
-        refused = run_cli(n, args + (extra if "--prompt" in extra else
-                                     extra + ["--prompt", "Hi"]), check=False)
-        assert refused.returncode == 2, refused.stderr
-        assert message in refused.stderr, refused.stderr
+        assert_refused(n, args + (extra if "--prompt" in extra else
+                                  extra + ["--prompt", "Hi"]), message)
 
 
 def test_serve_on_a_grid_answers_as_one_rank(tmp_path):

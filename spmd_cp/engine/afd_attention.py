@@ -93,25 +93,22 @@ class FeedForwardClient:
         finally:
             self.replicated = False
 
-    def __call__(self, x: mx.array, experts: list | None, routing=None) -> mx.array:
-        """The feed-forward of rows ``x`` (n, D) summed over the FFN ranks. ``experts``:
+    def start(self, x: mx.array, experts: list | None, routing=None) -> "Crossing":
+        """Rows ``x`` (n, D) sent to the FFN ranks (the counts exchanged, the transfers
+        posted); the returned Crossing's ``finish`` waits for their sums. ``experts``:
         each FFN rank's expert range (a mixture) or None (a dense MLP's hidden units);
         ``routing``: (ids, scores) of a mixture's rows."""
-        return self.start(x, experts, routing).finish()
-
-    def start(self, x: mx.array, experts: list | None, routing=None) -> "Crossing":
-        """``__call__``'s first half: the rows sent (the counts exchanged, the transfers
-        posted); the returned Crossing's ``finish`` waits for the sums."""
-        rows = to_wire(x.astype(mx.float32))
+        wide = x.astype(mx.float32)
+        if experts is not None:
+            ids, scores = routing[0], routing[1].astype(mx.float32)
+            mx.eval(wide, ids, scores)  # the rows and their routing: one evaluation
+        rows = to_wire(wide)
         n, width = rows.shape
         if experts is None:
             payload, targets = rows, [np.arange(n)] * len(self.link.peers)
         else:
-            ids, scores = routing
-            mx.eval(ids, scores)
-            ids, scores = np.asarray(ids), np.asarray(scores.astype(mx.float32))
-            payload = np.concatenate([rows, scores.astype(np.float32),
-                                      ids.astype(np.float32)], axis=1)
+            ids, scores = np.asarray(ids), np.asarray(scores)
+            payload = np.concatenate([rows, scores, ids.astype(np.float32)], axis=1)
             targets = [np.flatnonzero(((ids >= a) & (ids < b)).any(axis=1)) for a, b in experts]
         sending = not self.replicated or self.side_rank == 0
         if sending:

@@ -128,7 +128,6 @@ class FfnEngine:
         self.prefill_chunk, self.algo, self.decode = prefill_chunk, algo, decode
         self.algos_used: list[str] = []
         self.plan = self.decoder = self.tp_decoder = None
-        self.measured = None
 
     def layer_hook(self, phase: str):
         return None  # (an FFN rank runs no layer loop of its own)
@@ -177,12 +176,10 @@ class FfnBatchedDecoder:
     """An FFN rank's side of batched decode steps (batched_decode.BatchedDecoder's calls):
     each step one forward pass served; no sequences held."""
 
-    class _NoTails:
-        lengths: tuple = ()
-        nbytes = 0
+    tail_tokens = tail_bytes = 0  # no keys or values held
 
     def __init__(self, server: FfnServer):
-        self.server, self.tails = server, self._NoTails()
+        self.server = server
 
     def admit(self, key, capacity: int):
         pass

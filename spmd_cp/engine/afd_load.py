@@ -5,7 +5,8 @@ routes where the rows are); an FFN rank reads the feed-forward only: its experts
 stacked experts' rows [start, stop) along the expert axis) or, for a dense MLP, its
 share of the hidden units (tensor_groups.cut_feed_forward), and no embedding, head or
 attention. Each layer is read and converted whole, as a whole load converts it, then cut
-and dropped: the peak while loading is a rank's part plus one layer.
+and dropped: the peak while loading is a rank's part plus one layer read whole and the
+part being cut from it (tests/test_afd.py: at most two layers' bytes above the part).
 """
 
 from __future__ import annotations

@@ -182,6 +182,15 @@ class BatchedDecoder:
     def retire(self, key):
         self.tails.clear(self.sequences.pop(key).slot)
 
+    @property
+    def tail_tokens(self) -> int:
+        """Every slot's entries on this rank."""
+        return sum(self.tails.lengths)
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.tails.nbytes
+
     # -- one step ----------------------------------------------------------------------
     def step(self, keys: list, tokens: list[int], on_layer=None):
         """Feed ``tokens[b]`` to sequence ``keys[b]``; the next logits (B, V) on rank 0

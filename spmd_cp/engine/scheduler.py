@@ -125,7 +125,7 @@ class Scheduler:
         self.stats.step_s += time.perf_counter() - start
         self.stats.steps += 1
         self.stats.sizes[len(keys)] += 1
-        self.stats.tail_tokens = max(self.stats.tail_tokens, sum(self.decoder.tails.lengths))
+        self.stats.tail_tokens = max(self.stats.tail_tokens, self.decoder.tail_tokens)
         for (running, _), (token, stopped, error) in zip(rows, decisions):
             if error is None:
                 self.stats.tokens += 1
