@@ -24,6 +24,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from spmd_cp.config import DecodeConfig  # noqa: E402
+from spmd_cp.engine.cache import NO_REWIND  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402
@@ -45,6 +46,8 @@ def run_config(comm, model, config, model_bytes):
     engine = Engine(model, comm, algo=config["algo"], prefill_chunk=config["chunk"],
                     decode=decode)
     cache = engine.new_cache()
+    if config.get("trim"):  # as generate's: sliding-window layers drop what no query sees
+        cache.rewinds_to = NO_REWIND
     ids = prompt_ids(config["length"], config["seed"], 49152)
     bytes_before = comm.bytes_sent
     window_before = (comm.window_kv_bytes, comm.window_kv_ring_bytes)

@@ -180,6 +180,42 @@ def test_cache_room_is_what_its_buffers_take_within_a_growth_step():
     assert cache.capacity == room and cache.nbytes == 2 * 2 * 3 * 10 * 4 * 4
 
 
+def test_a_window_layer_drops_the_keys_no_later_query_sees():
+    """Rank 1 of 2 after a 40-token prefill whose owner may truncate back to 30 tokens:
+    its windowed layer (window 8) keeps the entries of its positions from 23 on (a query
+    at 30 sees 23..30), each still the key of its position, the global layer all of
+    them; every rank's held positions follow from the floor alone. A truncation that
+    would need a dropped key is refused; one to the promised 30 keeps positions 23..29,
+    and an empty cache forgets the floor (engine/cache.py)."""
+    from spmd_cp.attention.partition import head_tail_positions
+    from spmd_cp.engine.cache import ShardedKVCache
+
+    ranks = head_tail_positions(40, 2)
+    cache = ShardedKVCache(num_layers=2, cp_rank=1, cp_size=2)
+    cache.add_positions(ranks, np.arange(40))
+    mine = ranks[1]
+    for layer in cache.layers:  # each key holds its own position
+        keys = mx.array(np.repeat(mine[None, :, None], 4, axis=2).astype(np.float32))
+        layer.update_and_fetch(keys, keys)
+
+    def held_keys(layer):
+        return np.array(layer.fetch()[0])[0, :, 0].astype(np.int64).tolist()
+
+    cache.rewinds_to = 30
+    cache.drop_behind_window(0, 8)
+    assert held_keys(cache.layers[0]) == [p for p in mine if p >= 23]
+    assert cache.layer_positions(cache.layers[0]).tolist() == [p for p in mine if p >= 23]
+    assert held_keys(cache.layers[1]) == mine.tolist()
+    assert [p.tolist() for p in cache.rank_positions_within(8)] == [
+        [p for p in r if p >= 23] for r in ranks]
+    with pytest.raises(ValueError, match="sliding-window layers dropped the keys before 23"):
+        cache.truncate(29)
+    cache.truncate(30)
+    assert held_keys(cache.layers[0]) == [p for p in mine if 23 <= p < 30]
+    cache.truncate(0)
+    assert (cache.layers[0].dropped, cache.window_floors, cache.nbytes) == (0, {}, 0)
+
+
 def test_a_cache_filled_in_one_step_holds_contiguous_rows():
     """A layer's first append of exactly whole growth steps, in a half-precision cache,
     from a transposed view (as a projection's heads are): the buffers hold the values

@@ -123,18 +123,32 @@ def configs_for(n: int) -> list[dict]:
     algorithm whole with decode, and decode's other merge with its collectives in MLX's
     graph. Three: every algorithm chunked (later chunks attend to the sharded cache),
     pass-KV whole for its byte count, and a prompt shorter than the ranks (empty shards
-    in the window exchange)."""
-    def config(algo, chunk, decode, **extra):
+    in the window exchange). ``trim``: the windowed layers drop the keys behind every
+    later window as generate's do (the later chunks and decode attend to what is left);
+    the others keep every key, as a cache to be saved or served does."""
+    def config(algo, chunk, decode, trim=True, **extra):
         return {"algo": algo, "chunk": chunk, "length": LENGTH, "decode": decode,
-                "seed": LENGTH + chunk, **extra}
+                "seed": LENGTH + chunk, "trim": trim, **extra}
 
     if n == 1:
-        return [config("auto", chunk, DECODE) for chunk in (0, 23)]
+        return [config("auto", chunk, DECODE, trim=bool(chunk)) for chunk in (0, 23)]
     if n == 2:
         return [config(algo, 0, DECODE) for algo in ALGOS] + [
-            config("pass-kv", 0, DECODE, merge="allreduce", comm="mlx")]
+            config("pass-kv", 0, DECODE, trim=False, merge="allreduce", comm="mlx")]
     return [config(algo, 23, 2) for algo in ALGOS] + [
-        config("pass-kv", 0, 0), {**config("pass-kv", 0, 2), "length": 2}]
+        config("pass-kv", 0, 0, trim=False), {**config("pass-kv", 0, 2), "length": 2}]
+
+
+def held_kv_bytes(n: int, length: int, trim: bool, dims: dict) -> list[int]:
+    """Per rank, the cache's bytes after a prefill of ``length`` tokens: every position a
+    rank owns in the global layers, and in the windowed ones those a query at ``length``
+    still sees (all of them when nothing is trimmed). Counted from the placement alone."""
+    from spmd_cp.attention.partition import head_tail_positions
+
+    per_key = 2 * dims["NKV"] * dims["d"] * 4
+    floor = length - WINDOW + 1 if trim else 0
+    return [per_key * (dims["layers"] * p.size - dims["local_layers"] * int(np.sum(p < floor)))
+            for p in head_tail_positions(length, n)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -142,9 +156,14 @@ def test_gemma3_text_matches_mlx_lm_under_every_algorithm(n, tiny_gemma3_models,
     path = tiny_gemma3_models["gemma3_text"]
     results = run_driver(n, path, configs_for(n), tmp_path)
     check(results, path, n)
+    dims = {"layers": 4, "local_layers": 3, "NKV": 2, "d": 16}  # local: 0, 1, 3 (pattern 3)
+    for result in results:
+        config = result["config"]
+        if config["chunk"] == 0:  # one pass: each rank's shard is the head-tail rule's
+            assert result["kv_bytes_prefill"] == held_kv_bytes(
+                n, config["length"], config["trim"], dims), config
     if n == 1:
         return
-    dims = {"local_layers": 3, "NKV": 2, "d": 16}  # layers 0, 1 and 3 of 4 (pattern 3)
     sent, ring = brute_force_window_bytes(n, LENGTH, dims)
     for result in results:
         window = result["window_kv_bytes"]  # per rank: [sent, a full ring's]
@@ -461,3 +480,31 @@ def test_gemma3_270m_generates_as_mlx_lm_with_sharded_weights(gemma3_270m):
     assert result["prompt_tokens"] == len(ids)
     assert result["token_ids"] == greedy_reference(reference_dir, ids, 8)[:len(result["token_ids"])]
     assert len(result["token_ids"]) == 8
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_a_long_prefills_mlp_in_row_tiles_equals_mlx_lms_whole(family):
+    """A prefill's MLP over more rows than MLP_TILE_ROWS runs tile by tile (each evaluated
+    before the next, so its hidden units' arrays are one tile's): Gemma 3's block (mlx-lm's
+    MLP, normed after) and a Llama block (the SwiGLU products) against mlx-lm's modules
+    over all the rows at once."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma3_text, llama
+
+    from spmd_cp.engine.layer_parts import MLP_TILE_ROWS
+    from spmd_cp.engine.model import ReplicatedLayer, SandwichLayer
+
+    dims = dict(hidden_size=32, num_hidden_layers=1, intermediate_size=64, vocab_size=16,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6)
+    if family == "llama":
+        block = llama.TransformerBlock(llama.ModelArgs(model_type="llama", **dims))
+        ours, expected = ReplicatedLayer(block), lambda h, x: h + block.mlp(x)
+    else:
+        block = gemma3_text.TransformerBlock(
+            gemma3_text.ModelArgs(model_type="gemma3_text", head_dim=8, **dims), 0)
+        ours = SandwichLayer(block)
+        expected = lambda h, x: h + block.post_feedforward_layernorm(block.mlp(x))  # noqa: E731
+    rows = 2 * MLP_TILE_ROWS + 5
+    h, x = (mx.random.normal((1, rows, 32), key=mx.random.key(seed)) for seed in (0, 1))
+    np.testing.assert_allclose(np.array(ours.add_mlp(h, x)), np.array(expected(h, x)),
+                               rtol=1e-5, atol=1e-5)

@@ -27,35 +27,47 @@ def prefill_attention(algo: str, comm, new_positions, cache, model, measured=Non
     """
     reason = "requested"
     fused = model.compute.fused
+    # Every rank's positions the sliding-window layers hold as the call begins (their
+    # keys behind every window may be gone: cache.py), alike for every layer of a window.
+    held = {w: cache.rank_positions_within(w) for w in set(model_windows(model))}
     if algo == "auto":
         new_tokens = sum(p.size for p in new_positions)
         head_dim = getattr(model.layers[0].self_attn, "head_dim", None) or 64
         algo, reason = choose_prefill_algo(
             new_tokens, cache.num_tokens - new_tokens, comm.size, model.num_heads,
             model.num_kv_heads, model.elem_bytes, measured, head_dim,
-            windowed=window_traffic(model, cache.rank_positions, new_positions))
+            windowed=window_traffic(model, held, new_positions))
     if algo == "pass-kv":
         return (pass_kv_attention(comm, cache.rank_positions, fused,
-                                  query_positions=new_positions), algo, reason)
+                                  query_positions=new_positions, window_held=held),
+                algo, reason)
     if algo == "pass-q":
         return pass_q_attention(comm, new_positions, fused), algo, reason
     if algo == "allgather-kv":
-        return allgather_kv_attention(comm, cache.rank_positions, fused), algo, reason
+        return allgather_kv_attention(comm, cache.rank_positions, fused, held), algo, reason
     raise ValueError(f"unknown --cp-algo {algo!r} (choose from {', '.join(PREFILL_ALGOS)})")
 
 
-def window_traffic(model, cached_positions: list, query_positions: list) -> WindowTraffic | None:
+def model_windows(model) -> list[int]:
+    """The window of each of the model's sliding-window layers."""
+    return [form.window for form in getattr(model, "forms", ()) if form.window is not None]
+
+
+def window_traffic(model, held, query_positions: list) -> WindowTraffic | None:
     """The model's sliding-window layers and what pass-KV's exchange sends in each for
     these positions (window.py), or None for a model without them. Positions alone
-    decide it, so every rank computes the same."""
-    windows = [form.window for form in getattr(model, "forms", ()) if form.window is not None]
-    if len(cached_positions) == 1 or not windows:
+    decide it, so every rank computes the same. ``held``: every rank's cached positions,
+    or per window those its layers hold."""
+    windows = model_windows(model)
+    if len(query_positions) == 1 or not windows:
         return None
-    keys = {w: busiest_exchange(cached_positions, query_positions, w) for w in set(windows)}
+    of = held.get if isinstance(held, dict) else lambda _: held
+    keys = {w: busiest_exchange(of(w), query_positions, w) for w in set(windows)}
     return WindowTraffic(layers=len(model.forms), local=len(windows), window=max(windows),
                          keys=round(sum(keys[w] for w in windows) / len(windows)))
 
 
-__all__ = ["block_attention", "merge_partials", "merge_stacked", "prefill_attention",
-           "decode_attention", "choose_prefill_algo", "estimate_layer_seconds", "LinkAndCompute",
-           "WindowTraffic", "window_traffic", "PREFILL_ALGOS"]
+__all__ = ["model_windows", "block_attention", "merge_partials", "merge_stacked",
+           "prefill_attention", "decode_attention", "choose_prefill_algo",
+           "estimate_layer_seconds", "LinkAndCompute", "WindowTraffic", "window_traffic",
+           "PREFILL_ALGOS"]

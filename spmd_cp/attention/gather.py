@@ -27,14 +27,16 @@ from .fused import decode_partial, fused_output, in_position_order
 
 
 def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
-                           fused: bool | None = None):
+                           fused: bool | None = None, window_held: dict | None = None):
     """Prefill attention that gathers the whole layer's K/V on every rank.
 
     ``rank_positions``: every rank's cached positions (the cache's), which fix the order
-    of the gathered keys. ``fused``: MLX's fused attention (None: the default
-    runtime.device.Compute's choice).
+    of the gathered keys; ``window_held``: per window, every rank's positions its layers
+    hold where they dropped the keys behind every window (engine/cache.py). ``fused``:
+    MLX's fused attention (None: the default runtime.device.Compute's choice).
     """
     all_pos = np.concatenate(rank_positions)
+    window_pos = {w: np.concatenate(held) for w, held in (window_held or {}).items()}
     fused = Compute.resolve().fused if fused is None else fused
 
     def attend(q, keys, values, q_pos, k_pos, scale, window=None):
@@ -43,7 +45,8 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
         if fused and window is None:
             all_keys, all_values, positions = in_position_order(all_keys, all_values, all_pos)
             return fused_output(q, all_keys, all_values, q_pos, positions, scale)
-        out, _ = block_attention(q, all_keys, all_values, q_pos, all_pos, scale, window)
+        positions = all_pos if window is None else window_pos.get(window, all_pos)
+        out, _ = block_attention(q, all_keys, all_values, q_pos, positions, scale, window)
         return out
 
     return attend

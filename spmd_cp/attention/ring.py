@@ -75,16 +75,18 @@ def ring_pass(comm: Comm, payload: mx.array, shape_of):
 
 
 def pass_kv_attention(comm: Comm, cached_positions: list[np.ndarray], fused: bool | None = None,
-                      query_positions: list[np.ndarray] | None = None):
+                      query_positions: list[np.ndarray] | None = None,
+                      window_held: dict | None = None):
     """Ring attention passing K/V. ``cached_positions``: every rank's cache positions;
     ``query_positions``: every rank's new (query) positions, which a sliding-window layer
-    needs (window.py; None: this call has no such layer)."""
+    needs (window.py; None: this call has no such layer); ``window_held``: per window,
+    every rank's positions its layers hold where they dropped keys (cache.py)."""
     size = comm.size
     partial = _partial_attention(fused)
     if size == 1:
         return _single_rank(partial)
     windowed = None if query_positions is None else window_kv_attention(
-        comm, cached_positions, query_positions)
+        comm, cached_positions, query_positions, window_held)
 
     def attend(q, keys, values, q_pos, k_pos, scale, window=None):
         if window is not None:

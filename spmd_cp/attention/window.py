@@ -78,17 +78,21 @@ def ring_key_count(rank: int, shard_sizes: list) -> int:
     return sum(shard_sizes[(rank - step) % size] for step in range(size - 1))
 
 
-def window_kv_attention(comm, cached_positions: list, query_positions: list):
+def window_kv_attention(comm, cached_positions: list, query_positions: list,
+                        held: dict | None = None):
     """Attention of a sliding-window layer by the exchange above: ``attend(q, keys,
     values, q_pos, k_pos, scale, window)``. ``cached_positions``: every rank's cache
-    positions; ``query_positions``: every rank's new (query) positions of this call."""
+    positions; ``query_positions``: every rank's new (query) positions of this call;
+    ``held``: per window, every rank's positions its layers hold where they dropped the
+    keys behind every window (engine/cache.py)."""
     plans: dict = {}  # window -> WindowPlan, made once per call
     ring_keys = ring_key_count(comm.rank, [p.size for p in cached_positions])
+    held = held or {}
 
     def attend(q, keys, values, q_pos, k_pos, scale, window):
         if window not in plans:
-            plans[window] = WindowPlan.of(comm.rank, cached_positions, query_positions,
-                                          window)
+            plans[window] = WindowPlan.of(comm.rank, held.get(window, cached_positions),
+                                          query_positions, window)
         plan = plans[window]
         block = mx.stack([keys, values])  # (2, NKV, S, d): one message per receiver
         num_kv, head_dim = keys.shape[0], keys.shape[2]

@@ -194,8 +194,14 @@ def validate(run: RunConfig, args: BatchConfig):
 def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_batch: int):
     """Prefill the group's shared tokens once, then answer its jobs after them (all
     ranks): together, up to ``max_batch`` at a time, or one after another."""
+    from ..engine.cache import NO_REWIND
+
     cache.truncate(0)
     shared = work["shared"]
+    together = max_batch > 1 and len(work["jobs"]) > 1
+    # Each job goes back to the shared tokens (none: to an empty cache, unless the
+    # batched decoder moves the job's entries out of it, which counts every layer's).
+    cache.rewinds_to = len(shared) if len(shared) or together else NO_REWIND
     shared_s = 0.0
     if len(shared):
         label = f"{work['jobs'][0]['id']} (shared)"
@@ -203,7 +209,7 @@ def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_bat
         engine.prefill(cache, shared, progress=root.progress.prefill_callback(label)
                        if root else None)
         shared_s = time.perf_counter() - start
-    if max_batch > 1 and len(work["jobs"]) > 1:
+    if together:
         _run_together(engine, cache, tokenizer, work, root, kv_peak, max_batch, shared_s)
         return
     _run_in_turn(engine, cache, tokenizer, work, root, kv_peak, shared_s)

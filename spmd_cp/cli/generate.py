@@ -42,6 +42,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
                      args: GenerateConfig):
     import mlx.core as mx
 
+    from ..engine.cache import NO_REWIND
     from ..engine.generation import generate as generate_tokens
     from ..engine.prompt_cache import save_cache
     from ..engine.startup import startup_fields, warm_up
@@ -62,6 +63,9 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
         prompt_text, decode.decode_tp != "off")
     sampling.max_tokens = max_tokens  # within the context, the same on every rank
     cache.truncate(reused)
+    # Nothing truncates it back after this prompt; a cache to be saved keeps every key
+    # (a later prompt may share less of it).
+    cache.rewinds_to = 0 if args.save_cache else NO_REWIND
     steps.log.info("prefill: %d prompt tokens (%d from the prompt cache) on %d ranks",
                    len(prompt_ids), reused, comm.size)
     warmup_s = warm_up(engine)

@@ -31,6 +31,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
     import mlx.core as mx
 
+    from ..engine.cache import NO_REWIND
     from ..engine.startup import startup_fields, warm_up
     from ..runtime import spmd
     from . import steps
@@ -41,6 +42,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)
     cache = engine.new_cache()
+    cache.rewinds_to = NO_REWIND  # scored once, never continued
     warmup_s = warm_up(engine, decode=False)  # no decode step follows
     mx.reset_peak_memory()
     start = time.perf_counter()

@@ -165,12 +165,13 @@ class BatchedDecoder:
         kept = [int(np.count_nonzero(p < self.prefix_tokens)) for p in cache.rank_positions]
         tail_sizes = [p.size - k for p, k in zip(cache.rank_positions, kept)]
         local = kept[cache.cp_rank]
-        entries = cache.layers[0].offset - local
+        entries = cache.positions.size - local  # each layer's last (a window's dropped some)
         self.tails.reserve(slot + 1, max(capacity, entries))
         for index, layer in enumerate(cache.layers):
             if entries:
                 keys, values = layer.fetch()
-                self.tails.write(index, slot, 0, keys[:, local:], values[:, local:])
+                self.tails.write(index, slot, 0, keys[:, layer.offset - entries:],
+                                 values[:, layer.offset - entries:])
         self.tails.positions[slot, :entries] = cache.positions[local:]
         self.tails.lengths[slot] = entries
         self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
@@ -295,7 +296,7 @@ class BatchedDecoder:
                 self.tails.scatter(inputs.index, inputs.new_rows, k, v)
             tail_keys, tail_values = self.tails.layer(inputs.index, k.shape[0], k.shape[2])
             out, lse = prefix_attention(q, inputs.prefix_keys, inputs.prefix_values, positions,
-                                        prefix_positions, scale, window)
+                                        prefix_positions[inputs.dropped:], scale, window)
             if taken is not None:
                 tail_keys, tail_values = tail_keys[taken], tail_values[taken]
             if scale not in scales:
@@ -318,6 +319,7 @@ class _LayerInputs(NamedTuple):
     new_rows: NewRows | None  # the entries this rank stores
     prefix_keys: mx.array  # this rank's shard of the prefix
     prefix_values: mx.array
+    dropped: int  # the prefix positions before the shard's first (a window's dropped keys)
 
 
 class _BatchView:
@@ -335,12 +337,16 @@ class _BatchLayer:
     def __init__(self, decoder: BatchedDecoder, index: int, new_rows: NewRows | None):
         self.decoder, self.index, self.new_rows = decoder, index, new_rows
 
+    dropped = 0  # (what CPModel.attention_half asks a cache layer: none here)
+
     def shard(self, k: mx.array, v: mx.array, store: bool):
-        prefix_keys, prefix_values = self.decoder.prefix.layers[self.index].fetch()
+        prefix = self.decoder.prefix.layers[self.index]
+        prefix_keys, prefix_values = prefix.fetch()
         if prefix_keys is None:  # nothing of the prefix here
             prefix_keys, prefix_values = k[:, :0], v[:, :0]
         # (block_attention and tail_attention read a half-precision cache in float32)
-        return _LayerInputs(self.index, k, v, self.new_rows, prefix_keys, prefix_values), None
+        return _LayerInputs(self.index, k, v, self.new_rows, prefix_keys, prefix_values,
+                            prefix.dropped), None
 
 
 def prefix_attention(q, keys, values, q_pos: np.ndarray, k_pos: np.ndarray, scale: float,

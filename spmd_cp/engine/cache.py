@@ -5,6 +5,14 @@ global position of every cached entry is kept beside it (one array shared by all
 layers), because attention masks come from positions, never from buffer offsets.
 Every rank also tracks every rank's shard size, so ownership decisions (where the next
 prefill extras and decode tokens go) need no communication.
+
+A sliding-window layer (window W: a query at p sees keys p - W + 1 .. p) may drop the
+keys no later query can see once a prefill has passed them (``drop_behind_window``):
+it then holds a suffix of the rank's positions, those at or after its window's floor,
+and ``layer_positions`` / ``rank_positions_within`` name them. At 30K tokens that is
+most of a Gemma 3 cache (five of every six layers keep 512 keys, not 30K). Whoever
+owns the cache says how far back it may later be truncated (``rewinds_to``): keys a
+query from there on could see are kept.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ class LayerKV:
         self.values = None
         self.offset = 0
         self.dtype = dtype  # what appends are stored as (None: as they arrive)
+        # Entries of the rank's positions before this buffer's first: a sliding-window
+        # layer's keys behind every later window, dropped (drop_front).
+        self.dropped = 0
         # Renewed at every change that may move the buffers (MLX's ``a[...] = b`` may give
         # the same array object a new one), unique across all caches of the process (a
         # cache built after another is freed may live at its address): a native decode
@@ -81,8 +92,24 @@ class LayerKV:
         return self.offset - 1
 
     def truncate(self, length: int):
-        """Keep the first ``length`` entries (the buffer is reused by later appends)."""
-        self.offset = min(self.offset, length)
+        """Keep the rank's first ``length`` positions' entries (the buffer is reused by
+        later appends); an empty layer forgets what it dropped."""
+        self.offset = min(self.offset, max(length - self.dropped, 0))
+        if length == 0:
+            self.dropped = 0
+
+    def drop_front(self, count: int):
+        """Forget the first ``count`` entries and hand their memory back now: the rest
+        are copied into buffers of their own (evaluated here, so the old ones go)."""
+        count = min(count, self.offset)
+        if count <= 0:
+            return
+        self.keys = mx.contiguous(self.keys[:, count:self.offset])
+        self.values = mx.contiguous(self.values[:, count:self.offset])
+        mx.eval(self.keys, self.values)
+        self.offset -= count
+        self.dropped += count
+        self.buffers_version = next(_BUFFER_VERSIONS)
 
     def shard(self, k: mx.array, v: mx.array, store: bool):
         """This rank's keys/values for the layer after (maybe) appending the new ``k``,
@@ -149,6 +176,9 @@ class GrowingInts:
         return self.values
 
 
+NO_REWIND = np.iinfo(np.int64).max  # ShardedKVCache.rewinds_to: never truncated back
+
+
 class Checkpoint(NamedTuple):
     """What ``ShardedKVCache.rollback`` returns to: a length and the decode placement."""
 
@@ -176,11 +206,39 @@ class ShardedKVCache:
         self.token_ids = self._token_ids.values  # the id at every global position (a view)
         self.decode_steps = 0  # tokens added by decode: the placement rule counts them
         self.decode_owner = 0
+        # The fewest tokens the owner may later truncate this cache back to (besides
+        # none): a sliding-window layer keeps every key a query from there on may see.
+        # 0 (the default) keeps every key; NO_REWIND: only what the next query may see.
+        self.rewinds_to = 0
+        self.window_floors: dict[int, int] = {}  # window -> its layers' first position held
 
     @property
     def positions(self) -> np.ndarray:
         """This rank's cached positions, in the order of its K/V entries."""
         return self.rank_positions[self.cp_rank]
+
+    def layer_positions(self, layer: "LayerKV") -> np.ndarray:
+        """This rank's positions of ``layer``'s entries (a suffix of ``positions``)."""
+        return self.positions[layer.dropped:]
+
+    def rank_positions_within(self, window: int | None) -> list[np.ndarray]:
+        """Every rank's positions held by the layers of ``window`` (None: every layer's
+        positions): each rank's suffix from the window's floor on."""
+        floor = self.window_floors.get(window, 0) if window is not None else 0
+        if floor <= 0:
+            return self.rank_positions
+        return [p[np.searchsorted(p, floor):] for p in self.rank_positions]
+
+    def drop_behind_window(self, index: int, window: int):
+        """Drop layer ``index``'s keys that no query at or after ``num_tokens`` (nor,
+        after a truncation, at or after ``rewinds_to``) can see through ``window``.
+        Every rank calls it for the same layers at the same point (a prefill's), so
+        all keep the same floors."""
+        floor = min(self.num_tokens, self.rewinds_to) - window + 1
+        layer = self.layers[index]
+        layer.drop_front(int(np.searchsorted(self.layer_positions(layer), floor)))
+        if floor > self.window_floors.get(window, 0):
+            self.window_floors[window] = floor
 
     @property
     def shard_sizes(self) -> list[int]:
@@ -222,8 +280,15 @@ class ShardedKVCache:
         document after answering one question about it).
 
         Positions arrive in increasing order on each rank, so what stays is a prefix of
-        each rank's entries.
+        each rank's entries. A sliding-window layer must still hold what a query at
+        ``num_tokens`` sees (the owner's ``rewinds_to`` promised it); 0 empties it all.
         """
+        lost = [w for w, floor in self.window_floors.items() if floor > num_tokens - w + 1]
+        if num_tokens and lost:
+            raise ValueError(f"cannot truncate to {num_tokens} tokens: sliding-window layers "
+                             f"dropped the keys before {self.window_floors[lost[0]]}")
+        if num_tokens == 0:
+            self.window_floors = {}
         for rank, positions in enumerate(self.rank_positions):
             kept = int(np.count_nonzero(positions < num_tokens))  # a prefix
             self.rank_positions[rank] = self._positions[rank].truncate(kept)
@@ -250,6 +315,8 @@ class ShardedKVCache:
         The arrays: "positions" and each non-empty layer's "layer.<i>.keys"/"values";
         the facts (JSON types): token ids, shard sizes and the decode placement.
         """
+        if self.window_floors:
+            raise ValueError("a cache whose sliding-window layers dropped keys is not saved")
         arrays = {"positions": mx.array(self.positions)}
         for index, layer in enumerate(self.layers):
             keys, values = layer.fetch()

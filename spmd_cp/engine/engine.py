@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import mlx.core as mx
 import numpy as np
 
-from ..attention import prefill_attention
+from ..attention import model_windows, prefill_attention
 from ..attention.calibrate import calibrate
 from ..attention.partition import head_tail_positions, owner_of
 from ..config import DecodeConfig
@@ -105,6 +105,8 @@ class Engine:
         chunk = self.prefill_chunk if self.prefill_chunk > 0 else max(total, 1)
         records = ScoreRecords() if score and self.comm.rank == 0 else None
         last_logits = None
+        # sliding-window layers drop what no later query sees, where the owner allows it
+        trim = cache.rewinds_to > 0 and bool(model_windows(self.model))
         for begin in range(0, total, chunk):
             ids = token_ids[begin:begin + chunk]
             start = cache.num_tokens
@@ -121,7 +123,7 @@ class Engine:
                       cached=start, algo=algo), self.crossing(replicated=False):
                 hidden = self.model.forward(ids[positions - start], positions, cache, attend,
                                             on_layer=self.layer_hook("prefill"),
-                                            tracer=self.comm.tracer)
+                                            tracer=self.comm.tracer, trim_windows=trim)
                 mx.eval(hidden)
             if score:
                 rows = self._score_rows(hidden, positions, token_ids, begin, start,

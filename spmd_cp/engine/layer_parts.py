@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import import_module
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from .weight_slices import WeightMatrix
@@ -23,6 +24,25 @@ from .weight_slices import WeightMatrix
 SWIGLU_MLPS = tuple(import_module(f"mlx_lm.models.{name}").MLP
                     for name in ("llama", "qwen2", "qwen3", "qwen3_moe"))
 FUSED_SWIGLU_MLPS = (import_module("mlx_lm.models.phi3").MLP,)
+
+# Rows of a prefill's MLP computed (and evaluated) at once: its hidden units' arrays
+# (rows x I floats, a few of them alive) are then one tile's. Gemma 3 270M's MLP over
+# 15,000 rows peaked 407 MB above its input whole, 87 MB in tiles of 2,048 (mlx 0.32.4).
+MLP_TILE_ROWS = 2048
+
+
+def in_row_tiles(mlp, x: mx.array) -> mx.array:
+    """``mlp(x)`` for x (1, n, D): whole up to MLP_TILE_ROWS rows, else tile by tile,
+    each evaluated before the next (MLX evaluates a lazy concatenation's tiles
+    together, which saves nothing). Each row's maths is its own, whole or tiled."""
+    if x.ndim < 3 or x.shape[1] <= MLP_TILE_ROWS:
+        return mlp(x)
+    tiles = []
+    for start in range(0, x.shape[1], MLP_TILE_ROWS):
+        tiles.append(mlp(x[:, start:start + MLP_TILE_ROWS]))
+        mx.eval(tiles[-1])
+    return mx.concatenate(tiles, axis=1)
+
 
 # Where a decoder layer keeps its feed-forward module, by family (mlx-lm's names).
 FEED_FORWARD_NAMES = ("mlp", "block_sparse_moe")

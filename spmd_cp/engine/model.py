@@ -32,7 +32,7 @@ from ..models.quantized_shadows import embedding_rows
 from ..models.shape import ModelShape
 from .cache import ShardedKVCache
 from .layer_form import embedding_scale, layer_forms
-from .layer_parts import LayerParts, head_counts, key_projection_name
+from .layer_parts import LayerParts, head_counts, in_row_tiles, key_projection_name
 from ..runtime.device import Compute
 from ..runtime.trace import span
 from .one_token import RopeMatrices, lean_graph, rms_norm
@@ -78,8 +78,7 @@ def heads_with_rope(attn, q: mx.array, k: mx.array, v: mx.array, runs, rope_matr
         return _one_token_heads(attn, q, k, v, runs, rope_matrix(head_dim), head_dim)
     n = q.shape[1]
     q = q.reshape(1, n, heads, head_dim)
-    k = k.reshape(1, n, kv_heads, head_dim)
-    v = v.reshape(1, n, kv_heads, head_dim)
+    k, v = (t.reshape(1, n, kv_heads, head_dim) for t in (k, v))
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
@@ -191,7 +190,10 @@ class ReplicatedLayer:
         return h if x.size == 0 and not self.parts.is_swiglu else h + self.mlp(x)
 
     def mlp(self, x: mx.array) -> mx.array:
-        """The feed-forward output of ``x`` (no residual)."""
+        """The feed-forward output of ``x`` (no residual); a long prefill's in row tiles."""
+        return in_row_tiles(self._mlp, x)
+
+    def _mlp(self, x: mx.array) -> mx.array:
         parts = self.parts
         if not parts.is_swiglu:  # a mixture of experts (or Gemma's MLP): mlx-lm's module
             return parts.feed_forward(x)
@@ -215,7 +217,7 @@ class SandwichLayer(ReplicatedLayer):
         return clip_residual(h, attended)
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
-        return clip_residual(h, self.layer.post_feedforward_layernorm(self.parts.feed_forward(x)))
+        return clip_residual(h, self.layer.post_feedforward_layernorm(self.mlp(x)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,12 +275,9 @@ class CPModel:
         # cache into float32 on the CPU path), whose size is elem_bytes.
         self.kv_dtype = kv_dtype_for(model, first_layer, cpu_kv_dtype, self.compute)
         self.elem_bytes = (self.kv_dtype if self.compute.gpu else mx.float32).size
-        # The TP group's collectives where each rank holds its slices of the weights
-        # (tensor_groups.TensorGroup, --tp), else None.
-        self.tensor_group = None
-        # The FFN ranks' end of every layer's MLP (afd_attention.FeedForwardClient,
-        # --afd on an attention rank), else None.
-        self.ffn_client = None
+        # The TP group's collectives (tensor_groups.TensorGroup, --tp) and the FFN ranks'
+        # end of every MLP (afd_attention.FeedForwardClient, --afd's attention ranks).
+        self.tensor_group = self.ffn_client = None
 
     def forward(
         self,
@@ -291,6 +290,7 @@ class CPModel:
         tracer=None,
         projections=None,
         modules=None,
+        trim_windows: bool = False,
     ) -> mx.array:
         """Hidden states (n, D) of ``token_ids`` at global ``positions``, before the final norm.
 
@@ -308,7 +308,8 @@ class CPModel:
             modules: per layer, the module whose norms, RoPE and head counts the loop
                 reads (default ``self.layers``; a layer-sharded split step passes copies
                 of the small parts, tp_decode.LayerShell, so no layer is fetched).
-        """
+            trim_windows: (a prefill's, every rank's) each sliding-window layer then drops
+                the keys no later query sees (cache.py)."""
         modules = modules or self.layers
         rows, h = self.begin_pass(token_ids, positions, cache, attend, store, modules)
         layers = zip(modules, projections or self.replicated, cache.layers, self.forms)
@@ -318,8 +319,10 @@ class CPModel:
             with span(tracer, f"layer {index}", "layer"):
                 h, x = self.attention_half(rows, index, layer, project, layer_kv, form, h)
                 h = project.add_mlp(h, x)
-                if tracer is not None:
-                    mx.eval(h)
+                if tracer is not None or (trim_windows and form.window is not None):
+                    mx.eval(h)  # (a trimmed layer's old keys are free once evaluated)
+                    if trim_windows and form.window is not None:
+                        cache.drop_behind_window(index, form.window)
         return rows.finish(h)
 
     def begin_pass(self, token_ids, positions: np.ndarray, cache: ShardedKVCache,
@@ -352,8 +355,9 @@ class CPModel:
         q, k, v = heads_with_rope(
             attn, *project.qkv(norm(layer.input_layernorm, h)), rows.runs, *ropes)
         keys, values = layer_kv.shard(k, v, rows.store)
-        out = rows.attend(q, keys, values, rows.positions, rows.cache.positions, attn.scale,
-                          form.window)
+        held = rows.cache.positions  # (None in a batched step: its attention knows them)
+        held = held[layer_kv.dropped:] if layer_kv.dropped else held
+        out = rows.attend(q, keys, values, rows.positions, held, attn.scale, form.window)
         # float32 partials must not widen the residual
         h = project.add_output(h, heads_to_rows(out.astype(q.dtype), rows.row_form))
         return h, norm(getattr(layer, form.mlp_norm), h)
