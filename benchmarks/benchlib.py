@@ -67,14 +67,49 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": blas.usable_cpus(),
             "memory_gb": round(PAGE * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "kernel": platform.release(), "python": platform.python_version(),
-            "blas": blas.find_fast_blas(), **versions}
+            "blas": blas.find_fast_blas(), "simd": simd_flags(),
+            "blas_kernels": blas_kernels(blas.find_fast_blas()), **versions}
+
+
+# The instruction sets the kernels here or the BLAS may take (as /proc/cpuinfo names them).
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx_vnni", "amx_tile", "asimd", "sve")
+
+
+def simd_flags() -> list[str]:
+    """Which of SIMD_FLAGS this CPU has (empty where /proc/cpuinfo is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        return []
+    return [flag for flag in SIMD_FLAGS if flag in flags]
+
+
+def blas_kernels(path: str | None) -> str | None:
+    """The kernels the OpenBLAS at ``path`` picks for this CPU (its core name: by CPUID,
+    or as OPENBLAS_CORETYPE forces), or None for another BLAS."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+    if lib is None or not hasattr(lib, "openblas_get_corename"):
+        return None
+    lib.openblas_get_corename.restype = ctypes.c_char_p
+    return (lib.openblas_get_corename() or b"").decode(errors="replace") or None
 
 
 def machine_line(info: dict | None = None) -> str:
     info = info or machine()
+    kernels = f" ({info['blas_kernels']} kernels)" if info.get("blas_kernels") else ""
+    simd = " ".join(info.get("simd") or []) or "none recorded"
     return (f"{info['cpu']}, {info['cores']} cores, {info['memory_gb']} GB, Linux "
             f"{info['kernel']}, Python {info['python']}, mlx {info['mlx']}, mlx-lm "
-            f"{info['mlx-lm']}, MPICH wheel {info['mpich']}, BLAS {info['blas']}")
+            f"{info['mlx-lm']}, MPICH wheel {info['mpich']}, BLAS {info['blas']}{kernels}; "
+            f"SIMD {simd}")
 
 
 def loadavg() -> tuple[float, float, float]:

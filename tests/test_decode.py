@@ -356,3 +356,21 @@ def test_long_greedy_decode_matches_single_rank_for_every_algorithm(embedded_mod
             assert result["greedy"] == reference[:steps], (n, result["config"])
             sizes = result["shard_sizes"]
             assert max(sizes) - min(sizes) <= 1
+
+
+def test_the_lm_head_divided_by_vocabulary_rows_gives_every_rank_all_logits(tmp_path):
+    """Three real ranks divide a 1,000-row head (shares of 334, 334 and 332 rows, the
+    last padded for the Allgather): a Linear with a bias and a tied embedding, each
+    rank's logits (all 1,000) equal to numpy's norm(x) @ W.T (+ b)."""
+    out = tmp_path / "head.json"
+    run_ranks(3, [sys.executable, str(TESTS / "head_driver.py"), str(out)], timeout=120)
+    result = json.loads(out.read_text())
+    x = np.array(result["hidden"], np.float64)
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * np.array(result["norm"])
+    weights = result["weights"]
+    expected = {"linear": normed @ np.array(weights["linear"]).T + np.array(weights["bias"]),
+                "tied": normed @ np.array(weights["tied"]).T}
+    for name, want in expected.items():
+        assert result[name]["rows"] == [[0, 334], [334, 668], [668, 1000]]
+        for logits in result[name]["logits"]:
+            np.testing.assert_allclose(np.array(logits), want, rtol=1e-5, atol=1e-5)

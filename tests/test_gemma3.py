@@ -164,6 +164,10 @@ def test_gemma3_text_matches_mlx_lm_under_every_algorithm(n, tiny_gemma3_models,
                 n, config["length"], config["trim"], dims), config
     if n == 1:
         return
+    for result in results:  # the graph step's head: each rank the logits of its rows
+        if result["config"]["decode"]:
+            assert result["decode_plan"]["reasons"]["head"] == (
+                f"vocabulary rows divided over {n} ranks"), result["config"]
     sent, ring = brute_force_window_bytes(n, LENGTH, dims)
     for result in results:
         window = result["window_kv_bytes"]  # per rank: [sent, a full ring's]

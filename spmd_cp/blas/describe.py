@@ -11,8 +11,8 @@ import sys
 
 from ..kernels.gemv_forward import ENV_SKIPPED, is_forward_library
 from ..runtime.switches import startup_value, thread_count
-from .libraries import (ENV_CHOICE, FAST_KINDS, INSTALL_HINT, OPT_OUT, THREAD_VARS, blas_kind,
-                        candidate_paths, preloaded_libraries)
+from .libraries import (ENV_CHOICE, FAST_KINDS, FORCED_CORE, INSTALL_HINT, OPT_OUT, THREAD_VARS,
+                        blas_kind, candidate_paths, preloaded_libraries)
 
 
 class _DlInfo(ctypes.Structure):
@@ -57,7 +57,10 @@ def mapped_blas_libraries() -> list[str]:
 
 
 def _library_threads(path: str, kind: str) -> tuple[int | None, str | None, str | None]:
-    """(threads, threading model, version) asked from a loaded library itself."""
+    """(threads, threading model, version) asked from a loaded library itself. OpenBLAS's
+    threading model names the kernels it picked for this CPU too ("pthreads, Cooperlake
+    kernels"): its DYNAMIC_ARCH build chooses them by CPUID, or as OPENBLAS_CORETYPE
+    forces, and prefill's products run on them."""
     try:
         lib = ctypes.CDLL(path)
     except OSError:
@@ -69,6 +72,12 @@ def _library_threads(path: str, kind: str) -> tuple[int | None, str | None, str 
             lib.openblas_get_config.restype = ctypes.c_char_p
             config = (lib.openblas_get_config() or b"").decode(errors="replace").split()
             version = config[1] if len(config) > 1 else None
+        if parallel and hasattr(lib, "openblas_get_corename"):
+            lib.openblas_get_corename.restype = ctypes.c_char_p
+            core = (lib.openblas_get_corename() or b"").decode(errors="replace").strip()
+            parallel += f", {core} kernels" if core else ""
+            if core and os.environ.get(FORCED_CORE):
+                parallel += f" forced by {FORCED_CORE}"
         return lib.openblas_get_num_threads(), parallel, version
     if kind == "mkl" and hasattr(lib, "MKL_Get_Max_Threads"):
         return lib.MKL_Get_Max_Threads(), None, None

@@ -49,6 +49,12 @@ _RELATIVE_CANDIDATES = (
 )
 
 
+# Names the kernels a DYNAMIC_ARCH OpenBLAS runs whatever the CPU (set where an old
+# OpenBLAS computes wrongly on a new CPU). By hand, on an AVX-512 AMD EPYC, forcing
+# Haswell's in place of the Cooperlake ones it picks cost prefill 2-7%.
+FORCED_CORE = "OPENBLAS_CORETYPE"
+
+
 def blas_kind(path: str) -> str | None:
     """Family of a BLAS library from its (resolved) path: openblas, mkl, blis, reference, ..."""
     real = os.path.realpath(path).lower()

@@ -77,6 +77,8 @@ class DecodePlan:
             words.append(f"{self.requests} requests")
         if self.merge != "none":
             words.append(f"{self.merge} merge")
+        if "head" in self.reasons:
+            words.append(f"LM head: {self.reasons['head']}")
         return "; ".join(words)
 
 
@@ -109,6 +111,8 @@ def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective
     else:
         reasons["step"] = native_why
         step = GraphStep(model, comm, transport.collectives, config.decode_merge, split)
+        if step.head is not None:
+            reasons["head"] = f"vocabulary rows divided over {comm.size} ranks"
     merge = "none" if comm.size == 1 else ("allgather" if native else config.decode_merge)
     plan = DecodePlan("split" if split is not None else "replicated",
                       "native" if native else "graph", transport.name, requests, merge,
