@@ -5,11 +5,13 @@ numpy, the gguf package's reference dequantizer and the float32 path
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from conftest import needs_c_helpers, run_cli
@@ -148,8 +150,8 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
     copies read their shadows too: 211 + 30 registered on rank 0); the matrices are held
     packed only (their float32 memory released), as model_bytes and the memory forecast
     count (byte for byte on one rank; on two the split step's copies are released too),
-    and each rank's resident peak falls accordingly; ``score``, which
-    has no decode step, does not keep them."""
+    and each rank's resident peak falls accordingly; ``score`` holds them packed too
+    (its prefill reads them a tile at a time) and scores as the float32 path."""
     args = ["generate", "--model", embedded_model, "--prompt",
             "Explain in two sentences why the sky is blue.", "--max-tokens", "24", "--json",
             "--decode-tp", "on"]
@@ -172,13 +174,21 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
     assert forecast == expected if ranks == 1 else forecast < expected, (forecast, expected)
     assert max(got["resident_peak_bytes"]) < 0.6 * min(want["resident_peak_bytes"]), \
         (got["resident_peak_bytes"], want["resident_peak_bytes"])
-    if ranks == 1:  # score has no decode step: it keeps no packed forms
+    if ranks == 1:  # score: packed as generate, the float32 path's scores
         text = tmp_path / "doc.txt"
         text.write_text("The sky is blue because air scatters short wavelengths more.")
-        score = run_cli(1, ["score", "--model", embedded_model, "--text-file", str(text),
-                            "--output", str(tmp_path / "tokens.jsonl"), "--json"], env=env)
-        assert "matrices read packed" not in score.stderr
-        assert score.last_json()["model_bytes"] == want["model_bytes"]
+        scored = {}
+        for name, extra in (("packed", []), ("float32", ["--no-quantized-decode"])):
+            output = tmp_path / f"{name}.jsonl"
+            score = run_cli(1, ["score", "--model", embedded_model, "--text-file", str(text),
+                                "--output", str(output), "--json", *extra], env=env)
+            assert ("matrices read packed" in score.stderr) == (name == "packed")
+            assert score.last_json()["model_bytes"] == (got if name == "packed"
+                                                        else want)["model_bytes"]
+            scored[name] = [json.loads(line) for line in output.read_text().splitlines()]
+        assert [r["argmax"] for r in scored["packed"]] == [r["argmax"] for r in scored["float32"]]
+        np.testing.assert_allclose([r["logprob"] for r in scored["packed"]],
+                                   [r["logprob"] for r in scored["float32"]], atol=1e-4)
 
 
 @needs_openblas

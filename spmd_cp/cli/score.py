@@ -37,7 +37,10 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
     from . import steps
 
     text = spmd.on_root(comm, validate, run, args)
-    loaded = steps.resolve_model(comm, run)  # no decode step: no shadows
+    # A quantized file's matrices held packed, as generate holds them: the prefill reads
+    # them a tile at a time (no decode step follows, but the memory is the same).
+    path, _ = steps.check_model(comm, run)
+    loaded = steps.load_checked_model(comm, run, path)
     run = steps.settle_run(comm, loaded, run)
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
     engine = steps.make_engine(comm, loaded, run)

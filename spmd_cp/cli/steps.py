@@ -145,9 +145,10 @@ def model_location(comm: Comm, spec: str | None) -> str:
 
 
 def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):
-    """Load the model ``check_model`` accepted, on every rank. ``decode``: decode steps
-    will follow (a quantized model's packed matrices kept for them, unless
-    ``--no-quantized-decode`` or on the GPU path, ``--device gpu`` on a CPU too)."""
+    """Load the model ``check_model`` accepted, on every rank. ``decode``: hold a
+    quantized model's matrices packed (decode reads them so, a prefill a tile at a time:
+    generate, batch, serve and score do), unless ``--no-quantized-decode`` or on the GPU
+    path (``--device gpu`` on a CPU too)."""
     # (--tp cuts the matrices MLX computes with: no packed forms)
     decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1 \
         and run.afd is None

@@ -7,8 +7,9 @@ and a window of other ranks' layers: models/partial_load.py WeightLayout), the K
 rank's rows of the hidden state and MLP (``mlp_arrays``), one attention tile of scores
 (block.SCORE_TILE_ELEMENTS), and the K/V the algorithm holds besides the local shard (one
 travelling shard for the rings, the whole layer for allgather-kv; for a sliding-window
-layer's exchange, its keys and the windows it receives). The window does not bound the
-KV shard: the cache keeps every key of every layer (docs/MODELS.md says why). Those are MLX's
+layer's exchange, its keys and the windows it receives). Every key of every layer is
+counted: an upper bound where sliding-window layers drop the keys behind their windows
+(engine/cache.py), exact where they keep them (serve, --save-cache). Those are MLX's
 arrays; ``process`` is what the rank process holds besides them (interpreter, libraries,
 tokenizer), measured in the running process by the caller (runtime/resident.py), so the
 total is resident memory. A server adds two parts: the KV its other resident conversations

@@ -28,7 +28,8 @@ class ModelShape:
     elem_bytes: int = 4  # the activations' element size
     kv_elem_bytes: int | None = None  # the KV cache's (None: elem_bytes)
     # The sliding window of a model's local layers (attention/window.py), None without.
-    # It bounds what a rank receives per layer, not its KV cache: every key is kept.
+    # It bounds what a rank receives per layer; the forecast counts every key of the
+    # cache (a local layer may drop those behind its window: engine/cache.py).
     window: int | None = None
 
     @property
