@@ -5,13 +5,13 @@
 
 llama.cpp runs through llama-cpp-python (``import llama_cpp``; it builds llama.cpp from
 source, about half an hour on 2 cores, so it is no dependency of spmd-cp and this
-benchmark is no test) on the embedded SmolLM2-135M-Instruct Q4_1 GGUF, in a child
-process of its own: the prompt evaluated in batches of 512 tokens (``n_batch``), then
+benchmark is no test) on the embedded SmolLM2-135M-Instruct Q4_1 GGUF (or ``--model``'s),
+in a child process of its own: the prompt evaluated in batches of 512 tokens (``n_batch``), then
 greedy tokens one at a time, its threads (``n_threads``, ``n_threads_batch``) set to
 match. spmd-cp runs the command users run on the same file:
 
-    OPENBLAS_NUM_THREADS=T mpiexec -n N spmd-cp generate --prompt-file PROMPT \\
-        --no-chat-template --max-tokens 64 --json
+    OPENBLAS_NUM_THREADS=T mpiexec -n N spmd-cp generate --model FILE --prompt-file PROMPT \\
+        --no-chat-template --max-tokens 64 --ignore-eos --json
 
 Both read the same text without a chat template (the two tokenizers of the one GGUF
 agree on its token count, recorded). Variants per context, for a machine of C cores
@@ -59,10 +59,13 @@ def baseline_for(variants: list[tuple], cores: int) -> str | None:
                  if system == "llama.cpp" and threads == cores), None)
 
 
+MODEL = []  # --model's file, where one is given (else the embedded model)
+
+
 def gguf_path() -> str:
     from spmd_cp.models.gguf import default_model_path
 
-    return default_model_path()
+    return MODEL[0] if MODEL else default_model_path()
 
 
 def make_prompt(tokens: int, directory: Path) -> tuple[Path, int]:
@@ -91,11 +94,12 @@ def run_variant(variant: tuple, prompt: Path, tokens: int, kv_dtype: str | None)
     name, system, ranks, threads = variant
     if system == "llama.cpp":
         cmd = [sys.executable, __file__, "--llama-worker", str(prompt), "--threads",
-               str(threads), "--tokens", str(tokens)]
+               str(threads), "--tokens", str(tokens), "--model", gguf_path()]
         result = bl.run_json(cmd, env=bl.bench_env(threads))
     else:
-        cmd = bl.mpi_cmd(ranks, bl.SPMD_CP, "generate", "--prompt-file", prompt,
-                         "--no-chat-template", "--max-tokens", tokens, "--json")
+        cmd = bl.mpi_cmd(ranks, bl.SPMD_CP, "generate", "--model", gguf_path(),
+                         "--prompt-file", prompt, "--no-chat-template", "--max-tokens", tokens,
+                         "--ignore-eos", "--json")
         if kv_dtype:
             cmd += ["--kv-dtype", kv_dtype]
         result = bl.run_json(cmd, env=bl.bench_env(threads), cwd=prompt.parent)
@@ -131,7 +135,9 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[3000, 6500])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--name", default="vs_llamacpp", help="results file name")
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64,
+                        help="greedy tokens, decoded by both past any end token")
+    parser.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
     parser.add_argument("--kv-dtype", default=None, help="spmd-cp's --kv-dtype (default: its own)")
     parser.add_argument("--cores", type=int, default=2,
                         help="the machine's cores the variants are made for (at least 2)")
@@ -141,6 +147,7 @@ def main():
     parser.add_argument("--llama-worker", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    MODEL[:] = [str(Path(args.model).resolve())] if args.model else []
     if args.llama_worker:
         print(json.dumps(bl.llama_cpp_greedy(gguf_path(), args.llama_worker, args.threads,
                                              args.tokens, N_BATCH)))

@@ -239,8 +239,11 @@ def test_jobs_decoded_together_keep_the_sliding_windows(tiny_gemma3_models, tmp_
 
 
 def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
-    """A multimodal checkpoint's shape is its text model's, window included; the window
-    raises a pass-KV forecast's received keys only, never the KV shard (all kept)."""
+    """A multimodal checkpoint's shape is its text model's, window and local layers
+    included; the window raises a pass-KV forecast's received keys, and bounds the KV
+    shard only where the local layers drop keys (``window_tail``): then each local layer
+    but one (the one attending, which holds its whole shard) holds its window and the
+    answer's tokens, counted per layer."""
     import dataclasses
 
     from spmd_cp.engine.forecast import forecast_rank_bytes
@@ -248,13 +251,20 @@ def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
 
     text, nested = (load_model(tiny_gemma3_models[k]).shape for k in ("gemma3_text", "gemma3"))
     assert text == nested
-    assert (text.layers, text.head_dim, text.num_kv_heads, text.window) == (4, 16, 2, WINDOW)
+    assert (text.layers, text.head_dim, text.num_kv_heads, text.window,
+            text.local_layers) == (4, 16, 2, WINDOW, 3)  # pattern 3: layer 2 is global
     wide = dataclasses.replace(text, window=4096)
-    plain = dataclasses.replace(text, window=None)
+    plain = dataclasses.replace(text, window=None, local_layers=0)
+    shard = 8192 // 4 + 1
     for algo in ("pass-kv", "allgather-kv"):
         a, b = (forecast_rank_bytes(s, 0, 8192, 8192, 4, algo) for s in (wide, plain))
-        assert a.kv == b.kv == (8192 // 4 + 1) * text.kv_bytes_per_token
+        assert a.kv == b.kv == shard * text.kv_bytes_per_token
         assert (a.activations > b.activations) == (algo == "pass-kv")
+    per_layer = text.kv_bytes_per_token // text.layers
+    dropping = forecast_rank_bytes(text, 0, 8192, 8192, 4, window_tail=100)
+    assert dropping.kv == (2 * shard + 2 * (WINDOW + 100)) * per_layer
+    assert forecast_rank_bytes(plain, 0, 8192, 8192, 4, window_tail=100).kv == \
+        shard * text.kv_bytes_per_token
 
 
 def test_quantized_gemma3_packed_and_dequantized_match_mlx_lm(tiny_gemma3_models, tmp_path):

@@ -161,7 +161,8 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
                                 run.max_context or loaded.max_context, "--max-tokens")
     forecast = check_memory(comm, loaded, run, len(ids) + max_tokens,
                             len(ids) - min(cache.num_tokens, len(ids) - 1),
-                            split_decode=may_split and max_tokens > 1)
+                            split_decode=may_split and max_tokens > 1,
+                            window_tail=None if args.save_cache else max_tokens)
     return ids, common_prefix_length(cache.token_ids, ids), forecast, max_tokens
 
 

@@ -86,7 +86,7 @@ def tokenize_document(comm, loaded, run: RunConfig, text: str):
 
         raise UserError(f"the text file has {len(ids)} token: scoring needs at least 2 "
                         f"(each token is scored given the ones before it)")
-    return ids, check_memory(comm, loaded, run, len(ids), len(ids), score=True)
+    return ids, check_memory(comm, loaded, run, len(ids), len(ids), score=True, window_tail=0)
 
 
 def write_records(path: str, records):

@@ -7,9 +7,10 @@ and a window of other ranks' layers: models/partial_load.py WeightLayout), the K
 rank's rows of the hidden state and MLP (``mlp_arrays``), one attention tile of scores
 (block.SCORE_TILE_ELEMENTS), and the K/V the algorithm holds besides the local shard (one
 travelling shard for the rings, the whole layer for allgather-kv; for a sliding-window
-layer's exchange, its keys and the windows it receives). Every key of every layer is
-counted: an upper bound where sliding-window layers drop the keys behind their windows
-(engine/cache.py), exact where they keep them (serve, --save-cache). Those are MLX's
+layer's exchange, its keys and the windows it receives). Where sliding-window layers
+drop the keys behind their windows (engine/cache.py: generate, score) each holds its
+window and the answer's tokens, but one at a time holds its whole shard (it drops right
+after its attention); elsewhere (serve, batch, --save-cache) every key counts. Those are MLX's
 arrays; ``process`` is what the rank process holds besides them (interpreter, libraries,
 tokenizer), measured in the running process by the caller (runtime/resident.py), so the
 total is resident memory. A server adds two parts: the KV its other resident conversations
@@ -71,7 +72,7 @@ def mlp_arrays(elem_bytes: int) -> int:
 def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int,
                         chunk_tokens: int, cp_size: int, algo: str = "pass-kv",
                         score: bool = False, process_bytes: int = 0, held_kv_tokens: int = 0,
-                        buffer_cache_bytes: int = 0) -> Forecast:
+                        buffer_cache_bytes: int = 0, window_tail: int | None = None) -> Forecast:
     """Peak bytes on the busiest rank for a context of ``total_tokens`` prefilled in
     chunks of ``chunk_tokens`` on ``cp_size`` ranks. ``shape.kv_bytes_per_token`` counts
     the KV dtype's size (engine.model.kv_dtype_for: ``--kv-dtype`` on the CPU path, the
@@ -80,10 +81,15 @@ def forecast_rank_bytes(shape: ModelShape, weights_bytes: int, total_tokens: int
     model's 2 on a GPU). ``process_bytes``: the rank's resident bytes besides
     MLX's arrays, as measured. ``held_kv_tokens``: tokens' room in K/V the rank holds
     besides this context's (a server's other conversations); ``buffer_cache_bytes``:
-    the bound on MLX's buffer cache, where one is set."""
+    the bound on MLX's buffer cache, where one is set. ``window_tail``: where the
+    sliding-window layers drop keys, the tokens after the prompt (None: they keep all)."""
     e = shape.elem_bytes
     kv_tokens = kv_tokens_per_rank(total_tokens, cp_size)
     kv = (kv_tokens + held_kv_tokens) * shape.kv_bytes_per_token
+    if window_tail is not None and shape.local_layers > 1:
+        per_layer = shape.kv_bytes_per_token // shape.layers
+        kept = min(kv_tokens, shape.window + window_tail)
+        kv -= (shape.local_layers - 1) * (kv_tokens - kept) * per_layer
     rows = math.ceil(chunk_tokens / cp_size) + 1
     per_row = e * (4 * shape.hidden + mlp_arrays(e) * shape.intermediate
                    + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2)
@@ -159,12 +165,13 @@ class WeightPlan:
 
 def check_fits(shape: ModelShape, weights_bytes: int | WeightPlan, total_tokens: int,
                chunk_tokens: int, cp_size: int, limit: int, algo: str, score: bool = False,
-               process_bytes: int = 0, held_kv_tokens: int = 0, buffer_cache_bytes: int = 0):
+               process_bytes: int = 0, held_kv_tokens: int = 0, buffer_cache_bytes: int = 0,
+               window_tail: int | None = None):
     """Refuse, naming the smallest N or chunk (or --shard-weights) that would fit, if the
     forecast exceeds ``limit`` bytes per rank (the other parts: forecast_rank_bytes)."""
     plan = weights_bytes if isinstance(weights_bytes, WeightPlan) else WeightPlan(weights_bytes)
     parts = {"process_bytes": process_bytes, "held_kv_tokens": held_kv_tokens,
-            "buffer_cache_bytes": buffer_cache_bytes}
+             "buffer_cache_bytes": buffer_cache_bytes, "window_tail": window_tail}
 
     def forecast(ranks: int, chunk: int) -> Forecast:
         return forecast_rank_bytes(shape, plan.at(ranks), total_tokens, chunk, ranks, algo,

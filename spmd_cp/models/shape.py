@@ -27,10 +27,10 @@ class ModelShape:
     vocab: int
     elem_bytes: int = 4  # the activations' element size
     kv_elem_bytes: int | None = None  # the KV cache's (None: elem_bytes)
-    # The sliding window of a model's local layers (attention/window.py), None without.
-    # It bounds what a rank receives per layer; the forecast counts every key of the
-    # cache (a local layer may drop those behind its window: engine/cache.py).
+    # The sliding window of a model's local layers (attention/window.py), None without,
+    # and how many of the layers are local (mlx-lm's rule: all but every pattern-th).
     window: int | None = None
+    local_layers: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -54,9 +54,13 @@ def shape_of_config(c: dict) -> ModelShape:
         intermediate = max(dense, per_token * c["moe_intermediate_size"])
     elif per_token:  # mixtral: every layer's experts are intermediate_size wide
         intermediate *= per_token
+    window = c.get("sliding_window") if c.get("model_type") in SLIDING_WINDOW_MODEL_TYPES \
+        else None
+    pattern = c.get("sliding_window_pattern") or 0
+    local = c["num_hidden_layers"] - c["num_hidden_layers"] // pattern if window and pattern \
+        else 0
     return ModelShape(layers=c["num_hidden_layers"], hidden=c["hidden_size"],
                       intermediate=intermediate, num_heads=heads,
                       num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
                       vocab=c["vocab_size"],
-                      window=(c.get("sliding_window")
-                              if c.get("model_type") in SLIDING_WINDOW_MODEL_TYPES else None))
+                      window=window, local_layers=local)

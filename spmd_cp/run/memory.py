@@ -33,14 +33,17 @@ def forecast_algo(run: RunConfig) -> str:
 
 def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_tokens: int,
                  score: bool = False, split_decode: bool = False,
-                 process_bytes: int | None = None, **server_parts) -> dict:
+                 process_bytes: int | None = None, window_tail: int | None = None,
+                 **server_parts) -> dict:
     """Refuse before prefill when the forecast per rank exceeds --memory-limit; else the
     forecast (``--json``'s ``memory_forecast``). ``split_decode``: decode steps follow
     and may run split (``--decode-tp`` on or auto): its copied slices count as weights
     (replicated weights; with sharded ones they are not forecast); the busiest rank's,
     as every one of the forecast's parts. ``process_bytes``: the most any rank holds
-    outside MLX (None: this rank's, measured now); ``server_parts``: forecast_rank_bytes's
-    ``held_kv_tokens`` and ``buffer_cache_bytes``."""
+    outside MLX (None: this rank's, measured now); ``window_tail``: where sliding-window
+    layers drop the keys behind their windows, the tokens after the prompt (None: every
+    key is kept); ``server_parts``: forecast_rank_bytes's ``held_kv_tokens`` and
+    ``buffer_cache_bytes``."""
     from ..engine.decode_choice import split_copy_bytes
 
     limit = memory_limit(run)
@@ -55,7 +58,7 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
                       total_tokens, min(run.prefill_chunk or new_tokens, new_tokens),
                       cp_ranks(run, comm.size), limit, forecast_algo(run), score,
                       process_bytes=outside_mlx_bytes() if process_bytes is None
-                      else process_bytes, **server_parts)
+                      else process_bytes, window_tail=window_tail, **server_parts)
     log.info("memory forecast per rank: %.2f GB (KV %.2f GB, %.2f GB outside MLX) of %.2f GB "
              "allowed", need.total / 2**30, need.kv / 2**30, need.process / 2**30,
              limit / 2**30)
