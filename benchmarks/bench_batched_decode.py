@@ -1,15 +1,16 @@
 """Jobs decoded together (batch --max-batch B) against one after another (B = 1).
 
     python benchmarks/bench_batched_decode.py [--ranks 2] [--batches 1 2 4 8 16] \\
-        [--jobs 16] [--tokens 48] [--document-chars 12000] [--rounds 1]
+        [--mlx-batches 8] [--jobs 16] [--tokens 48] [--document-chars 12000]
 
 Every run is
 
     OPENBLAS_NUM_THREADS=1 mpiexec -n N spmd-cp batch --jobs JOBS --output OUT \\
         --max-batch B --json
 
-on the embedded SmolLM2 (its default flags otherwise: --kv-dtype auto takes float16 at
-B = 1, where the native step runs, and float32 for batched steps), with ``--jobs``
+on the embedded SmolLM2 (its default flags otherwise: the native step, one sequence's
+at B = 1 and its batched form above, over a float16 cache; ``--mlx-batches`` also with
+``--decode-step graph``, MLX's batched step, over float32), with ``--jobs``
 questions about one document (the start of the GPL-3 text, ``--document-chars``
 characters: about 3K tokens), each ``--tokens`` greedy tokens with ``ignore_eos``, so
 every run decodes the same number of tokens. Reported per B: the summary's aggregate
@@ -50,11 +51,11 @@ def write_jobs(directory: Path, jobs: int, tokens: int, chars: int) -> Path:
     return path
 
 
-def run(ranks: int, batch: int, jobs: Path) -> dict:
-    out = jobs.with_name(f"out-{ranks}-{batch}.jsonl")
+def run(ranks: int, batch: int, jobs: Path, step: str = "auto") -> dict:
+    out = jobs.with_name(f"out-{ranks}-{batch}-{step}.jsonl")
     command = bl.mpi_cmd(ranks, sys.executable, "-m", "spmd_cp", "batch", "--jobs", jobs,
                          "--output", out, "--overwrite", "--max-batch", batch, "--json",
-                         "--progress", "off")
+                         "--progress", "off", "--decode-step", step)
     summary = bl.run_json(command, env=bl.bench_env(1), cwd=jobs.parent, timeout=1800)
     steps = sum(summary["batch_sizes"].values())
     decode_s = summary["tokens"] / max(summary["decode_tok_s"], 1e-9)  # approximately
@@ -62,7 +63,9 @@ def run(ranks: int, batch: int, jobs: Path) -> dict:
     return {"ranks": ranks, "max_batch": batch, "decode_tok_s": summary["decode_tok_s"],
             "step_ms": 1000 * decode_s / max(steps, 1), "batch_sizes": summary["batch_sizes"],
             "prompt_tokens": summary["prompt_tokens"], "tokens": summary["tokens"],
-            "kv_dtype_note": "float16" if batch == 1 else "float32",
+            # --kv-dtype auto: float16 where the native step runs (batched or not)
+            "kv_dtype": "float16" if summary["decode_step"] == "native" else "float32",
+            "batched_step": summary["batched_step"],
             "elapsed_s": summary["elapsed_s"], "load": summary["_load"],
             "peak_mem_bytes": summary["peak_mem_bytes"], "answers": answers}
 
@@ -74,22 +77,27 @@ def main():
     parser.add_argument("--jobs", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--document-chars", type=int, default=12000)
+    parser.add_argument("--mlx-batches", type=int, nargs="*", default=[8],
+                        help="batch sizes also run with --decode-step graph (MLX's "
+                             "batched step), against the same B = 1")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         jobs = write_jobs(Path(scratch), args.jobs, args.tokens, args.document_chars)
         for ranks in args.ranks:
             run(ranks, 1, jobs)  # warm-up: kernels built, calibration written
-            for batch in args.batches:
-                runs.append(run(ranks, batch, jobs))
+            plan = [(b, "auto") for b in args.batches] + [(b, "graph") for b in args.mlx_batches]
+            for batch, step in plan:
+                runs.append(run(ranks, batch, jobs, step))
                 r = runs[-1]
-                print(f"N={ranks} B={batch}: {r['decode_tok_s']:.1f} tok/s, step "
-                      f"{r['step_ms']:.1f} ms", flush=True)
+                print(f"N={ranks} B={batch} {r['batched_step']}: {r['decode_tok_s']:.1f} "
+                      f"tok/s, step {r['step_ms']:.1f} ms", flush=True)
     rows = []
     for r in runs:
         base = next(b for b in runs if b["ranks"] == r["ranks"] and b["max_batch"] == 1)
         same = sum(r["answers"][k] == base["answers"][k] for k in base["answers"])
-        rows.append([r["ranks"], r["max_batch"], f"{r['decode_tok_s']:.1f}",
+        rows.append([r["ranks"], r["max_batch"], r["batched_step"] or "-",
+                     f"{r['decode_tok_s']:.1f}",
                      f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x",
                      f"{r['step_ms']:.1f}", json.dumps(r["batch_sizes"]),
                      f"{same} of {len(base['answers'])}"])
@@ -98,7 +106,7 @@ def main():
             + f"\n{args.jobs} jobs after one document of {runs[0]['prompt_tokens'] // args.jobs}"
             f"-odd tokens each ({runs[0]['prompt_tokens']} prompt tokens in all), "
             f"{args.tokens} greedy tokens each (ignore_eos)\n\n"
-            + bl.table(["N", "max batch", "decode tok/s", "vs B=1", "step ms",
+            + bl.table(["N", "max batch", "batched step", "decode tok/s", "vs B=1", "step ms",
                         "steps at each batch size", "tokens equal to B=1's"], rows))
     print(text)
     for r in runs:

@@ -244,7 +244,9 @@ def test_resume_after_sigkill_answers_every_id_once_and_keeps_written_lines(kill
     summary = resumed.last_json()
     assert summary["jobs"] == len(JOBS) - written and summary["errors"] == 2
     assert summary["ranks"] == 2 and len(summary["peak_mem_bytes"]) == 2
-    assert summary["max_batch"] == 1  # auto on the CPU path: one job's native steps
+    # auto where the native step runs: 8, the document's three jobs decoded together
+    assert summary["max_batch"] == 8 and summary["batched_step"] == "native"
+    assert summary["batch_sizes"].get("3", 0) > 0
     assert all(b > 0 for b in summary["kv_cache_bytes"])
     assert summary["decode_setup_s"] > 0  # decode's collectives opened before the first job
     # Rank 0's progress lines and mlx-lm style footer.
@@ -310,9 +312,11 @@ def test_greedy_answers_equal_generate_one_by_one(killed_then_resumed, workdir, 
 
 def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, workdir):
     """``--max-batch 2`` on five jobs after one document (2 ranks): a job joins the batch
-    as another leaves, and each greedy answer is the one it gets decoded alone (the
-    resumed run's, one job after another); ``ignore_eos`` decodes exactly max_tokens
-    tokens; the summary counts the batched steps."""
+    as another leaves, and each greedy answer is the resumed run's (``--max-batch auto``:
+    its three jobs together, d3's equal to ``generate``'s alone, the test above), both
+    over the native steps' float16 cache;
+    ``ignore_eos`` decodes exactly max_tokens tokens; the summary counts the batched
+    steps."""
     extra = [{"id": "d4", "prefix_file": "doc.txt", "prompt": "Describe the town.",
               "max_tokens": 12, "ignore_eos": True},
              {"id": "d5", "prefix_file": "doc.txt", "prompt": QUESTIONS["d1"], "max_tokens": 1}]
@@ -321,8 +325,9 @@ def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, wo
     out = workdir / "together-out.jsonl"
     summary = run_cli(2, ["batch", "--jobs", str(path), "--output", str(out), "--max-batch",
                           "2", "--json"], timeout=150)
-    assert "--kv-dtype auto: float32 (the decode step is MLX's: batched" in summary.stderr
+    assert "--kv-dtype auto: float16 (decode steps run natively)" in summary.stderr
     summary = summary.last_json()
+    assert summary["batched_step"] == "native"  # engine/native_batched.py
     by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     alone = killed_then_resumed[3]
     for job_id in ("d1", "d2", "d3"):

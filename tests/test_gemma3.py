@@ -119,9 +119,12 @@ def brute_force_window_bytes(n: int, length: int, dims: dict) -> tuple[list, lis
 
 
 def configs_for(n: int) -> list[dict]:
-    """One rank runs every algorithm the same way: whole and chunked. Two: every
-    algorithm whole with decode, and decode's other merge with its collectives in MLX's
-    graph. Three: every algorithm chunked (later chunks attend to the sharded cache),
+    """Decode takes the native step (kernels/decode_step.c: windows, Gemma's norms and
+    GELU) unless a config names MLX's graph step. One rank runs every algorithm the same
+    way: whole and chunked. Two: every algorithm whole with decode, MLX's graph step, the
+    split step (``tp``: each rank a share of every matrix, the norms after the sums) in
+    both steps, and decode's other merge with its collectives in MLX's graph. Three:
+    every algorithm chunked (later chunks attend to the sharded cache),
     pass-KV whole for its byte count, and a prompt shorter than the ranks (empty shards
     in the window exchange). ``trim``: the windowed layers drop the keys behind every
     later window as generate's do (the later chunks and decode attend to what is left);
@@ -134,6 +137,8 @@ def configs_for(n: int) -> list[dict]:
         return [config("auto", chunk, DECODE, trim=bool(chunk)) for chunk in (0, 23)]
     if n == 2:
         return [config(algo, 0, DECODE) for algo in ALGOS] + [
+            config("pass-q", 0, DECODE, step="graph"),
+            config("pass-kv", 0, DECODE, tp="on"), config("auto", 0, DECODE, tp="on", step="graph"),
             config("pass-kv", 0, DECODE, trim=False, merge="allreduce", comm="mlx")]
     return [config(algo, 23, 2) for algo in ALGOS] + [
         config("pass-kv", 0, 0, trim=False), {**config("pass-kv", 0, 2), "length": 2}]
@@ -164,10 +169,17 @@ def test_gemma3_text_matches_mlx_lm_under_every_algorithm(n, tiny_gemma3_models,
                 n, config["length"], config["trim"], dims), config
     if n == 1:
         return
-    for result in results:  # the graph step's head: each rank the logits of its rows
-        if result["config"]["decode"]:
-            assert result["decode_plan"]["reasons"]["head"] == (
-                f"vocabulary rows divided over {n} ranks"), result["config"]
+    for result in results:  # either step: each rank the logits of its rows of the head
+        config = result["config"]
+        if config["decode"]:
+            plan = result["decode_plan"]
+            graph = config.get("step") == "graph" or config.get("comm") == "mlx"
+            assert plan["step"] == ("graph" if graph else "native"), config
+            if config.get("tp") == "on":  # the split step divides the head with the rest
+                assert plan["layout"] == "split", config
+            else:
+                assert plan["reasons"]["head"] == f"vocabulary rows divided over {n} ranks", \
+                    config
     sent, ring = brute_force_window_bytes(n, LENGTH, dims)
     for result in results:
         window = result["window_kv_bytes"]  # per rank: [sent, a full ring's]
@@ -222,7 +234,11 @@ def test_jobs_decoded_together_keep_the_sliding_windows(tiny_gemma3_models, tmp_
     """``batch --max-batch 3`` on 2 ranks, three questions after a document several
     16-token windows long: each job's greedy tokens (past its end token: ignore_eos)
     equal those it gets alone (``--max-batch 1``), the local layers' windows over the
-    shared document and over each job's own tokens included."""
+    shared document and over each job's own tokens included, through the native step's
+    batched form and through MLX's (``--decode-step graph``). Over a float32 cache: the
+    two bodies sum k and v in other orders, a half-precision cache could round two such
+    neighbours to different halves, and near-ties of this random model's logits would
+    show it."""
     (tmp_path / "doc.txt").write_text(DOCUMENT)
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text("".join(json.dumps({
@@ -230,12 +246,19 @@ def test_jobs_decoded_together_keep_the_sliding_windows(tiny_gemma3_models, tmp_
         "ignore_eos": True}) + "\n" for i, question in enumerate(
             ["Which box holds item 5?", "Where is item 11?", "List the boxes."])))
     answers = {}
-    for batch in ("3", "1"):
-        out = tmp_path / f"out-{batch}.jsonl"
-        run_cli(2, ["batch", "--model", tiny_gemma3_models["gemma3_text"], "--jobs", str(jobs),
-                    "--output", str(out), "--max-batch", batch, "--no-chat-template"])
-        answers[batch] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
-    assert answers["3"] == answers["1"] and all(len(a) == 24 for a in answers["1"])
+    for batch, step in (("3", "native"), ("3", "graph"), ("1", "native")):
+        out = tmp_path / f"out-{batch}-{step}.jsonl"
+        summary = run_cli(2, ["batch", "--model", tiny_gemma3_models["gemma3_text"], "--jobs",
+                              str(jobs), "--output", str(out), "--max-batch", batch,
+                              "--decode-step", step, "--no-chat-template", "--kv-dtype",
+                              "float32", "--json"]).last_json()
+        assert summary["batched_step"] == (None if batch == "1" else
+                                           "mlx" if step == "graph" else "native")
+        answers[batch, step] = [json.loads(line)["token_ids"]
+                                for line in out.read_text().splitlines()]
+    alone = answers["1", "native"]
+    assert answers["3", "native"] == answers["3", "graph"] == alone
+    assert all(len(a) == 24 for a in alone)
 
 
 def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):

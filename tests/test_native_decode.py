@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TESTS, needs_c_helpers, run_ranks
+from conftest import TESTS, needs_c_helpers, run_cli, run_ranks
 from test_blas import needs_openblas, run_result_script
 
 DRIVER = [sys.executable, str(TESTS / "native_decode_driver.py")]
@@ -85,7 +85,10 @@ def test_decode_step_calls_equal_numpy(cc, tmp_path):
     nothing in the merge; SwiGLU's exponential holds where |gate| reaches 100; over a
     float16 and a bfloat16 cache, the stored bits are numpy's rounding and attention is
     float64's over the widened cache to float32 rounding, also over 301 keys (the vector
-    kernels' tiles and blocks with their remainders). Built by
+    kernels' tiles and blocks with their remainders). A batched step's calls
+    (batch_step.h) on three rows at their own positions: their q/k/v, the new keys
+    stored in their tails, attention over the shared cache (split over three threads)
+    and each row's tail, with and without a window, the MLP and the head. Built by
     each compiler present (the forward and the step: the probe's cache is its own)."""
     errors = run_result_script(TESTS / "native_kernels_probe.py", tmp_path,
                                CC=compiler_or_skip(cc))
@@ -136,6 +139,42 @@ def test_mlx_step_kept_on_request_equals_mlx_lm_forward(tiny_models, tmp_path):
     for result in results:
         assert result["decode_step"] == "mlx", result
         assert result["error"] < TOLERANCE and result["argmax_equal"], result
+
+
+LENGTHS = [16, 6, 10, 16]  # the jobs' max_tokens
+BATCH_DOCUMENT = " ".join(f"Item {i} is kept in box {i * 7 % 13}." for i in range(20))
+
+
+@needs_c_helpers
+@pytest.mark.parametrize("n", [1, 3])
+def test_batched_native_steps_equal_one_sequence_at_a_time(n, tiny_variant_models, tmp_path):
+    """``batch --max-batch 3`` through the native step's batched form
+    (engine/native_batched.py) on Qwen2 (q/k/v biases, an untied head): four jobs after
+    one document, the second shorter so that the fourth joins as it leaves, the batch
+    then shrinking to two and one; each job's greedy
+    tokens equal those of one job after another (``--max-batch 1``, one sequence's
+    native step) on the same ranks, over a float16 cache. One rank: the document's keys
+    split over the pool's two threads; three ranks: rows dealt unevenly, and a rank
+    without rows in a step of two."""
+    (tmp_path / "doc.txt").write_text(BATCH_DOCUMENT)
+    jobs = tmp_path / "jobs.jsonl"
+    questions = ["Which box holds item 5?", "Where is item 11?", "List the boxes.",
+                 "Name an item."]
+    jobs.write_text("".join(json.dumps({
+        "id": f"q{i}", "prefix_file": "doc.txt", "prompt": question, "ignore_eos": True,
+        "max_tokens": LENGTHS[i]}) + "\n" for i, question in enumerate(questions)))
+    answers, summaries = {}, {}
+    for batch in ("3", "1"):
+        out = tmp_path / f"out-{batch}.jsonl"
+        summaries[batch] = run_cli(n, [
+            "batch", "--model", tiny_variant_models["qwen2"], "--jobs", str(jobs), "--output",
+            str(out), "--max-batch", batch, "--no-chat-template", "--kv-dtype", "float16",
+            "--json"]).last_json()
+        answers[batch] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert summaries["3"]["batched_step"] == "native" and summaries["1"]["batched_step"] is None
+    assert set(summaries["3"]["batch_sizes"]) == {"1", "2", "3"}
+    assert answers["3"] == answers["1"]
+    assert [len(a) for a in answers["1"]] == LENGTHS
 
 
 def test_what_keeps_mlx_step_is_named(tiny_models):

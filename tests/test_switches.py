@@ -77,10 +77,11 @@ def test_native_decode_where_it_cannot_run_fails_before_the_heavy_work(tiny_mode
 
 
 def test_native_decode_over_layers_it_cannot_run_is_refused_as_the_engine_is_built(
-        tiny_gemma3_models):
-    """Where the model's own layers rule the native step out (Gemma 3's norms around its
-    sublayers), the engine is refused as it is built, before any prompt is prefilled,
-    by the rule the decode plan applies."""
+        tiny_models):
+    """Where the model's own layers rule the native step out (a layer kept as MLX's
+    4-bit QuantizedLinear), the engine is refused as it is built, before any prompt is
+    prefilled, by the rule the decode plan applies."""
+    import mlx.nn as nn
     from mpi4py import MPI
 
     from spmd_cp.cli.steps import make_engine
@@ -89,9 +90,10 @@ def test_native_decode_over_layers_it_cannot_run_is_refused_as_the_engine_is_bui
     from spmd_cp.models.loader import load_model
     from spmd_cp.runtime.comm import Comm
 
-    loaded = load_model(tiny_gemma3_models["gemma3_text"])
-    with pytest.raises(UserError, match=r"^--decode-step native: rank 0: layer 0: a sliding "
-                                        r"window or norms around its sublayers \(Gemma 3\)"):
+    loaded = load_model(tiny_models["llama"])
+    nn.quantize(loaded.model.model.layers[1], group_size=32, bits=4)
+    with pytest.raises(UserError, match=r"^--decode-step native: rank 0: layer 1: q_proj is "
+                                        r"a QuantizedLinear of uint32"):
         make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig(), DecodeConfig(decode_step="native"))
     assert make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig()).plan is None  # auto: built
 

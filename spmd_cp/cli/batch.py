@@ -58,11 +58,12 @@ def batch(**options):
     sys.exit(run_spmd(batch_command, *settings))
 
 
-# --max-batch auto on the GPU path, where every decode step is MLX's graph and a batched
-# one reads the weights once for all its rows. On the CPU path one sequence's native step
-# (kernels/decode_step.c) decoded as fast as batched MLX steps of 8 and 0.85x those of 16,
-# and 2x those of 2 to 4 (2 cores, docs/BENCHMARKS.md, "Batched decode"): auto takes 1.
-GPU_MAX_BATCH = 8
+# --max-batch auto where batched steps pay: on the GPU path (every decode step MLX's graph,
+# a batched one reads the weights once for all its rows) and where the native step runs
+# (its batched form: 8 jobs 2.17x the tokens a second of one at a time, 2 cores,
+# docs/BENCHMARKS.md, "Batched decode"). MLX's batched step on the CPU decoded 8 jobs no
+# faster than the native step one at a time, and 2 to 4 at half the speed: auto takes 1.
+AUTO_MAX_BATCH = 8
 
 
 def max_batch_setting(value: str) -> str:
@@ -72,8 +73,9 @@ def max_batch_setting(value: str) -> str:
     raise click.BadParameter(f"{value!r} is neither auto nor a whole number >= 1")
 
 
-def choose_max_batch(setting: str, run: RunConfig, loaded) -> tuple[int, str]:
-    """(sequences decoded together, why), decided once before the engine is made."""
+def choose_max_batch(setting: str, run: RunConfig, loaded, engine) -> tuple[int, str]:
+    """(sequences decoded together, why), decided once (collective: auto asks the
+    engine's decode plan)."""
     from .steps import compute_of
 
     if getattr(loaded, "share", None) is not None:
@@ -81,9 +83,12 @@ def choose_max_batch(setting: str, run: RunConfig, loaded) -> tuple[int, str]:
     if setting != "auto":
         return int(setting), "--max-batch"
     if compute_of(run).gpu:
-        return GPU_MAX_BATCH, "auto: the GPU path's steps are MLX's, batched they read the " \
-                              "weights once for all"
-    return 1, "auto: on the CPU path one job's native step is about as fast as batched ones"
+        return AUTO_MAX_BATCH, "auto: the GPU path's steps are MLX's, batched they read the " \
+                               "weights once for all"
+    if run.afd is None and engine.batched_native():  # (an FFN rank's engine has no plan)
+        return AUTO_MAX_BATCH, "auto: the native step's batched form reads the weights " \
+                               "and the document's keys once for all"
+    return 1, "auto: MLX's batched steps on the CPU are no faster than one job's native steps"
 
 
 @contextmanager
@@ -122,11 +127,11 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     if spmd.on_root(comm, check) == 0:
         return
     loaded = steps.resolve_model(comm, run, decode)
-    max_batch, why = choose_max_batch(args.max_batch, run, loaded)
+    run = steps.settle_run(comm, loaded, run, decode)
+    engine = steps.make_engine(comm, loaded, run, decode)
+    max_batch, why = choose_max_batch(args.max_batch, run, loaded, engine)
     if comm.rank == 0:
         steps.log.info("batch: up to %d jobs decoded together (%s)", max_batch, why)
-    run = steps.settle_run(comm, loaded, run, decode, batched=max_batch > 1)
-    engine = steps.make_engine(comm, loaded, run, decode)
     cache = engine.new_cache()
     root = RootSide(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None
     mx.reset_peak_memory()
@@ -242,7 +247,7 @@ def _run_together(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max
     if held > kv_peak["bytes"]:
         kv_peak.update(bytes=int(held), tokens=int(cache.positions.size + stats.tail_tokens))
     if root is not None:
-        root.decoded_together(stats)
+        root.decoded_together(stats, scheduler.decoder.kind)
 
 
 def _run_in_turn(engine, cache, tokenizer, work: dict, root, kv_peak: dict, shared_s: float):
@@ -296,6 +301,7 @@ class RootSide:
         self.decode_setup_s = 0.0  # decode is readied once, in the first job that decodes
         self.errors = 0
         self.batch_sizes = Counter()  # decode steps run at each batch size
+        self.batched_step = None  # "native" / "mlx" once jobs decoded together
         self.prompt_tokens = 0
         self.reused_tokens = 0
         self.start = time.perf_counter()
@@ -351,8 +357,10 @@ class RootSide:
         if decode_counted and len(result.tokens) > 1:
             self.batch_sizes[1] += len(result.tokens) - 1
 
-    def decoded_together(self, stats):
-        """A group's batched decode steps: their time and the batch sizes they ran."""
+    def decoded_together(self, stats, kind: str):
+        """A group's batched decode steps: their time, the batch sizes they ran and
+        their body ("native" or "mlx")."""
+        self.batched_step = kind
         self.progress.decode_s += stats.step_s
         self.batch_sizes.update(stats.sizes)
 
@@ -380,6 +388,7 @@ class RootSide:
             "decode_tok_s": throughput(progress.decoded_tokens, progress.decode_s),
             "decode_setup_s": round(self.decode_setup_s, 6),
             "batch_sizes": {str(size): steps for size, steps in sorted(self.batch_sizes.items())},
+            "batched_step": self.batched_step,
             "ranks": self.ranks,
             **engine.grid.as_dict(),
             "algo": algos_used(engine),

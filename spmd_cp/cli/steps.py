@@ -211,10 +211,10 @@ GPU_PREFILL_STEP = 2048
 
 
 def settle_run(comm: Comm, loaded, run: RunConfig,
-               decode: DecodeConfig | None = None, batched: bool = False) -> RunConfig:
+               decode: DecodeConfig | None = None) -> RunConfig:
     """``run`` with its auto settings decided once, the same on every rank, before the
-    engine, the forecast and any prefill: ``--prefill-chunk``, ``--kv-dtype`` (batched)."""
-    return settle_kv_dtype(comm, loaded, settle_prefill_chunk(comm, run), decode, batched)
+    engine, the forecast and any prefill: ``--prefill-chunk``, ``--kv-dtype``."""
+    return settle_kv_dtype(comm, loaded, settle_prefill_chunk(comm, run), decode)
 
 
 def settle_prefill_chunk(comm: Comm, run: RunConfig) -> RunConfig:
@@ -229,13 +229,14 @@ def settle_prefill_chunk(comm: Comm, run: RunConfig) -> RunConfig:
 
 
 def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
-                    decode: DecodeConfig | None = None, batched: bool = False) -> RunConfig:
+                    decode: DecodeConfig | None = None) -> RunConfig:
     """``run`` with ``--kv-dtype auto`` decided once, the same on every rank (collective
     where it is auto), before the engine, the forecast and any prefill: float16 where
     decode steps follow (``decode``: their flags; None: none do) and every rank can run
     them natively (the rules the decode plan applies, native_eligibility.py), else
-    float32 (``batched`` steps too: MLX widens a half cache on the CPU each layer; by
-    hand, one rank, 3K keys: their attention 77 vs 23 ms a step). Rank 0 logs the choice
+    float32 (batched steps (--max-batch) follow the same rule: they run natively where
+    one sequence's step does, else in MLX, which widens a half cache on the CPU each
+    layer; by hand, one rank, 3K keys: their attention 77 vs 23 ms a step). Rank 0 logs the choice
     and its reason. The GPU path keeps the model's dtype whatever this says."""
     if run.kv_dtype != "auto":
         return run
@@ -244,8 +245,6 @@ def settle_kv_dtype(comm: Comm, loaded, run: RunConfig,
         return dataclasses.replace(run, kv_dtype=AUTO_KV_FALLBACK)  # not read there
     if decode is None:
         reason = "no decode steps follow"
-    elif batched:
-        reason = "batched decode steps are MLX's (--max-batch)"
     elif getattr(loaded, "share", None) is not None:
         reason = "layer-sharded weights decode in MLX's step"
     elif run.tp > 1:

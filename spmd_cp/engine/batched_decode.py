@@ -138,6 +138,8 @@ class BatchedDecoder:
     sequences decoding now, ``retire`` when one ends.
     """
 
+    kind = "mlx"  # the step's body, as --json's batched_step names it
+
     def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
         # the CP group's ranks deal the rows (all of them without --tp); a TP group's
         # ranks hold the same rows and sum their slices' products in the layers

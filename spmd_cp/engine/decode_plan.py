@@ -106,6 +106,8 @@ def open_decode(model, comm, config: DecodeConfig, calibrated, loaded_collective
     if native:
         requests = step.requests_kind
         reasons["step"] = "kernels/decode_step.c"
+        if split is None and step.vocab_sizes is not None:
+            reasons["head"] = f"vocabulary rows divided over {comm.size} ranks"
     elif config.decode_step == "native":
         raise UserError(f"--decode-step native: {native_why}")
     else:

@@ -230,11 +230,22 @@ class Engine:
         return client.forward(replicated) if client is not None else nullcontext()
 
     def batched_decoder(self, cache: ShardedKVCache, prefix_tokens: int):
-        """Collective: the batched decode steps after ``cache``'s prefix
-        (batched_decode.BatchedDecoder)."""
+        """Collective: the batched decode steps after ``cache``'s prefix: the native
+        step's batched form where the decode plan runs the native step
+        (native_batched.py), else MLX's (batched_decode.BatchedDecoder)."""
         from .batched_decode import BatchedDecoder
+        from .native_batched import NativeBatchedDecoder
 
+        if self.batched_native():
+            return NativeBatchedDecoder(self, cache, prefix_tokens)
         return BatchedDecoder(self, cache, prefix_tokens)
+
+    def batched_native(self) -> bool:
+        """Whether batched steps run natively (collective where it asks the decode plan:
+        no grid, no --afd)."""
+        if self.grid.tp is not None or self.grid.afd is not None:
+            return False
+        return self.prepare_decode().step == "native"
 
     def twin(self, algo: str) -> "Engine":
         """An engine over the same model, grid and decode settings (startup.warm_up)."""

@@ -24,6 +24,9 @@ from .weight_slices import WeightMatrix
 SWIGLU_MLPS = tuple(import_module(f"mlx_lm.models.{name}").MLP
                     for name in ("llama", "qwen2", "qwen3", "qwen3_moe"))
 FUSED_SWIGLU_MLPS = (import_module("mlx_lm.models.phi3").MLP,)
+# mlx-lm's MLPs that compute down(gelu_approx(gate(x)) * up(x)) (Gemma 3's): the layer
+# loop runs them as mlx-lm's modules, the decode steps through their matrices.
+GELU_MLPS = (import_module("mlx_lm.models.gemma3_text").MLP,)
 
 # Rows of a prefill's MLP computed (and evaluated) at once: its hidden units' arrays
 # (rows x I floats, a few of them alive) are then one tile's. Gemma 3 270M's MLP over
@@ -71,8 +74,10 @@ class LayerParts:
 
     ``qkv``: (q_proj, k_proj, v_proj) or (qkv_proj,), whose outputs concatenated are
     q|k|v (``qkv_widths``). ``gate_up``: (gate_proj, up_proj) or (gate_up_proj,)
-    of gate|up, ``down`` the MLP's output projection; both None where the feed-forward
-    is not a SwiGLU MLP (a mixture of experts), which then runs as mlx-lm's module
+    of gate|up, ``down`` the MLP's output projection, ``activation`` what the gate goes
+    through before it multiplies up ("silu": SwiGLU; "gelu_approx": Gemma 3's); all None
+    where the feed-forward is not a dense MLP (a mixture of experts). The layer loop runs
+    a SwiGLU MLP through these matrices, anything else as mlx-lm's module
     ``feed_forward``."""
 
     attn: nn.Module
@@ -81,19 +86,22 @@ class LayerParts:
     feed_forward: nn.Module
     gate_up: tuple | None
     down: nn.Module | None
+    activation: str | None
 
     @classmethod
     def of(cls, layer) -> LayerParts:
         attn, mlp = layer.self_attn, feed_forward(layer)
         fused = "qkv_proj" in attn
         qkv = (attn.qkv_proj,) if fused else (attn.q_proj, attn.k_proj, attn.v_proj)
-        if isinstance(mlp, SWIGLU_MLPS):
+        if isinstance(mlp, SWIGLU_MLPS + GELU_MLPS):
             gate_up, down = (mlp.gate_proj, mlp.up_proj), mlp.down_proj
         elif isinstance(mlp, FUSED_SWIGLU_MLPS):
             gate_up, down = (mlp.gate_up_proj,), mlp.down_proj
         else:
             gate_up = down = None
-        return cls(attn, qkv, attn.o_proj, mlp, gate_up, down)
+        activation = None if gate_up is None else (
+            "gelu_approx" if isinstance(mlp, GELU_MLPS) else "silu")
+        return cls(attn, qkv, attn.o_proj, mlp, gate_up, down, activation)
 
     @property
     def qkv_widths(self) -> tuple[int, int, int]:
@@ -106,6 +114,11 @@ class LayerParts:
 
     @property
     def is_swiglu(self) -> bool:
+        return self.activation == "silu"
+
+    @property
+    def is_dense(self) -> bool:
+        """A dense MLP (SwiGLU or GELU), not a mixture of experts."""
         return self.gate_up is not None
 
     def named(self) -> list[tuple[str, nn.Module]]:
@@ -113,7 +126,7 @@ class LayerParts:
         matrix (not a mixture's experts)."""
         qkv = ("q_proj", "k_proj", "v_proj") if len(self.qkv) == 3 else ("qkv_proj",)
         named = [*zip(qkv, self.qkv), ("o_proj", self.o)]
-        if self.is_swiglu:
+        if self.is_dense:
             gate_up = ("gate_proj", "up_proj") if len(self.gate_up) == 2 else ("gate_up_proj",)
             named += [*zip(gate_up, self.gate_up), ("down_proj", self.down)]
         return named
@@ -132,6 +145,11 @@ class LayerParts:
         fused = WeightMatrix.of(self.gate_up[0])
         half = fused.out_width // 2
         return fused.rows(0, half), fused.rows(half, 2 * half)
+
+
+    def dense_mlp_matrices(self) -> tuple[WeightMatrix, WeightMatrix, WeightMatrix]:
+        """(gate, up, down) of a dense MLP."""
+        return (*self.gate_up_matrices(), WeightMatrix.of(self.down))
 
 
 def key_projection_name(attn) -> str:

@@ -20,7 +20,7 @@ from .one_token import EXACT_AS_MATRIX
 
 def availability(compute: Compute) -> str:
     """One line for doctor: whether decode steps can run natively on this rank (each
-    model is checked when it runs: float32 or half-precision-cache Llama/Qwen/Phi-3
+    model is checked when it runs: float32 or half-precision-cache Llama/Qwen/Phi-3/Gemma 3
     layers; ``--decode-step graph`` turns it off)."""
     if compute.gpu:
         return "not used (the GPU path runs MLX's step)"
@@ -88,10 +88,6 @@ def native_obstacle(model: CPModel) -> str | None:
     embedding = model.embed_tokens
     if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
         return f"the embedding is {_described(embedding)}"
-    odd = next((i for i, form in enumerate(model.forms) if not form.plain), None)
-    if odd is not None:  # the C step has neither a window nor Gemma's norms
-        return (f"layer {odd}: a sliding window or norms around its sublayers "
-                "(Gemma 3), which the native step does not do")
     if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
         return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
     head_dim = LayerParts.of(model.layers[0]).qkv_widths[1] // model.num_kv_heads  # k's width
@@ -99,7 +95,7 @@ def native_obstacle(model: CPModel) -> str | None:
         return f"heads of {head_dim} dimensions (at most {MAX_HEAD_DIM})"
     for index, layer in enumerate(model.layers):
         parts = LayerParts.of(layer)
-        if not parts.is_swiglu:
+        if not parts.is_dense:
             return (f"layer {index}: its MLP is {describe_feed_forward(parts.feed_forward)}, "
                     "which the native step does not compute")
         if type(layer.self_attn.rope) not in EXACT_AS_MATRIX:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.gemma3_text import clip_residual
 
 from ..attention.exp import swiglu
 from ..runtime.comm import Comm
@@ -106,6 +107,7 @@ class LayerPlan:
     hidden_ranges: list  # per rank: rows of Wgate and Wup = inputs of Wdown (whole groups),
     # or of every expert's (expert_slices.py)
     mixture: nn.Module | None = None
+    activation: str = "silu"  # the gate's before it multiplies up (LayerParts.activation)
 
     @classmethod
     def of(cls, layer, size: int) -> LayerPlan:
@@ -115,7 +117,7 @@ class LayerPlan:
         o = _matrix(parts.o)
         shares = (_split("q/k/v outputs", sum(m.out_width for m in qkv), size),
                   _split("o_proj outputs", o.out_width, size))
-        if not parts.is_swiglu:
+        if not parts.is_dense:
             mixture = parts.feed_forward
             reason = experts_obstacle(mixture)
             if reason is not None:
@@ -125,7 +127,8 @@ class LayerPlan:
             return cls(qkv, parts.qkv_widths, o, None, None, None, *shares, hidden, mixture)
         down = _matrix(parts.down)
         return cls(qkv, parts.qkv_widths, o, *parts.gate_up_matrices(), down, *shares,
-                   _split("down_proj inputs", down.in_width, size, down.in_align))
+                   _split("down_proj inputs", down.in_width, size, down.in_align),
+                   activation=parts.activation)
 
 
 class LayerSlice:
@@ -133,15 +136,20 @@ class LayerSlice:
     projections of ``CPModel.forward`` (``qkv``, ``add_output``, ``add_mlp``) split
     across ranks."""
 
-    def __init__(self, layer, comm, copy_rows: bool):
+    def __init__(self, layer, comm, copy_rows: bool, sandwich: bool = False):
         """``comm``: the collectives (Comm or runtime.graph_comm.GraphCollectives).
+        ``sandwich``: the layer norms its attention's and MLP's outputs before each
+        residual add (Gemma 3: layer_form.LayerForm.sandwich), after the ranks' sum.
         ``copy_rows``: copy the row slices too (the layer's weights will not stay: q/k/v
         rows joined into one matrix, gate, up), else they are views into the loaded
         matrices (q/k/v as one matmul per matrix touched, unless the rows are few: see
         ``JOIN_QKV_MAX_BYTES``). The column slice of down is a copy either way (a view
         of columns is not a matrix BLAS streams)."""
         plan, rank = LayerPlan.of(layer, comm.size), comm.rank
-        self.comm = comm
+        self.comm, self.activation = comm, plan.activation
+        # (copies: a layer-sharded store swaps the layer's own arrays out later)
+        self.out_norms = (copy.copy(layer.post_attention_layernorm),
+                          copy.copy(layer.post_feedforward_layernorm)) if sandwich else None
         self.qkv_sizes = [b - a for a, b in plan.qkv_ranges]
         self.q_width, self.k_width = plan.qkv_widths[:2]
         pieces = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=False)
@@ -176,12 +184,21 @@ class LayerSlice:
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
     def add_output(self, h: mx.array, out: mx.array) -> mx.array:
-        return h + self.comm.allgather_rows(self.o(out), axis=-1, counts=self.o_sizes)
+        o = self.comm.allgather_rows(self.o(out), axis=-1, counts=self.o_sizes)
+        if self.out_norms is not None:
+            return clip_residual(h, self.out_norms[0](o))
+        return h + o
 
     def add_mlp(self, h: mx.array, x: mx.array) -> mx.array:
         if self.mixture is not None:  # mlx-lm's module: router whole, experts sliced
             return self.comm.allreduce_onto(h, self.mixture(x))
-        act = swiglu(self.gate(x), self.up(x))
+        if self.activation == "gelu_approx":  # mlx-lm's Gemma 3 MLP's, hidden units sliced
+            act = nn.gelu_approx(self.gate(x)) * self.up(x)
+        else:
+            act = swiglu(self.gate(x), self.up(x))
+        if self.out_norms is not None:
+            summed = self.comm.allreduce(self.down(act), "sum")
+            return clip_residual(h, self.out_norms[1](summed))
         return self.comm.allreduce_onto(h, self.down(act))
 
 
@@ -205,7 +222,7 @@ def slicing_obstacle(model: CPModel, size: int) -> str | None:
         for index, layer in enumerate(model.layers.modules):
             parts = LayerParts.of(layer)
             mlp = parts.feed_forward
-            reason = None if parts.is_swiglu else experts_obstacle(mlp)
+            reason = None if parts.is_dense else experts_obstacle(mlp)
             if reason is not None:
                 experts = getattr(mlp, "num_experts", None) is not None
                 mixture = f" ({describe_feed_forward(mlp)})" if experts else ""
@@ -233,6 +250,9 @@ class LayerShell:
     def __init__(self, layer):
         self.input_layernorm = copy.copy(layer.input_layernorm)
         self.post_attention_layernorm = copy.copy(layer.post_attention_layernorm)
+        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):  # Gemma 3
+            if name in layer:
+                setattr(self, name, copy.copy(layer[name]))
         attn = copy.copy(layer.self_attn)
         for name in ("q_norm", "k_norm"):  # Qwen3
             if name in attn:
@@ -271,14 +291,15 @@ class TensorParallelDecoder:
         # A layer-sharded store broadcasts each layer as this loop reaches it (one forward
         # pass's worth, once); each rank keeps its slices and the layer's small parts.
         self.layers, self.modules = [], []
-        for layer in model.layers:
+        for layer, form in zip(model.layers, model.forms):
             if not self.layers:
                 cut_from = describe_weights(layer, model)
             # A packed-only matrix's memory holds its values again while its slices
             # are copied (models/packed_load.py), one layer at a time: the copies are
             # cut from q/k/v and down (the other slices are views).
             with SHADOWS.filled(copied_matrices(layer)):
-                self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded))
+                self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded,
+                                              sandwich=form.sandwich))
             self.modules.append(LayerShell(layer) if sharded else layer)
         if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows
             self.head, self.vocab_sizes = model.lm_head.project, model.lm_head.widths

@@ -77,7 +77,31 @@ typedef struct {
   int capacity;
   float scale;
   int kv_kind; /* the cache's elements: KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16 */
+  int activation; /* the MLP's gate activation: ACT_SILU or ACT_GELU_TANH */
+  /* (dim) each, or NULL: norms of the attention's and the MLP's outputs before each is
+   * added to the residual (Gemma 3's post-attention and post-feed-forward norms) */
+  const float *attention_out_norm, *mlp_out_norm;
+  float attention_out_eps, mlp_out_eps;
 } layer;
+
+/* What a batched step's attention reads besides the layer (batch_step.h;
+ * engine/native_batched.py fills it). */
+typedef struct {
+  int rows;
+  const float *const *rotations; /* per row its position's (d x d) RoPE matrix, or NULL */
+  const int *stores;      /* per row the tail row its k/v go to here, or -1 */
+  const int *slots;       /* per row its tail's slot */
+  const int *firsts;      /* per row the first prefix row it sees, or NULL: 0 for all */
+  int length;             /* the prefix rows this rank holds */
+  float *tail_keys, *tail_values; /* float32 (slots x kv_heads x capacity x d) */
+  int tail_capacity;
+  const int *tail_firsts; /* per row the first tail row it sees */
+  const int *tail_lengths; /* per row its tail's rows here (the new one counted) */
+} batch_attention;
+
+/* The MLP's activations: silu(gate) * up (Llama's SwiGLU), gelu_approx(gate) * up
+ * (Gemma's, MLX's tanh form of GELU). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* The structs' layout, for kernels/decode_step.py to check its ctypes copies against:
  * the offset of `field` in struct `type`, its size for the field "", -1 if unknown. */
@@ -97,7 +121,15 @@ static const struct {
     LAYOUT_FIELD(layer, qkv_pieces), LAYOUT_FIELD(layer, qkv),   LAYOUT_FIELD(layer, o),
     LAYOUT_FIELD(layer, gate),   LAYOUT_FIELD(layer, up),        LAYOUT_FIELD(layer, down),
     LAYOUT_FIELD(layer, keys),   LAYOUT_FIELD(layer, values),    LAYOUT_FIELD(layer, capacity),
-    LAYOUT_FIELD(layer, scale),  LAYOUT_FIELD(layer, kv_kind),
+    LAYOUT_FIELD(layer, scale),  LAYOUT_FIELD(layer, kv_kind),  LAYOUT_FIELD(layer, activation),
+    LAYOUT_FIELD(layer, attention_out_norm), LAYOUT_FIELD(layer, mlp_out_norm),
+    LAYOUT_FIELD(layer, attention_out_eps), LAYOUT_FIELD(layer, mlp_out_eps),
+    LAYOUT_SIZE(batch_attention), LAYOUT_FIELD(batch_attention, rows),
+    LAYOUT_FIELD(batch_attention, rotations), LAYOUT_FIELD(batch_attention, stores),
+    LAYOUT_FIELD(batch_attention, slots), LAYOUT_FIELD(batch_attention, firsts),
+    LAYOUT_FIELD(batch_attention, length), LAYOUT_FIELD(batch_attention, tail_keys),
+    LAYOUT_FIELD(batch_attention, tail_values), LAYOUT_FIELD(batch_attention, tail_capacity),
+    LAYOUT_FIELD(batch_attention, tail_firsts), LAYOUT_FIELD(batch_attention, tail_lengths),
 };
 
 long spmd_cp_decode_layout(const char *type, const char *field) {
@@ -185,6 +217,18 @@ static void swiglu_plain(const float *gate, const float *up, int n, float *act) 
   }
 }
 
+/* act = gelu_approx(gate) * up, MLX's 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+ * with tanh(y) = sign(y) (1 - e) / (1 + e), e = e^-2|y| (no overflow). */
+#define SQRT_2_OVER_PI 0.7978845608028654f
+#define GELU_CUBIC 0.044715f
+static void geglu_plain(const float *gate, const float *up, int n, float *act) {
+  for (int i = 0; i < n; i++) {
+    float g = gate[i], y = SQRT_2_OVER_PI * (g + GELU_CUBIC * (g * g * g));
+    float e = exp_nonpositive(-2.0f * fabsf(y)), t = (1.0f - e) / (1.0f + e);
+    act[i] = 0.5f * g * (1.0f + (y < 0.0f ? -t : t)) * up[i];
+  }
+}
+
 #ifdef HAVE_X86_VECTORS
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -232,6 +276,24 @@ AVX2 static void swiglu_avx2(const float *gate, const float *up, int n, float *a
   swiglu_plain(gate + i, up + i, n - i, act + i);
 }
 
+AVX2 static void geglu_avx2(const float *gate, const float *up, int n, float *act) {
+  __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  __m256 c = _mm256_set1_ps(SQRT_2_OVER_PI), cubic = _mm256_set1_ps(GELU_CUBIC);
+  __m256 minus_two = _mm256_set1_ps(-2.0f);
+  int i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    __m256 g = _mm256_loadu_ps(gate + i);
+    __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    __m256 y = _mm256_mul_ps(c, _mm256_add_ps(g, _mm256_mul_ps(cubic, g3)));
+    __m256 e = exp_nonpositive8(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, y)));
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    t = _mm256_or_ps(t, _mm256_and_ps(y, sign)); /* y's sign onto tanh(|y|) */
+    __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+  }
+  geglu_plain(gate + i, up + i, n - i, act + i);
+}
+
 static int avx2_here(void) {
   static int known = -1;
   if (known < 0) known = cpu_has_avx2_fma(0);
@@ -251,10 +313,17 @@ static void swiglu(const float *gate, const float *up, int n, float *act) {
   else
     swiglu_plain(gate, up, n, act);
 }
+static void geglu(const float *gate, const float *up, int n, float *act) {
+  if (avx2_here())
+    geglu_avx2(gate, up, n, act);
+  else
+    geglu_plain(gate, up, n, act);
+}
 #else
 #define softmax_row softmax_row_plain
 #define row_max row_max_plain
 #define swiglu swiglu_plain
+#define geglu geglu_plain
 #endif
 
 static void add_into(float *h, const float *x, int n) {
@@ -299,15 +368,21 @@ static void store_kv(const layer *l, int g, int row, const float *k, const float
   }
 }
 
-/* A half-precision cache's scores: query rows q (group x d) times `count` keys, each
+/* Query rows up to which a half-precision cache's keys are widened in registers, four
+ * rows a pass over them; more (a batched step's) widen a tile of keys once for all
+ * (2 cores, 16 jobs after a 2,600-token document, N = 2: batched steps of 8 and 16
+ * 1.16-1.18x faster, medians of 3 interleaved runs). */
+enum { HALF_FUSED_ROWS = 8 };
+
+/* A half-precision cache's scores: `group` query rows q (group x d) times `count` keys, each
  * key widened in registers (half_attention.h) or, without AVX2, a tile of keys widened
  * into float32 at a time and multiplied as a float32 cache's keys are (into scores'
  * rows, `stride` apart). */
-static void half_scores(const layer *l, const uint16_t *keys, const float *q, int count,
-                        float *scores, int stride) {
-  int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+static void half_scores(const layer *l, const uint16_t *keys, const float *q, int group,
+                        int count, float *scores, int stride) {
+  int d = l->head_dim, tile = KV_TILE_FLOATS / d;
 #ifdef HAVE_X86_VECTORS
-  if (half_fused_here(d)) {
+  if (half_fused_here(d) && group <= HALF_FUSED_ROWS) {
     half_scores_fused(keys, l->kv_kind, q, group, d, count, scores, stride);
     return;
   }
@@ -323,11 +398,11 @@ static void half_scores(const layer *l, const uint16_t *keys, const float *q, in
 
 /* o (group rows, `width` apart) = p (group x count, rows `stride` apart) times `count`
  * values, a tile widened at a time, its products added to the tiles' before. */
-static void half_values(const layer *l, const uint16_t *values, const float *p, int count,
-                        int stride, float *o, int width) {
-  int d = l->head_dim, group = l->heads / l->kv_heads, tile = KV_TILE_FLOATS / d;
+static void half_values(const layer *l, const uint16_t *values, const float *p, int group,
+                        int count, int stride, float *o, int width) {
+  int d = l->head_dim, tile = KV_TILE_FLOATS / d;
 #ifdef HAVE_X86_VECTORS
-  if (half_fused_here(d)) {
+  if (half_fused_here(d) && group <= HALF_FUSED_ROWS) {
     half_values_fused(values, l->kv_kind, p, group, stride, d, count, o, width);
     return;
   }
@@ -341,12 +416,12 @@ static void half_values(const layer *l, const uint16_t *values, const float *p, 
   }
 }
 
-/* KV head g's query rows q (group x d) over cache rows [start, start + count): into o
- * (group rows, `width` apart) the partial or, `normalized`, the output. `scores`: the
- * head's group rows, `stride` floats apart, of which columns [start, start + count). */
-static void attend_range(const layer *l, int g, const float *q, int start, int count,
-                         int normalized, float *scores, int stride, float *o) {
-  int d = l->head_dim, group = l->heads / l->kv_heads;
+/* `group` query rows q (group x d) of KV head g over cache rows [start, start + count):
+ * into o (group rows, `width` apart) the partial or, `normalized`, the output.
+ * `scores`: group rows of at least `count` floats, `stride` apart. */
+static void attend_rows(const layer *l, int g, const float *q, int group, int start,
+                        int count, int normalized, float *scores, int stride, float *o) {
+  int d = l->head_dim;
   int width = normalized ? d : d + PARTIAL_EXTRA;
   if (count == 0) { /* nothing cached here: zero sums, a max of -inf (weighed 0) */
     for (int r = 0; r < group; r++) {
@@ -356,12 +431,11 @@ static void attend_range(const layer *l, int g, const float *q, int start, int c
     return;
   }
   size_t first = ((size_t)g * l->capacity + start) * d;
-  scores += start;
   if (l->kv_kind == KV_FLOAT32)
     sgemm(ROW_MAJOR, NO_TRANS, TRANS, group, count, d, 1.0f, q, d,
           (const float *)l->keys + first, d, 0.0f, scores, stride);
   else
-    half_scores(l, (const uint16_t *)l->keys + first, q, count, scores, stride);
+    half_scores(l, (const uint16_t *)l->keys + first, q, group, count, scores, stride);
   float top[MAX_GROUP], total[MAX_GROUP];
   for (int r = 0; r < group; r++) {
     float *row = scores + (size_t)r * stride;
@@ -372,7 +446,8 @@ static void attend_range(const layer *l, int g, const float *q, int start, int c
     sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, group, d, count, 1.0f, scores, stride,
           (const float *)l->values + first, d, 0.0f, o, width);
   else
-    half_values(l, (const uint16_t *)l->values + first, scores, count, stride, o, width);
+    half_values(l, (const uint16_t *)l->values + first, scores, group, count, stride, o,
+                width);
   for (int r = 0; r < group; r++) {
     float *row = o + (size_t)r * width;
     if (normalized) {
@@ -383,12 +458,22 @@ static void attend_range(const layer *l, int g, const float *q, int start, int c
   }
 }
 
-/* The exact merge of `parts` partials (parts x heads x (d + 2), stacked) into out:
- * each part's sums weighted by exp((max - top) * scale); `normalized`, the values' sum
- * over the probabilities' (heads x d), else the merged partial (heads x (d + 2)). */
+/* KV head g's query rows q (its group of the heads) over cache rows [start, start +
+ * count); `scores`: the head's rows, `stride` floats apart, of which columns [start,
+ * start + count). */
+static void attend_range(const layer *l, int g, const float *q, int start, int count,
+                         int normalized, float *scores, int stride, float *o) {
+  attend_rows(l, g, q, l->heads / l->kv_heads, start, count, normalized, scores + start,
+              stride, o);
+}
+
+/* The exact merge of `parts` partials (each heads x (d + 2), `part_stride` floats
+ * apart) into out: each part's sums weighted by exp((max - top) * scale); `normalized`,
+ * the values' sum over the probabilities' (heads x d), else the merged partial (heads x
+ * (d + 2)). */
 static void merge_partials(int parts, int heads, int d, float scale, const float *partials,
-                           int normalized, float *out) {
-  size_t width = d + PARTIAL_EXTRA, part_stride = (size_t)heads * width;
+                           size_t part_stride, int normalized, float *out) {
+  size_t width = d + PARTIAL_EXTRA;
   for (int h = 0; h < heads; h++) {
     float top = -INFINITY;
     for (int r = 0; r < parts; r++) {
@@ -418,16 +503,16 @@ static void merge_partials(int parts, int heads, int d, float scale, const float
 typedef struct {
   const layer *l;
   const float *q;
-  int length;
+  int first, length;        /* rows [first, length) */
   float *scores, *partials; /* heads x length; parts x heads x (d + 2) */
 } attention_job;
 
 static void attention_part(void *args, int part, int parts) {
   const attention_job *job = args;
   const layer *l = job->l;
-  int d = l->head_dim, group = l->heads / l->kv_heads;
-  int start = (int)((long long)job->length * part / parts);
-  int end = (int)((long long)job->length * (part + 1) / parts);
+  int d = l->head_dim, group = l->heads / l->kv_heads, count = job->length - job->first;
+  int start = job->first + (int)((long long)count * part / parts);
+  int end = job->first + (int)((long long)count * (part + 1) / parts);
   float *partial = job->partials + (size_t)part * l->heads * (d + PARTIAL_EXTRA);
   for (int g = 0; g < l->kv_heads; g++)
     attend_range(l, g, job->q + (size_t)g * group * d, start, end - start, 0,
@@ -437,11 +522,12 @@ static void attention_part(void *args, int part, int parts) {
 
 /* The layer's attention over this rank's cache for the token whose full q/k/v (after
  * the gather) is `qkv`: q/k norms and RoPE in place, k and v stored at cache row
- * `store_row` (-1: another rank caches this token), then over the first `length`
- * rows: the partial (kv_heads x group x (d + 2)), or with `normalized` the output
- * (heads x d) itself. `scores`: spmd_cp_decode_scratch(...) floats. */
+ * `store_row` (-1: another rank caches this token), then over rows [first, length)
+ * (a sliding window's first row the query sees, else 0): the partial (kv_heads x
+ * group x (d + 2)), or with `normalized` the output (heads x d) itself. `scores`:
+ * spmd_cp_decode_scratch(...) floats for `length` rows. */
 void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, int store_row,
-                           int length, int normalized, float *scores, float *out) {
+                           int first, int length, int normalized, float *scores, float *out) {
   int d = l->head_dim, heads = l->heads, kv = l->kv_heads, group = heads / kv;
   float *q = qkv, *k = qkv + (size_t)heads * d, *v = k + (size_t)kv * d;
   if (l->q_norm != NULL) {
@@ -457,13 +543,14 @@ void spmd_cp_decode_attend(const layer *l, float *qkv, const float *rotation, in
   if (pool.threads == 1) { /* one range: the output or partial directly */
     int width = normalized ? d : d + PARTIAL_EXTRA;
     for (int g = 0; g < kv; g++)
-      attend_range(l, g, q + (size_t)g * group * d, 0, length, normalized,
+      attend_range(l, g, q + (size_t)g * group * d, first, length - first, normalized,
                    scores + (size_t)g * group * length, length, out + (size_t)g * group * width);
     return;
   }
-  attention_job job = {l, q, length, scores, scores + (size_t)heads * length};
+  attention_job job = {l, q, first, length, scores, scores + (size_t)heads * length};
   run_parallel(attention_part, &job);
-  merge_partials(pool.threads, heads, d, l->scale, job.partials, normalized, out);
+  merge_partials(pool.threads, heads, d, l->scale, job.partials,
+                 (size_t)heads * (d + PARTIAL_EXTRA), normalized, out);
 }
 
 /* Floats of the scratch spmd_cp_decode_attend takes over `length` cache rows: every
@@ -477,7 +564,8 @@ long spmd_cp_decode_scratch(int heads, int head_dim, int length) {
  * into the attention output (heads x d). */
 void spmd_cp_decode_merge(int ranks, int heads, int d, float scale, const float *partials,
                           float *out) {
-  merge_partials(ranks, heads, d, scale, partials, 1, out);
+  merge_partials(ranks, heads, d, scale, partials, (size_t)heads * (d + PARTIAL_EXTRA), 1,
+                 out);
 }
 
 /* This rank's outputs of the output projection: its rows of W_o times the attention
@@ -486,17 +574,32 @@ void spmd_cp_decode_output(const layer *l, const float *attention, float *part) 
   product(&l->o, attention, part);
 }
 
-/* h += attention's projected output, then this rank's share of the MLP of RMSNorm(h).
- * `scratch`: dim + 2 x gate rows floats. */
+/* h += attention's projected output (normed first where the layer norms it), then this
+ * rank's share of the MLP of RMSNorm(h) (normed where the layer norms the MLP's output:
+ * the replicated step's whole output). `scratch`: dim + 2 x gate rows floats. */
 void spmd_cp_decode_mlp(const layer *l, float *h, const float *added, float *scratch,
                         float *part) {
-  add_into(h, added, l->dim);
   float *normed = scratch, *gate = scratch + l->dim, *up = gate + l->gate.rows;
+  if (l->attention_out_norm != NULL) {
+    rms_norm(added, l->attention_out_norm, l->attention_out_eps, l->dim, normed);
+    added = normed;
+  }
+  add_into(h, added, l->dim);
   rms_norm(h, l->post_norm, l->post_eps, l->dim, normed);
   products gate_up = {2, {&l->gate, &l->up}, {normed, normed}, {gate, up}};
   run_products(&gate_up);
-  swiglu(gate, up, l->gate.rows, gate);
+  if (l->activation == ACT_GELU_TANH)
+    geglu(gate, up, l->gate.rows, gate);
+  else
+    swiglu(gate, up, l->gate.rows, gate);
   product(&l->down, gate, part);
+  if (l->mlp_out_norm != NULL) rms_norm(part, l->mlp_out_norm, l->mlp_out_eps, l->dim, part);
+}
+
+/* x = RMSNorm(x) in place: the split step's MLP output where the layer norms it, once
+ * the ranks' partial sums are summed. */
+void spmd_cp_decode_norm(const float *weight, float eps, int n, float *x) {
+  rms_norm(x, weight, eps, n, x);
 }
 
 /* The last step: h += added, RMSNorm(h), times this rank's rows of the LM head. */
@@ -509,3 +612,6 @@ void spmd_cp_decode_head(const matrix *head, int dim, float *h, const float *add
 
 /* Prefill attention's tiles, on the same pool and row kernels (attention/native_prefill.py). */
 #include "prefill_attention.h"
+
+/* Batched decode steps of several sequences (engine/native_batched.py). */
+#include "batch_step.h"

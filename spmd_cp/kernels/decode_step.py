@@ -1,9 +1,11 @@
 """The native decode step's C library (decode_step.c): built on first use, its structs.
 
 engine/native_decode.py fills one ``Layer`` per layer of a model and calls the library's
-four functions a layer between its collectives (on a pool of threads the library starts
-once, ``spmd_cp_decode_set_threads``); this module only builds and loads the library (runtime/native.py, like the sgemv forward), declares the functions' argument
-types, and mirrors decode_step.c's ``matrix`` and ``layer`` structs. The library resolves
+four functions a layer between its collectives (engine/native_batched.py its batched
+forms, batch_step.h) (on a pool of threads the library starts
+once, ``spmd_cp_decode_set_threads``); this module only builds and loads the library
+(runtime/native.py, like the sgemv forward), declares the functions' argument types, and
+mirrors decode_step.c's ``matrix`` and ``layer`` structs. The library resolves
 ``cblas_sgemm`` in the process's global scope (the forward or the BLAS that the re-exec
 preloads, blas/reexec.py); where there is none it is not used. Standard library only.
 """
@@ -21,6 +23,8 @@ MAX_GROUP = 64  # query heads a KV head, at most (the C side's stack arrays)
 MAX_HEAD_DIM = 512  # kv_half.h's: a half-precision cache row widened on the stack
 # kv_half.h's element kinds of the cache, by MLX dtype name
 KV_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
+# decode_step.c's MLP activations, by mlx-lm's name of the gate's
+ACTIVATIONS = {"silu": 0, "gelu_approx": 1}
 
 
 class Matrix(ctypes.Structure):
@@ -44,10 +48,24 @@ class Layer(ctypes.Structure):
                 ("gate", Matrix), ("up", Matrix), ("down", Matrix),
                 ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
                 ("capacity", ctypes.c_int), ("scale", ctypes.c_float),
-                ("kv_kind", ctypes.c_int)]
+                ("kv_kind", ctypes.c_int), ("activation", ctypes.c_int),
+                ("attention_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                ("attention_out_eps", ctypes.c_float), ("mlp_out_eps", ctypes.c_float)]
 
 
-STRUCTS = {"matrix": Matrix, "layer": Layer}
+class BatchAttention(ctypes.Structure):
+    """batch_step.h's ``batch_attention``: what a batched step's attention reads besides
+    the layer (per-row arrays as addresses)."""
+
+    _fields_ = [("rows", ctypes.c_int), ("rotations", ctypes.c_void_p),
+                ("stores", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("firsts", ctypes.c_void_p), ("length", ctypes.c_int),
+                ("tail_keys", ctypes.c_void_p), ("tail_values", ctypes.c_void_p),
+                ("tail_capacity", ctypes.c_int), ("tail_firsts", ctypes.c_void_p),
+                ("tail_lengths", ctypes.c_void_p)]
+
+
+STRUCTS = {"matrix": Matrix, "layer": Layer, "batch_attention": BatchAttention}
 
 
 def layout_mismatch(loaded) -> str:
@@ -91,13 +109,27 @@ def library():
     signatures = {
         "spmd_cp_decode_qkv": [pointer] * 5,
         "spmd_cp_decode_attend": [pointer, pointer, pointer, integer, integer, integer,
-                                  pointer, pointer],
+                                  integer, pointer, pointer],
         "spmd_cp_decode_merge": [integer, integer, integer, real, pointer, pointer],
         "spmd_cp_decode_output": [pointer] * 3,
+        "spmd_cp_decode_norm": [pointer, real, integer, pointer],
         "spmd_cp_decode_mlp": [pointer] * 5,
         "spmd_cp_decode_head": [pointer, integer, pointer, pointer, pointer, real, pointer,
                                 pointer],
     }
+    signatures.update({  # batch_step.h's (engine/native_batched.py)
+        "spmd_cp_batch_qkv": [pointer, integer, pointer, pointer, pointer, pointer],
+        "spmd_cp_batch_attend": [pointer] * 5,
+        "spmd_cp_batch_merge": [integer, integer, integer, real, pointer, ctypes.c_long,
+                                pointer],
+        "spmd_cp_batch_output": [pointer, integer, pointer, pointer],
+        "spmd_cp_batch_mlp": [pointer, integer, pointer, pointer, pointer, pointer],
+        "spmd_cp_batch_final_norm": [integer, integer, pointer, pointer, pointer, real,
+                                     pointer],
+        "spmd_cp_batch_product": [pointer, integer, pointer, pointer, integer],
+    })
+    loaded.spmd_cp_batch_scratch.argtypes = [integer] * 6
+    loaded.spmd_cp_batch_scratch.restype = ctypes.c_long
     for name, argtypes in signatures.items():
         function = getattr(loaded, name)
         function.argtypes, function.restype = argtypes, None

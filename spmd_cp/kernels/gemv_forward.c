@@ -233,6 +233,19 @@ static int padded_columns(int cols, int bits) {
   return (cols + block - 1) / block * block;
 }
 
+/* `count` <= 8 rows of x (rows ldx apart) in lane order (lanes_of), interleaved eight
+ * floats at a time: the v-th eight of row i at out + (v count + i) 8, the dotm kernels'
+ * operand. `row`: one row's padded columns of scratch. */
+static void interleaved_lanes(const float *x, int ldx, int count, int cols, int per_word,
+                              float *row, float *out) {
+  int vectors = padded_columns(cols, 32 / per_word) / 8;
+  for (int i = 0; i < count; i++) {
+    lanes_of(x + (size_t)i * ldx, cols, per_word, row);
+    for (int v = 0; v < vectors; v++)
+      memcpy(out + ((size_t)v * count + i) * 8, row + (size_t)v * 8, 8 * sizeof(float));
+  }
+}
+
 /* scale * q + bias, rounded once (fused) or twice: never contracted by the compiler. */
 AVX2_TARGET static inline __m256 dequantize8(__m256 q, __m256 scale, __m256 bias, int fused) {
   if (fused) return _mm256_fmadd_ps(q, scale, bias);
@@ -422,16 +435,19 @@ AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 
   return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-/* Row `row`'s dot products with m <= 8 vectors in lane order (vector i at lanes + i *
- * stride), into out[i]: each block dequantized once in registers for all m (a batched
- * decode step's rows), one accumulator a vector. */
+/* Row `row`'s dot products with m <= 8 vectors in lane order, interleaved eight floats
+ * at a time (interleaved_lanes: the i-th vector's v-th eight at lanes + (v m + i) 8),
+ * into out[i]: each block dequantized once in registers for all m (a batched decode
+ * step's rows), one accumulator a vector. A body per m (the dispatch below): with m a
+ * constant every operand is one pointer plus a constant, no tests and no offsets
+ * reloaded from the stack. */
 #define SHADOW_DOTM(NAME, BITS, FUSED)                                                 \
-  AVX2_TARGET static void NAME(const shadow *sh, int row, const float *lanes,         \
-                               size_t stride, int m, float *out) {                     \
+  AVX2_TARGET static inline __attribute__((always_inline)) void NAME##_body(          \
+      const shadow *sh, int row, const float *lanes, int m, float *out) {             \
     SHADOW_ROW_START(BITS, FUSED);                                                     \
     __m256 acc[8];                                                                     \
     UNROLLED for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                 \
-    for (int b = 0; b < blocks; b++, lanes += BLOCK) {                                 \
+    for (int b = 0; b < blocks; b++, lanes += BLOCK * m) {                             \
       __m256i words = block_words(p, b, whole);                                        \
       int first = first_group(sh, b, BLOCK);                                           \
       __m256 scale = per_lane(scales, kind, first, two, groups);                       \
@@ -440,11 +456,24 @@ AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 
         __m256 w = SHADOW_WEIGHTS(s);                                                  \
         UNROLLED for (int i = 0; i < 8; i++)                                           \
           if (i < m)                                                                   \
-            acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lanes + i * stride + 8 * s), acc[i]); \
+            acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lanes + (s * m + i) * 8), acc[i]); \
       }                                                                                \
     }                                                                                  \
     UNROLLED for (int i = 0; i < 8; i++)                                               \
       if (i < m) out[i] = horizontal_sum(acc[i]);                                      \
+  }                                                                                    \
+  AVX2_TARGET static void NAME(const shadow *sh, int row, const float *lanes, int m,  \
+                               float *out) {                                           \
+    switch (m) {                                                                       \
+      case 1: NAME##_body(sh, row, lanes, 1, out); return;                             \
+      case 2: NAME##_body(sh, row, lanes, 2, out); return;                             \
+      case 3: NAME##_body(sh, row, lanes, 3, out); return;                             \
+      case 4: NAME##_body(sh, row, lanes, 4, out); return;                             \
+      case 5: NAME##_body(sh, row, lanes, 5, out); return;                             \
+      case 6: NAME##_body(sh, row, lanes, 6, out); return;                             \
+      case 7: NAME##_body(sh, row, lanes, 7, out); return;                             \
+      default: NAME##_body(sh, row, lanes, 8, out); return;                            \
+    }                                                                                  \
   }
 
 SHADOW_DOT(dot4_unfused, 4, 0)
@@ -464,7 +493,7 @@ SHADOW_DOTM(dotm4_fused, 4, 1)
 SHADOW_DOTM(dotm8_unfused, 8, 0)
 SHADOW_DOTM(dotm8_fused, 8, 1)
 
-typedef void (*shadow_dotm_fn)(const shadow *, int, const float *, size_t, int, float *);
+typedef void (*shadow_dotm_fn)(const shadow *, int, const float *, int, float *);
 
 static shadow_dotm_fn dotm_for(const shadow *s) {
   if (s->bits == 4) return s->fused ? dotm4_fused : dotm4_unfused;
@@ -1250,7 +1279,7 @@ static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
       float values[8];
       for (int q = 0; q < job->m; q += 8) {
         int count = job->m - q < 8 ? job->m - q : 8;
-        dotm_for(s)(s, row, lanes + (size_t)q * stride, stride, count, values);
+        dotm_for(s)(s, row, lanes + (size_t)q * stride, count, values);
         for (int i = 0; i < count; i++) put(job, q + i, j, values[i]);
       }
       continue;
@@ -1298,7 +1327,7 @@ static int batched_product(int index, int first_row, int m, int n, int k, float 
 #ifdef HAVE_X86_VECTORS
   if (avx2_here()) stride4 = padded_columns(k, 4), stride8 = padded_columns(k, 8);
 #endif
-  size_t wanted = (size_t)parts * k + (size_t)m * (stride4 + stride8);
+  size_t wanted = (size_t)parts * k + (size_t)(m + 1) * (stride4 + stride8);
   if (buffers_floats < wanted) {
     float *grown = realloc(buffers, wanted * sizeof(float));
     if (grown == NULL) return 0;
@@ -1307,11 +1336,16 @@ static int batched_product(int index, int first_row, int m, int n, int k, float 
   batch_job job = {index, first_row, m, n, k, lda, ldc, alpha, beta, a, c, buffers,
                    {NULL, NULL}, {stride4, stride8}, parts};
 #ifdef HAVE_X86_VECTORS
-  if (avx2_here()) { /* A's rows in both kernels' lane orders, once a product */
+  if (avx2_here()) { /* A's rows in both kernels' lane orders, once a product, each
+                       * run of eight rows interleaved (interleaved_lanes) */
     float *lanes4 = buffers + (size_t)parts * k, *lanes8 = lanes4 + (size_t)m * stride4;
-    for (int q = 0; q < m; q++) {
-      lanes_of(a + (size_t)q * lda, k, 8, lanes4 + (size_t)q * stride4);
-      lanes_of(a + (size_t)q * lda, k, 4, lanes8 + (size_t)q * stride8);
+    float *row = lanes8 + (size_t)m * stride8;
+    for (int q = 0; q < m; q += 8) {
+      int count = m - q < 8 ? m - q : 8;
+      interleaved_lanes(a + (size_t)q * lda, lda, count, k, 8, row,
+                        lanes4 + (size_t)q * stride4);
+      interleaved_lanes(a + (size_t)q * lda, lda, count, k, 4, row,
+                        lanes8 + (size_t)q * stride8);
     }
     job.lanes[0] = lanes4, job.lanes[1] = lanes8;
   }
