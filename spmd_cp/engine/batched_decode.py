@@ -26,24 +26,18 @@ mpi4py's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..attention import block_attention, merge_partials
-from ..attention.partition import decode_owner
 from ..blas.libraries import rank_threads
 from ..kernels import gemv_forward
 from .afd_attention import afd_halves, ping_pong
 from .batch_rows import RowSplit
 from .cache import ShardedKVCache
-
-# Tail capacity grows in steps of this many entries (every slot at once).
-TAIL_STEP = 64
-# A free row's position: later than any query, so no mask lets a query see it.
-NO_POSITION = np.iinfo(np.int64).max
+from .prefix_batch import PrefixBatch, Sequence, TailSlots
 
 
 class NewRows(NamedTuple):
@@ -55,39 +49,14 @@ class NewRows(NamedTuple):
     rows: mx.array
 
 
-@dataclass
-class Sequence:
-    """One sequence's place in the batch (the same on every rank)."""
-
-    slot: int
-    position: int  # the next token's global position
-    tail_sizes: list[int]  # every rank's tail entries
-    decode_steps: int  # the placement rule's state (ShardedKVCache's, per sequence)
-    decode_owner: int
-
-
-class TailKV:
-    """Every slot's tail on this rank: per layer keys and values (S, NKV, C, d), and
-    the global position of every entry, (S, C), NO_POSITION where a row is free. A
-    layer's buffers are made (or grown to the present S and C) when first used."""
+class TailKV(TailSlots):
+    """MLX's tails: per layer keys and values (S, NKV, C, d) in the cache's dtype, a
+    layer's buffers made (or grown to the present S and C) when first used."""
 
     def __init__(self, dtype: mx.Dtype):
+        super().__init__()
         self.dtype = dtype
         self.buffers: dict[int, tuple[mx.array, mx.array]] = {}
-        self.positions = np.zeros((0, 0), np.int64)
-        self.lengths: list[int] = []  # each slot's entries here
-
-    def reserve(self, slots: int, capacity: int):
-        """Room for ``slots`` slots of ``capacity`` entries; entries kept."""
-        old_slots, old_capacity = self.positions.shape
-        if slots <= old_slots and capacity <= old_capacity:
-            return
-        slots = max(slots, old_slots)
-        capacity = -(-max(capacity, old_capacity) // TAIL_STEP) * TAIL_STEP
-        positions = np.full((slots, capacity), NO_POSITION, np.int64)
-        positions[:old_slots, :old_capacity] = self.positions
-        self.positions = positions
-        self.lengths += [0] * (slots - old_slots)
 
     def layer(self, index: int, kv_heads: int, head_dim: int) -> tuple[mx.array, mx.array]:
         """Layer ``index``'s (keys, values), at the reserved size."""
@@ -120,33 +89,28 @@ class TailKV:
             buffer[rows.slots, :, rows.rows] = (
                 new[:, rows.batch].swapaxes(0, 1).astype(self.dtype))
 
+    def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
+        self.write(index, slot, 0, keys, values)
+
+    def settle(self):
+        mx.eval(list(self.buffers.values()))  # copied now, not when first read
+
     @property
     def nbytes(self) -> int:
         """Bytes of every slot's buffers (the most the batch held: they never shrink)."""
         return sum(keys.nbytes + values.nbytes for keys, values in self.buffers.values())
 
-    def clear(self, slot: int):
-        self.positions[slot] = NO_POSITION
-        self.lengths[slot] = 0
 
-
-class BatchedDecoder:
-    """Decode steps of several sequences after one shared prefix (see the module doc).
-
-    Every rank makes the same calls in the same order: ``admit`` right after the
-    engine prefilled a sequence's own tokens onto the prefix cache, ``step`` for the
-    sequences decoding now, ``retire`` when one ends.
-    """
+class BatchedDecoder(PrefixBatch):
+    """MLX's decode steps of several sequences after one shared prefix (see the module
+    doc)."""
 
     kind = "mlx"  # the step's body, as --json's batched_step names it
 
     def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
         # the CP group's ranks deal the rows (all of them without --tp); a TP group's
         # ranks hold the same rows and sum their slices' products in the layers
-        self.engine, self.model, self.comm = engine, engine.model, engine.cp
-        self.prefix, self.prefix_tokens = prefix, prefix_tokens
-        self.tails = TailKV(self.model.kv_dtype)
-        self.sequences: dict = {}
+        super().__init__(engine, prefix, prefix_tokens, TailKV(engine.model.kv_dtype))
         # The step's collectives: MLX's graph collectives where the ranks can open them
         # (the step is then one graph, evaluated once), else mpi4py's.
         self.collectives = engine.batched_collectives()
@@ -155,44 +119,6 @@ class BatchedDecoder:
         # this decoder at the same point)
         self.vocab = self.model.logits(mx.zeros((1, width))).shape[-1]
         gemv_forward.lend_pool(rank_threads())  # the packed products of B rows
-
-    # -- sequences in and out ------------------------------------------------------
-    def admit(self, key, capacity: int):
-        """Move the tokens the engine just prefilled after the prefix into a free slot
-        (the prefix cache is truncated back to the prefix), with room for ``capacity``
-        tail entries in all (its prompt's and its answer's)."""
-        cache = self.prefix
-        slot = min(set(range(len(self.tails.lengths) + 1))
-                   - {s.slot for s in self.sequences.values()})
-        kept = [int(np.count_nonzero(p < self.prefix_tokens)) for p in cache.rank_positions]
-        tail_sizes = [p.size - k for p, k in zip(cache.rank_positions, kept)]
-        local = kept[cache.cp_rank]
-        entries = cache.positions.size - local  # each layer's last (a window's dropped some)
-        self.tails.reserve(slot + 1, max(capacity, entries))
-        for index, layer in enumerate(cache.layers):
-            if entries:
-                keys, values = layer.fetch()
-                self.tails.write(index, slot, 0, keys[:, layer.offset - entries:],
-                                 values[:, layer.offset - entries:])
-        self.tails.positions[slot, :entries] = cache.positions[local:]
-        self.tails.lengths[slot] = entries
-        self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
-                                       cache.decode_owner)
-        cache.truncate(self.prefix_tokens)
-        # Copied now: the next prefill reuses the cache rows past the prefix.
-        mx.eval(list(self.tails.buffers.values()))
-
-    def retire(self, key):
-        self.tails.clear(self.sequences.pop(key).slot)
-
-    @property
-    def tail_tokens(self) -> int:
-        """Every slot's entries on this rank."""
-        return sum(self.tails.lengths)
-
-    @property
-    def tail_bytes(self) -> int:
-        return self.tails.nbytes
 
     # -- one step ----------------------------------------------------------------------
     def step(self, keys: list, tokens: list[int], on_layer=None):
@@ -247,13 +173,6 @@ class BatchedDecoder:
         gathered = self.collectives.gather_rows(logits.reshape(-1),
                                                 [n * self.vocab for n in split.counts])
         return None if gathered is None else gathered.reshape(split.total, self.vocab)
-
-    def _place(self, sequence: Sequence) -> int:
-        sizes = [p + t for p, t in zip(self.prefix.shard_sizes, sequence.tail_sizes)]
-        sequence.decode_owner = decode_owner(sizes, sequence.decode_steps,
-                                             self.engine.kv_interleave, sequence.decode_owner)
-        sequence.decode_steps += 1
-        return sequence.decode_owner
 
     def _rows(self, sequences: list[Sequence], owners: list[int]) -> NewRows | None:
         """Where this rank stores the step's new tokens (None: none here), recorded."""

@@ -32,42 +32,32 @@ import mlx.core as mx
 import numpy as np
 
 from ..attention.block import window_start
-from ..attention.partition import decode_owner
 from ..blas.libraries import rank_threads
 from ..kernels import gemv_forward
 from ..kernels.decode_step import BatchAttention
 from ..models.quantized_shadows import SHADOWS
 from ..runtime.comm import offsets
 from .batch_rows import RowSplit
-from .batched_decode import NO_POSITION, TAIL_STEP, Sequence
 from .cache import ShardedKVCache
 from .native_decode import ROPE_BLOCK, NativeDecoder
 from .native_views import float32_view
+from .prefix_batch import PrefixBatch, TailSlots
 
-class NativeTails:
-    """Every slot's tail on this rank: per layer float32 keys and values (S, NKV, C, d),
-    and the global position of every entry, (S, C), NO_POSITION where a row is free."""
+class NativeTails(TailSlots):
+    """The native step's tails: per layer float32 keys and values (S, NKV, C, d), each
+    entry rounded as the prefix's cache stores one."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int):
+        super().__init__()
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        self.positions = np.zeros((0, 0), np.int64)
-        self.lengths: list[int] = []
 
-    def reserve(self, slots: int, capacity: int):
-        """Room for ``slots`` slots of ``capacity`` entries; entries kept (the buffers'
-        addresses change: callers read them after)."""
-        old_slots, old_capacity = self.positions.shape
-        if slots <= old_slots and capacity <= old_capacity:
-            return
-        slots = max(slots, old_slots)
-        capacity = -(-max(capacity, old_capacity) // TAIL_STEP) * TAIL_STEP
-        positions = np.full((slots, capacity), NO_POSITION, np.int64)
-        positions[:old_slots, :old_capacity] = self.positions
-        self.positions = positions
-        self.lengths += [0] * (slots - old_slots)
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
+    def grown(self, old_slots: int, old_capacity: int):
+        """The buffers at the reserved size, entries kept (their addresses change:
+        callers read them after)."""
+        shape = (*self.positions.shape[:1], self.kv_heads, self.positions.shape[1],
+                 self.head_dim)
         for buffers in (self.keys, self.values):
             for index in range(self.layers):
                 grown = np.zeros(shape, np.float32)
@@ -77,79 +67,35 @@ class NativeTails:
                 else:
                     buffers.append(grown)
 
+    def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
+        for into, new in ((self.keys, keys), (self.values, values)):
+            into[index][slot, :, :new.shape[1]] = np.asarray(new.astype(mx.float32))
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
-    def clear(self, slot: int):
-        self.positions[slot] = NO_POSITION
-        self.lengths[slot] = 0
 
-
-class NativeBatchedDecoder:
-    """BatchedDecoder's interface (admit, step, retire) over the native step's layers."""
+class NativeBatchedDecoder(PrefixBatch):
+    """Batched steps (PrefixBatch's admit, step, retire) over the native step's layers."""
 
     kind = "native"
 
     def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
-        self.engine, self.model, self.comm = engine, engine.model, engine.cp
         # The replicated layout's layers (whole matrices: a rank computes its rows): the
         # plan's step where it is replicated, else one more over the same weights (views)
         native = engine.decoder
         if native.split is not None:
-            native = NativeDecoder(self.model, self.comm, persistent=False)
-        self.native = native
-        self.prefix, self.prefix_tokens = prefix, prefix_tokens
-        self.library = native.library
-        self.tails = NativeTails(len(native.layers), native.kv_heads, native.head_dim)
-        self.sequences: dict = {}
+            native = NativeDecoder(engine.model, engine.cp, persistent=False)
+        super().__init__(engine, prefix, prefix_tokens,
+                         NativeTails(len(native.layers), native.kv_heads, native.head_dim))
+        self.native, self.library = native, native.library
+        self._step_buffers: dict = {}  # per (rows, this rank's rows): _buffers'
         self.width = (native.heads + 2 * native.kv_heads) * native.head_dim
         self.partial = native.heads * (native.head_dim + 2)
         self._rope_start, self._rope_count, self._rope_bases = 0, 0, []
         self._scratch = np.zeros(0, np.float32)
         gemv_forward.lend_pool(rank_threads())  # the packed products of several rows
-
-    # -- sequences in and out ------------------------------------------------------
-    def admit(self, key, capacity: int):
-        """As BatchedDecoder.admit: the tokens just prefilled after the prefix move into
-        a free slot, the prefix cache is truncated back to the prefix."""
-        cache = self.prefix
-        slot = min(set(range(len(self.tails.lengths) + 1))
-                   - {s.slot for s in self.sequences.values()})
-        kept = [int(np.count_nonzero(p < self.prefix_tokens)) for p in cache.rank_positions]
-        tail_sizes = [p.size - k for p, k in zip(cache.rank_positions, kept)]
-        local = kept[cache.cp_rank]
-        entries = cache.positions.size - local
-        self.tails.reserve(slot + 1, max(capacity, entries))
-        for index, layer in enumerate(cache.layers):
-            if entries:
-                keys, values = layer.fetch()
-                for into, new in ((self.tails.keys, keys), (self.tails.values, values)):
-                    rows = new[:, layer.offset - entries:layer.offset].astype(mx.float32)
-                    into[index][slot, :, :entries] = np.asarray(rows)
-        self.tails.positions[slot, :entries] = cache.positions[local:]
-        self.tails.lengths[slot] = entries
-        self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
-                                       cache.decode_owner)
-        cache.truncate(self.prefix_tokens)
-
-    def retire(self, key):
-        self.tails.clear(self.sequences.pop(key).slot)
-
-    @property
-    def tail_tokens(self) -> int:
-        return sum(self.tails.lengths)
-
-    @property
-    def tail_bytes(self) -> int:
-        return self.tails.nbytes
-
-    def _place(self, sequence: Sequence) -> int:
-        sizes = [p + t for p, t in zip(self.prefix.shard_sizes, sequence.tail_sizes)]
-        sequence.decode_owner = decode_owner(sizes, sequence.decode_steps,
-                                             self.engine.kv_interleave, sequence.decode_owner)
-        sequence.decode_steps += 1
-        return sequence.decode_owner
 
     # -- one step ----------------------------------------------------------------------
     def step(self, keys: list, tokens: list[int], on_layer=None):
@@ -214,7 +160,13 @@ class NativeBatchedDecoder:
         return prefix, tail
 
     def _buffers(self, rows: int, mine: int) -> dict:
-        """The step's vectors for ``rows`` rows, ``mine`` of them this rank's."""
+        """The step's vectors for ``rows`` rows, ``mine`` of them this rank's (made once
+        for each batch size: a step overwrites all it reads)."""
+        if (rows, mine) not in self._step_buffers:
+            self._step_buffers[rows, mine] = self._new_buffers(rows, mine)
+        return self._step_buffers[rows, mine]
+
+    def _new_buffers(self, rows: int, mine: int) -> dict:
         native, f32 = self.native, (lambda *shape: np.zeros(shape, np.float32))
         dim, hidden = native.dim, max(layer.gate.rows for layer in native.layers)
         return {"h": f32(mine, dim), "normed": f32(max(rows, 1), dim),

@@ -1236,8 +1236,8 @@ static int shadow_product(int index, int first_row, int n, float alpha, const fl
  * Batched rows: a few rows of x (2 <= m <= BATCH_ROWS: a batched decode step's tokens,
  * a short prefill) times a matrix held packed, given as rows (x times W transposed).
  * Each part of the pool takes whole tiles of BATCH_TILE weight rows; an affine row's
- * blocks are dequantized in registers once for eight rows of x at a time (the fused
- * kernel, x in its lane order), a GGUF block type's row into the part's buffer (in
+ * blocks are dequantized in registers once for eight rows of x at a time (the dotm
+ * kernels, each run of eight rows interleaved in their lane order), a GGUF block type's row into the part's buffer (in
  * cache) exactly as the products read it, then times every row of x by the
  * few-columns kernel: the packed matrix is read once from memory for all m rows, where
  * released_product would write and read it whole as float32 and hand it to sgemm. The
@@ -1252,8 +1252,9 @@ typedef struct {
   float alpha, beta;
   const float *a;
   float *c, *buffers;        /* parts x k floats: a row dequantized */
-  const float *lanes[2];     /* A's rows in the 4- and 8-bit kernels' lane order (or NULL) */
-  size_t lane_stride[2];     /* floats from one row's lanes to the next's */
+  const float *lanes[2];     /* A's rows in the 4- and 8-bit kernels' lane order, each run
+                              * of eight interleaved (interleaved_lanes), or NULL */
+  size_t lane_stride[2];     /* a row's padded lanes: run q of eight starts at q x 8 x this */
   int parts;
 } batch_job;
 
