@@ -205,6 +205,7 @@ class ServeConfig(_Settings):
     model_name: str | None = None  # the id /v1/models lists (None: the model file's name)
     cache_entries: int = 4  # conversations' KV caches kept resident (LRU)
     preload: tuple[str, ...] = ()  # --save-cache directories loaded as entries at start
+    max_batch: int = 1  # requests decoded together (1: one request at a time)
 
 
 def from_options(options: dict, *classes) -> tuple:

@@ -223,6 +223,25 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
         caches.plan(np.array([1, 2]), lambda kept, continued, reused: tight(1, 0, reused))
 
 
+
+def test_resident_entries_held_by_a_joining_request_are_not_continued_or_evicted():
+    """serve --max-batch prefills a joining request into its entry a slice at a time:
+    meanwhile another request that begins alike neither continues that entry (it gets
+    its own), copies from it, nor evicts it; its room still counts against memory."""
+    caches = ResidentCaches(FakeEngine(), max_entries=2)
+    fits = lambda kept, continued, reused: None  # noqa: E731
+    a = filled(caches.take(caches.plan(np.arange(30), fits)), np.arange(30))
+    b = filled(caches.take(caches.plan(np.array([7, 7, 7]), fits)), [7, 7, 7])
+    caches.note_rooms([[100, 40]])
+    caches.held = {id(a)}
+    asked = []
+    plan = caches.plan(np.r_[np.arange(30), 50], lambda *room: asked.append(room))
+    assert plan == {"entry": None, "fork": False, "reused": 0, "evict": [1]}
+    assert asked == [(100, 0, 0)]  # a's room kept and counted, b's evicted
+    caches.held = set()
+    assert caches.plan(np.r_[np.arange(30), 50], fits)["entry"] == 0
+    assert b in caches.entries
+
 def test_http_side_alone_api_key_and_loading():
     """The HTTP layer without ranks: /health says loading, the key is asked for."""
     from spmd_cp.server import http_api

@@ -243,7 +243,7 @@ def _run_together(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max
                           root.progress.prefill_callback if root else None)
     stats = scheduler.run([Request(job["id"], job["ids"], job["sampling"])
                            for job in work["jobs"]])
-    held = cache.nbytes + scheduler.decoder.tail_bytes  # the document's and every slot's
+    held = cache.nbytes + stats.tail_bytes  # the document's and every slot's
     if held > kv_peak["bytes"]:
         kv_peak.update(bytes=int(held), tokens=int(cache.positions.size + stats.tail_tokens))
     if root is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import click
 
@@ -28,6 +28,9 @@ from .generate import refuse_other_model
 from .options import common_options, decode_options, ranged_option, sampling_options
 
 REPEAT_S = 2.0  # signals this close to the first are the same stop request
+# With --max-batch: a joining request's prompt is prefilled this many tokens at a time
+# between the running requests' decode steps, so that their streams go on.
+PREFILL_SLICE = 256
 
 
 @click.command()
@@ -45,6 +48,10 @@ REPEAT_S = 2.0  # signals this close to the first are the same stop request
 @click.option("--preload-cache", "preload", multiple=True, metavar="DIR",
               help="Start with a conversation saved by `generate --save-cache` resident "
                    "(same model and rank count; repeatable).")
+@click.option("--max-batch", type=click.IntRange(min=1),
+              default=ServeConfig.default("max_batch"), show_default=True,
+              help="Requests decoded together: a request joins the running batch after "
+                   "its prefill and leaves at its end (1: one request at a time).")
 @click.option("--model-name", default=None,
               help="The model id /v1/models lists (default: the model file's name).")
 @sampling_options
@@ -85,6 +92,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
         buffer_cache = bound_buffer_cache(engine.model.compute)
         caches = preload(comm, engine, loaded, args, metas)
         memory = gather_memory(comm, caches)
+        max_batch = serving_batch(args, loaded, run, engine)
         root = None
         if comm.rank == 0:
             from ..server.root import RootSide
@@ -93,11 +101,15 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             root = RootSide(state, loaded, run, comm, lambda: splits(engine, decode),
                             buffer_cache)
             root.note_memory(caches, memory)
+            root.batched, state.max_batch = max_batch > 1, max_batch
             state.ready.set()
             host, port = held["server"].server_address[:2]
-            steps.log.info("serving %s on http://%s:%d/v1 (%d ranks)", state.model_id,
-                           host, port, comm.size)
-        serve_loop(comm, engine, loaded, root, caches)
+            steps.log.info("serving %s on http://%s:%d/v1 (%d ranks, %d requests at once)",
+                           state.model_id, host, port, comm.size, max_batch)
+        if max_batch > 1:
+            serve_batched(comm, engine, loaded, root, caches, max_batch)
+        else:
+            serve_loop(comm, engine, loaded, root, caches)
     except BaseException:
         # The job ends on a failure (a rank lost): the queued clients learn so, whether
         # rank 0 gets here before the launcher's kill or the guardian answers after it.
@@ -134,13 +146,28 @@ def splits(engine, decode: DecodeConfig) -> bool:
     return decode.decode_tp != "off"
 
 
-def gather_memory(comm, caches) -> list[dict] | None:
+def serving_batch(args: ServeConfig, loaded, run: RunConfig, engine) -> int:
+    """Requests decoded together: --max-batch where the engine has a batched step."""
+    from .steps import log
+
+    why = "layer-sharded weights" if getattr(loaded, "share", None) is not None else \
+        "--afd" if run.afd is not None else None
+    if args.max_batch > 1 and why is not None:
+        if engine.comm.rank == 0:
+            log.warning("--max-batch %d: %s decode one request at a time", args.max_batch,
+                        why)
+        return 1
+    return args.max_batch
+
+
+def gather_memory(comm, caches, slot_bytes: int = 0) -> list[dict] | None:
     """Every rank's memory figures (runtime/resident.py's ``memory_now``), its resident
-    KV bytes and each entry's K/V room, on rank 0 (None elsewhere)."""
+    KV bytes (and the running requests' slots, ``slot_bytes``) and each entry's K/V room,
+    on rank 0 (None elsewhere)."""
     from ..runtime.resident import memory_now
 
-    return comm.gather_object({"kv_bytes": int(caches.nbytes), "kv_rooms": caches.own_rooms(),
-                               **memory_now()})
+    return comm.gather_object({"kv_bytes": int(caches.nbytes + slot_bytes),
+                               "kv_rooms": caches.own_rooms(), **memory_now()})
 
 
 def read_preloads(args: ServeConfig) -> list[dict]:
@@ -269,3 +296,59 @@ def serve_loop(comm, engine, loaded, root, caches):
                           "generated, %s; %d cache entries", len(work["ids"]), work["reused"],
                           len(result.tokens), result.finish_reason, len(caches.entries))
             root.finished(result, work, caches, memory)
+
+
+def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
+    """Every rank: requests decoded together (engine/scheduler.py), until rank 0 says
+    stop. Each step rank 0 hands over the requests that join (their prefill runs whole,
+    between two steps of the running ones: their streams pause for it); a request's
+    prompt goes into its resident entry as in one-at-a-time serving and is copied into
+    its slot of the batch, where its answer's keys and values go. The entry keeps the
+    prompt: a follow-up reuses it and prefills the answer again."""
+    from ..engine.scheduler import Request, Scheduler
+    from ..runtime import spmd
+    from ..runtime.resident import reset_resident_peak
+
+    works = {}
+
+    def finished(request, result, error):
+        work = works.pop(request.key)
+        memory = gather_memory(comm, caches, scheduler.decoder.tail_bytes)
+        if root is None:
+            return
+        work["error"] = error
+        if result is not None:
+            spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
+                          "generated, %s; %d running", len(work["ids"]), work["reused"],
+                          len(result.tokens), result.finish_reason, len(scheduler.running))
+        root.ended(request.key, result, work, caches, memory)
+
+    scheduler = Scheduler(engine, engine.new_cache(), 0, loaded.tokenizer, max_batch, finished,
+                          prefill_slice=PREFILL_SLICE)
+    if root is not None:
+        root.slot_scale = slot_scale(engine, scheduler.decoder)
+    while True:
+        busy = scheduler.running or scheduler.joining
+        with nullcontext() if busy else idle(comm):
+            joining = spmd.on_root(comm, lambda: root.next_works(caches, scheduler.free))
+        if joining is None:
+            return
+        if joining and not busy:
+            reset_resident_peak()  # /health's resident_peak_bytes: this batch's
+        for work in joining:
+            works[work["key"]] = work
+            pending = root.running[work["key"]] if root is not None else None
+            scheduler.join(Request(
+                work["key"], work["ids"][work["reused"]:], work["sampling"],
+                source=caches.take(work), write=pending.emit if pending else None,
+                cancelled=pending.cancelled.is_set if pending else None))
+        scheduler.advance()
+        caches.held = {id(joining.request.source) for joining in scheduler.joining}
+
+
+def slot_scale(engine, decoder) -> float:
+    """A batch slot's bytes per entry over the cache's (the native step's slots hold
+    float32, MLX's the cache's dtype)."""
+    if decoder.kind != "native":
+        return 1.0
+    return 4 / engine.model.kv_dtype.size

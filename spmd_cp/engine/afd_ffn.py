@@ -181,7 +181,7 @@ class FfnBatchedDecoder:
     def __init__(self, server: FfnServer):
         self.server = server
 
-    def admit(self, key, capacity: int):
+    def admit(self, key, room: int, source=None):
         pass
 
     def retire(self, key):

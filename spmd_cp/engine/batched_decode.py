@@ -89,6 +89,10 @@ class TailKV(TailSlots):
             buffer[rows.slots, :, rows.rows] = (
                 new[:, rows.batch].swapaxes(0, 1).astype(self.dtype))
 
+    def release(self):
+        super().release()
+        self.buffers = {}
+
     def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
         self.write(index, slot, 0, keys, values)
 

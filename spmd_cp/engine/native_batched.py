@@ -67,6 +67,10 @@ class NativeTails(TailSlots):
                 else:
                     buffers.append(grown)
 
+    def release(self):
+        super().release()
+        self.keys, self.values = [], []
+
     def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
         for into, new in ((self.keys, keys), (self.values, values)):
             into[index][slot, :, :new.shape[1]] = np.asarray(new.astype(mx.float32))

@@ -62,6 +62,11 @@ class TailSlots:
         """After a sequence's entries were taken (before its rows in the prefix cache
         are reused)."""
 
+    def release(self):
+        """Every slot's memory handed back (no sequence holds one)."""
+        self.positions = np.zeros((0, 0), np.int64)
+        self.lengths = []
+
     def clear(self, slot: int):
         self.positions[slot] = NO_POSITION
         self.lengths[slot] = 0
@@ -80,18 +85,21 @@ class PrefixBatch:
         self.tails = tails
         self.sequences: dict = {}
 
-    def admit(self, key, capacity: int):
+    def admit(self, key, room: int, source: ShardedKVCache | None = None):
         """Move the tokens the engine just prefilled after the prefix into a free slot
-        (the prefix cache is truncated back to the prefix), with room for ``capacity``
-        tail entries in all (its prompt's and its answer's)."""
-        cache = self.prefix
+        (the prefix cache is truncated back to the prefix), with room for ``room`` more
+        entries (its answer's; the slot grows past it where it must). ``source``: a cache
+        of the sequence's own (the server's resident conversation, beginning with the
+        prefix) whose entries after the prefix are copied instead, the cache kept whole.
+        """
+        cache = self.prefix if source is None else source
         slot = min(set(range(len(self.tails.lengths) + 1))
                    - {s.slot for s in self.sequences.values()})
         kept = [int(np.count_nonzero(p < self.prefix_tokens)) for p in cache.rank_positions]
         tail_sizes = [p.size - k for p, k in zip(cache.rank_positions, kept)]
         local = kept[cache.cp_rank]
         entries = cache.positions.size - local  # each layer's last (a window's dropped some)
-        self.tails.reserve(slot + 1, max(capacity, entries))
+        self.tails.reserve(slot + 1, entries + room)
         for index, layer in enumerate(cache.layers):
             if entries:
                 keys, values = layer.fetch()
@@ -103,10 +111,16 @@ class PrefixBatch:
         self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
                                        cache.decode_owner)
         self.tails.settle()  # before the next prefill reuses the cache rows past the prefix
-        cache.truncate(self.prefix_tokens)
+        if source is None:
+            cache.truncate(self.prefix_tokens)
 
     def retire(self, key):
+        """``key``'s slot is free; the last one out hands every slot's memory back (the
+        slots are as long as the longest sequence's: a server's next batch may be
+        short)."""
         self.tails.clear(self.sequences.pop(key).slot)
+        if not self.sequences:
+            self.tails.release()
 
     @property
     def tail_tokens(self) -> int:

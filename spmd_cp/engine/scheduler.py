@@ -12,6 +12,9 @@ The policy, on every rank in lock-step:
              and its slot is free for the next request, at the next admission.
 
 Requests are admitted in order, so with ``max_batch`` 1 the work is the sequential loop's.
+The server (``join`` and ``advance``) gives each request a cache of its own (its resident
+conversation, copied into the slot whole and kept) and prefills a joining request a slice
+at a time between the running sequences' steps.
 Rank 0 broadcasts every decision (a token, whether it stopped, or a sampling failure),
 so all ranks admit, step and retire the same sequences.
 
@@ -34,11 +37,16 @@ from .generation import Generation, Answer, failure_text, rank0_sampler
 
 @dataclass
 class Request:
-    """One sequence to answer: its own token ids after the shared prefix."""
+    """One sequence to answer: its own token ids after the shared prefix (or after what
+    its own ``source`` cache holds), and rank 0's hooks: ``write(text)`` as its answer
+    grows, ``cancelled()`` asked at every token (True ends it, "cancelled")."""
 
-    key: str
+    key: object
     ids: np.ndarray
     sampling: SamplingConfig
+    source: object = None  # a ShardedKVCache of its own, kept whole (the server's entry)
+    write: object = None
+    cancelled: object = None
 
 
 @dataclass
@@ -51,6 +59,14 @@ class BatchStats:
     tokens: int = 0
     sizes: Counter = field(default_factory=Counter)
     tail_tokens: int = 0  # the most entries this rank's slots held at once
+    tail_bytes: int = 0  # the most bytes this rank's slots took at once
+
+
+@dataclass
+class _Joining:
+    request: Request
+    done: int = 0  # its tokens prefilled so far
+    prefill_s: float = 0.0
 
 
 @dataclass
@@ -74,13 +90,17 @@ class Scheduler:
     """
 
     def __init__(self, engine, cache, prefix_tokens: int, tokenizer, max_batch: int,
-                 finished, prefill_progress=None):
+                 finished, prefill_progress=None, prefill_slice: int = 0):
+        """``prefill_slice``: the tokens of a joining request's prompt (``join``)
+        prefilled between two steps while others decode (0: all of it)."""
         self.engine, self.comm = engine, engine.comm
         self.cache, self.prefix_tokens = cache, prefix_tokens
         self.tokenizer, self.max_batch = tokenizer, max(1, max_batch)
         self.finished, self.prefill_progress = finished, prefill_progress
         self.decoder = engine.batched_decoder(cache, prefix_tokens)
         self.running: dict[str, _Running] = {}
+        self.joining: list[_Joining] = []
+        self.prefill_slice = prefill_slice
         self.stats = BatchStats()
 
     def run(self, requests: list[Request]):
@@ -88,20 +108,62 @@ class Scheduler:
         waiting = list(reversed(requests))
         while waiting or self.running:
             while waiting and len(self.running) < self.max_batch:
-                self._admit(waiting.pop())
+                self.admit(waiting.pop())
             if self.running:
-                self._step()
+                self.step()
         return self.stats
 
-    def _admit(self, request: Request):
+    @property
+    def free(self) -> int:
+        """Sequences that may join before the batch is full."""
+        return self.max_batch - len(self.running) - len(self.joining)
+
+    def admit(self, request: Request):
+        """Prefill the request's tokens and sample its first; it decodes from the next
+        ``step`` on (or has ended already: ``finished`` called)."""
+        progress = self.prefill_progress(request.key) if self.prefill_progress else None
+        start = time.perf_counter()
+        logits, _ = self.engine.prefill(self._cache_of(request), request.ids,
+                                        progress=progress)
+        self._prefilled(request, logits, time.perf_counter() - start)
+
+    def join(self, request: Request):
+        """``admit`` in slices: ``advance`` prefills the request's prompt
+        ``prefill_slice`` tokens at a time between the running sequences' steps, so that
+        their streams go on; requests join in turn."""
+        self.joining.append(_Joining(request))
+
+    def advance(self):
+        """One slice of the first joining request's prefill (all that is left where no
+        sequence decodes), then one step of the running sequences."""
+        if self.joining:
+            joining, slice_ = self.joining[0], self.prefill_slice
+            ids = joining.request.ids
+            size = len(ids) - joining.done
+            if self.running and slice_ > 0:
+                size = min(size, slice_)
+            start = time.perf_counter()
+            logits, _ = self.engine.prefill(self._cache_of(joining.request),
+                                            ids[joining.done:joining.done + size])
+            joining.prefill_s += time.perf_counter() - start
+            joining.done += size
+            if joining.done == len(ids):
+                self.joining.pop(0)
+                self._prefilled(joining.request, logits, joining.prefill_s)
+        if self.running:
+            self.step()
+
+    def _cache_of(self, request: Request):
+        return self.cache if request.source is None else request.source
+
+    def _prefilled(self, request: Request, logits, prefill_s: float):
+        """After a request's prefill: its first token sampled, and it joins the batch
+        (or ends there)."""
         is_root = self.comm.rank == 0
         options = request.sampling
         sample = rank0_sampler(options, is_root)
-        answer = Answer(self.tokenizer, options, None, None) if is_root else None
-        progress = self.prefill_progress(request.key) if self.prefill_progress else None
-        start = time.perf_counter()
-        logits, _ = self.engine.prefill(self.cache, request.ids, progress=progress)
-        prefill_s = time.perf_counter() - start
+        answer = Answer(self.tokenizer, options, request.write, request.cancelled) \
+            if is_root else None
         running = _Running(request, -1, 0, prefill_s, time.perf_counter(), answer, sample)
         if options.max_tokens == 0:
             self._end(running, stopped=False, error=None, admitted=False)
@@ -111,10 +173,11 @@ class Scheduler:
         if error is not None or stopped or options.max_tokens == 1:
             self._end(running, stopped, error, admitted=False)
             return
-        self.decoder.admit(request.key, len(request.ids) + options.max_tokens)
+        self.decoder.admit(request.key, options.max_tokens, request.source)
         self.running[request.key] = running
 
-    def _step(self):
+    def step(self):
+        """One batched decode step of every running sequence; those that end leave."""
         keys = list(self.running)
         start = time.perf_counter()
         logits = self.decoder.step(keys, [self.running[k].token for k in keys],
@@ -126,6 +189,7 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.sizes[len(keys)] += 1
         self.stats.tail_tokens = max(self.stats.tail_tokens, self.decoder.tail_tokens)
+        self.stats.tail_bytes = max(self.stats.tail_bytes, self.decoder.tail_bytes)
         for (running, _), (token, stopped, error) in zip(rows, decisions):
             if error is None:
                 self.stats.tokens += 1
@@ -153,15 +217,17 @@ class Scheduler:
         if admitted:
             self.decoder.retire(key)
             del self.running[key]
-        else:
+        elif running.request.source is None:
             self.cache.truncate(self.prefix_tokens)
         if error is not None:
             self.finished(running.request, None, error)
             return
         decode_s = time.perf_counter() - running.started if admitted else 0.0
         tokens, text, answer = [], "", running.answer  # (rank 0's answer; none elsewhere)
+        finish = "stop" if stopped else "length"
         if answer is not None:
             answer.stream.finish()
             tokens, text = answer.tokens, answer.stream.text
-        self.finished(running.request, Generation(tokens, text, "stop" if stopped else "length",
-                                                  running.prefill_s, decode_s), None)
+            finish = "cancelled" if answer.was_cancelled else finish
+        self.finished(running.request, Generation(tokens, text, finish, running.prefill_s,
+                                                  decode_s), None)

@@ -76,6 +76,8 @@ class ServerState:
         self.ready = threading.Event()  # the model is loaded on every rank
         self.stopping = threading.Event()
         self.busy = False
+        self.running = 0  # requests decoding now
+        self.max_batch = 1  # the most decoded together (serve --max-batch)
         self.cache = {"entries": 0, "bytes": 0, "tokens": 0}
         self.memory = []  # per rank, after the last request: resident and MLX bytes
         self.memory_forecast = {}  # the last request's forecast per rank, by part
@@ -96,7 +98,8 @@ class ServerState:
         status = "stopping" if self.stopping.is_set() else "ok" if self.ready.is_set() \
             else "loading"
         return {"status": status, "model": self.model_id, "queue_length": self.queue.qsize(),
-                "busy": self.busy, "requests_served": self.served,
+                "busy": self.busy, "running": self.running, "max_batch": self.max_batch,
+                "requests_served": self.served,
                 "requests_cancelled": self.cancelled, "cache": dict(self.cache),
                 "memory": [dict(rank) for rank in self.memory],
                 "memory_forecast": dict(self.memory_forecast)}

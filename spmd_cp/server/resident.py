@@ -54,6 +54,9 @@ class ResidentCaches:
         self.max_entries = max(1, max_entries)
         self.entries = []
         self.rooms = []  # rank 0: each entry's K/V room in tokens on the roomiest rank
+        # Entries a joining request is still being prefilled into (serve --max-batch:
+        # in slices between steps): no other request continues, copies or evicts them.
+        self.held: set[int] = set()  # their id()s
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +85,8 @@ class ResidentCaches:
         """(index of the entry sharing the longest prefix with ``ids``, its length)."""
         best, reused = None, 0
         for index, cache in enumerate(self.entries):
+            if id(cache) in self.held:
+                continue
             length = common_prefix_length(cache.token_ids, ids)
             if length > reused:
                 best, reused = index, length
@@ -101,14 +106,16 @@ class ResidentCaches:
         fork = index is not None and \
             self.entries[index].num_tokens - reused > IN_PLACE_SLACK and self.max_entries > 1
         in_place = index is not None and not fork
-        others = [i for i in range(len(self.entries)) if not (in_place and i == index)]
-        room = self.max_entries - (0 if in_place else 1)
+        held = [i for i, cache in enumerate(self.entries) if id(cache) in self.held]
+        others = [i for i in range(len(self.entries))
+                  if not (in_place and i == index) and i not in held]
+        room = self.max_entries - (0 if in_place else 1) - len(held)
         evict = others[:max(0, len(others) - room)]
         while True:
             kept = [i for i in others if i not in evict]
             try:
-                fits(sum(self.rooms[i] for i in kept), self.rooms[index] if in_place else 0,
-                     reused)
+                fits(sum(self.rooms[i] for i in kept + held),
+                     self.rooms[index] if in_place else 0, reused)
                 break
             except ApiError:
                 if not kept:

@@ -29,6 +29,11 @@ class RootSide:
         self.comm = comm
         self.may_split = may_split
         self.current: Pending | None = None
+        self.running: dict[int, Pending] = {}  # batched serving: the requests decoding
+        self.batched = False  # requests decoded together (serve --max-batch > 1)
+        self.slot_rooms: dict[int, int] = {}  # batched serving: each running request's slot
+        self.slot_scale = 1.0  # a slot entry's bytes over one of the cache's (set by serve)
+        self.keys = 0
         self.outside_mlx = 0  # the most any rank held outside MLX's arrays, last measured
         self.buffer_cache_bytes = buffer_cache_bytes
 
@@ -36,7 +41,7 @@ class RootSide:
         """The next request's work for every rank (None: shut down). Requests whose
         client has gone are dropped; bad ones are answered here with their 4xx."""
         self.current = None
-        self.state.busy = False
+        self.state.busy, self.state.running = False, 0
         while not self.state.stopping.is_set():
             try:
                 pending = self.state.queue.get(timeout=0.2)
@@ -51,10 +56,56 @@ class RootSide:
                 pending.fail(error)
                 continue
             self.current = pending
-            self.state.busy = True
+            self.state.busy, self.state.running = True, 1
             pending.start()
             return work
         return None
+
+    def next_works(self, caches, free: int) -> list[dict] | None:
+        """Batched serving: the work of the next request, which joins the running batch
+        now ([] when none waits or ``free`` is 0; waiting for one while none runs);
+        None: stopping with none running. One at a time: each request's plan of the
+        resident caches is made after the last one's was applied. The work carries its
+        ``key``; its Pending is held in ``running``."""
+        works = []
+        while free > 0 and not works and not self.state.stopping.is_set():
+            waiting = not self.running
+            try:
+                pending = self.state.queue.get(timeout=0.2) if waiting \
+                    else self.state.queue.get_nowait()
+            except queue.Empty:
+                if waiting:
+                    continue
+                break
+            if pending.cancelled.is_set():
+                self.state.cancelled += 1
+                continue
+            try:
+                work = self.prepare(pending.request, caches)
+            except ApiError as error:
+                pending.fail(error)
+                continue
+            self.keys += 1
+            work["key"] = self.keys
+            self.running[self.keys] = pending
+            self.slot_rooms[self.keys] = work["slot_tokens"]
+            pending.start()
+            works.append(work)
+        self.state.busy, self.state.running = bool(self.running), len(self.running)
+        if not works and not self.running and self.state.stopping.is_set():
+            return None
+        return works
+
+    def ended(self, key: int, result, work: dict, caches, memory: list[dict]):
+        """Batched serving: request ``key``'s answer to its handler (``result`` None:
+        its sampling failed, ``error`` in work)."""
+        self.current = self.running.pop(key)
+        del self.slot_rooms[key]
+        self.state.running = len(self.running)
+        if result is None:
+            self.current.fail(ApiError(400, work["error"], code="invalid_value"))
+            return
+        self.finished(result, work, caches, memory)
 
     def prompt_text(self, request) -> tuple[str, list | None]:
         """(the text to tokenize, where the user's contents lie in it: None for all of
@@ -105,8 +156,14 @@ class RootSide:
         total = len(ids) + sampling.max_tokens  # the request's entry, once answered
         process = max(self.outside_mlx, outside_mlx_bytes())
 
+        own = kv_tokens_per_rank(total, self.comm.size)
+        # Batched serving: every running request's slot and this one's (a copy of its
+        # entry's tokens, and its answer's), each as long as the longest.
+        rooms = [*self.slot_rooms.values(), own]
+        slots = int(len(rooms) * max(rooms) * self.slot_scale) if self.batched else 0
+
         def fits(kept: int, continued: int, reused: int):
-            room = held_room(kept, continued, kv_tokens_per_rank(total, self.comm.size))
+            room = held_room(kept, continued, own) + slots
             try:
                 forecast.update(check_memory(
                     self.comm, self.loaded, self.run, total, len(ids) - reused,
@@ -117,7 +174,8 @@ class RootSide:
                 raise ApiError(400, str(error), code="memory_limit_exceeded") from None
 
         plan = caches.plan(ids, fits)
-        return {"ids": ids, "sampling": sampling, "forecast": forecast, **plan}
+        return {"ids": ids, "sampling": sampling, "forecast": forecast, "slot_tokens": own,
+                **plan}
 
     def emit(self, text: str):
         self.current.emit(text)
