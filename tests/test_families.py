@@ -183,7 +183,7 @@ def write_gguf(model_dir: str, out: str) -> str:
     model's tokenizer."""
     import mlx.core as mx
 
-    from spmd_cp.models import gguf
+    from spmd_cp.models import families, gguf
 
     config = json.loads((__import__("pathlib").Path(model_dir) / "config.json").read_text())
     kind = config["model_type"]
@@ -192,7 +192,7 @@ def write_gguf(model_dir: str, out: str) -> str:
     head_dim = config["hidden_size"] // heads if kind in ("phi3", "mixtral") else config["head_dim"]
     names = {v: k for k, v in gguf._TOP_LEVEL.items()}
     names.update({f"model.layers.{{}}.{v}": f"blk.{{}}.{k}"
-                  for k, v in gguf._layer_names(kind).items()})
+                  for k, v in families.by_model_type(kind).layer_names().items()})
     tensors = {}
     for name, array in mx.load(f"{model_dir}/model.safetensors").items():
         base, suffix = name.rsplit(".", 1)

@@ -6,7 +6,8 @@ of q|k|v outputs, ``gate_up_proj`` of gate|up), and the mixtures of experts (Qwe
 Mixtral) replace the dense MLP with a router over stacked experts, which Mixtral keeps
 under ``block_sparse_moe`` instead of ``mlp``. ``LayerParts`` reads those names once per
 layer; the layer loop (model.py), the split step (tp_decode.py), the native step and the
-decode estimate ask it instead of the modules, so a family is described here only.
+decode estimate ask it instead of the modules. Which family has which MLP form and
+feed-forward name is the family's module's to say (models/families).
 """
 
 from __future__ import annotations
@@ -17,16 +18,25 @@ from importlib import import_module
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models import families
 from .weight_slices import WeightMatrix
 
+
+
+def mlp_classes(form: str) -> tuple:
+    """mlx-lm's dense MLP classes of the families whose MLP has ``form``
+    (models/families: Family.mlp)."""
+    modules = dict.fromkeys(f.mlx_module for f in families.FAMILIES if f.mlp == form)
+    return tuple(import_module(f"mlx_lm.models.{name}").MLP for name in modules)
+
+
 # mlx-lm's MLPs that compute down(swiglu(gate(x), up(x))) with separate gate and up
-# matrices (mistral runs llama.py's), and Phi-3's, whose gate|up is one matrix.
-SWIGLU_MLPS = tuple(import_module(f"mlx_lm.models.{name}").MLP
-                    for name in ("llama", "qwen2", "qwen3", "qwen3_moe"))
-FUSED_SWIGLU_MLPS = (import_module("mlx_lm.models.phi3").MLP,)
-# mlx-lm's MLPs that compute down(gelu_approx(gate(x)) * up(x)) (Gemma 3's): the layer
-# loop runs them as mlx-lm's modules, the decode steps through their matrices.
-GELU_MLPS = (import_module("mlx_lm.models.gemma3_text").MLP,)
+# matrices, Phi-3's, whose gate|up is one matrix, and those that compute
+# down(gelu_approx(gate(x)) * up(x)) (Gemma 3's: the layer loop runs them as mlx-lm's
+# modules, the decode steps through their matrices).
+SWIGLU_MLPS = mlp_classes("swiglu")
+FUSED_SWIGLU_MLPS = mlp_classes("fused_swiglu")
+GELU_MLPS = mlp_classes("gelu")
 
 # Rows of a prefill's MLP computed (and evaluated) at once: its hidden units' arrays
 # (rows x I floats, a few of them alive) are then one tile's. Gemma 3 270M's MLP over
@@ -48,7 +58,7 @@ def in_row_tiles(mlp, x: mx.array) -> mx.array:
 
 
 # Where a decoder layer keeps its feed-forward module, by family (mlx-lm's names).
-FEED_FORWARD_NAMES = ("mlp", "block_sparse_moe")
+FEED_FORWARD_NAMES = tuple(dict.fromkeys(f.feed_forward for f in families.FAMILIES))
 
 
 def feed_forward(layer) -> nn.Module:

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import gguf_types
+from . import families, gguf_types
 from .gguf_config import gguf_config, model_module, model_type_of
 from .gguf_tokenizer import build_tokenizer
 from .gguf_tokenizer import meta_value as _value
@@ -30,28 +30,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF tensor name (without ".weight"/".bias"/...) -> mlx-lm module path.
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_PER_LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
-# A mixture's router and stacked experts (experts, out, in), under the family's
-# feed-forward module (engine/layer_parts.py); Phi-3's fused q|k|v and gate|up.
-_EXPERTS = {"ffn_gate_inp": "gate", "ffn_gate_exps": "switch_mlp.gate_proj",
-            "ffn_up_exps": "switch_mlp.up_proj", "ffn_down_exps": "switch_mlp.down_proj"}
-_FEED_FORWARD = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
-_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Tensors that configure rather than weigh (Phi-3's long-context RoPE factors).
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-# Gemma 3's norms around each sublayer (llama.cpp's ffn_norm is its pre-feed-forward norm).
-_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm",
-                 "ffn_norm": "pre_feedforward_layernorm",
-                 "post_ffw_norm": "post_feedforward_layernorm"}
-# Families whose RMSNorm computes x * (1 + w): llama.cpp's converter stores 1 + w in every
-# norm weight (its RMSNorm computes x * w); mlx-lm's modules take w.
-_NORMS_PLUS_ONE = ("gemma3_text",)
 
 
 def default_model_path() -> str:
@@ -71,30 +51,22 @@ def default_model_path() -> str:
 
 
 def norm_shift(gguf_name: str, model_type: str) -> float:
-    """What llama.cpp's converter added to a tensor, to be taken off (``_NORMS_PLUS_ONE``)."""
-    return 1.0 if model_type in _NORMS_PLUS_ONE and gguf_name.endswith("norm.weight") else 0.0
-
-
-def _layer_names(model_type: str) -> dict:
-    names = dict(_PER_LAYER)
-    if model_type == "phi3":
-        names.update(_FUSED)
-    if model_type == "gemma3_text":
-        names.update(_GEMMA3_NORMS)
-    if model_type in _FEED_FORWARD:
-        names.update({k: f"{_FEED_FORWARD[model_type]}.{v}" for k, v in _EXPERTS.items()})
-    return names
+    """What llama.cpp's converter added to a tensor, to be taken off (a family whose
+    norms compute x (1 + w): models/families)."""
+    plus_one = families.by_model_type(model_type).norms_plus_one
+    return 1.0 if plus_one and gguf_name.endswith("norm.weight") else 0.0
 
 
 def _mlx_name(gguf_name: str, model_type: str = "llama") -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for a
-    tensor that is configuration (``_CONFIG_TENSORS``)."""
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (the family's
+    names: models/families); None for a tensor that is configuration
+    (``_CONFIG_TENSORS``)."""
     if gguf_name in _CONFIG_TENSORS:
         return None
     base, suffix = gguf_name.rsplit(".", 1)
     if base in _TOP_LEVEL:
         return f"{_TOP_LEVEL[base]}.{suffix}"
-    parts, names = base.split("."), _layer_names(model_type)
+    parts, names = base.split("."), families.by_model_type(model_type).layer_names()
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
@@ -197,7 +169,7 @@ def _save_quietly(path: str, weights: dict):
 
 def load_gguf(path: str, keep_quantized: bool = False,
               float32_cache: str | None = None) -> tuple[nn.Module, TokenizerWrapper, dict]:
-    """Load a GGUF of a ``gguf_config.ARCHITECTURES`` family as (mlx-lm model, tokenizer, config dict).
+    """Load a GGUF of a family models/families knows as (mlx-lm model, tokenizer, config dict).
 
     By default every tensor is dequantized to float32: MLX's quantized matmul is slow on CPU.
     keep_quantized=True keeps Q4/Q8 tensors as MLX quantized layers (bits chosen per tensor;

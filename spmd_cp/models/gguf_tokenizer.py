@@ -29,14 +29,17 @@ from mlx_lm.tokenizer_utils import (BPEStreamingDetokenizer, SPMStreamingDetoken
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers as pre
 
+from . import families
+
 # Split regexes of the HF tokenizers these GGUF pre-tokenizer types stand for (the same as
 # llama.cpp's). Qwen2 cuts numbers into single digits, Llama 3 into groups of up to three.
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 PRE_TOKENIZER_TYPES = ("gpt2", "smollm", "qwen2", "llama-bpe")
-# Architectures whose SentencePiece vocabulary ("llama") is read: Gemma's.
-SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
+# Architectures whose SentencePiece vocabulary ("llama") is read: Gemma's (models/families).
+SENTENCEPIECE_ARCHITECTURES = tuple(f.gguf_arch for f in families.FAMILIES
+                                    if f.sentencepiece_vocab)
 # Part of the cache key: a change to how a tokenizer is built here must change it.
 BUILD_VERSION = 1
 log = logging.getLogger("spmd_cp")

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import families
+
 # Architectures whose layers the CP forward pass (engine/model.py) reproduces exactly
-# (mlx-lm model_type names).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral",
-                         "gemma3_text", "gemma3")
+# (mlx-lm model_type names; models/families).
+SUPPORTED_MODEL_TYPES = families.SUPPORTED_MODEL_TYPES
 # Of those, the families whose sliding-window layers the CP attention runs (a window in
 # another family's config is refused: models/loader.py).
-SLIDING_WINDOW_MODEL_TYPES = ("gemma3_text", "gemma3")
-
-# Families whose mlx-lm attention takes head_dim = hidden_size / heads, whatever the config says.
-HEAD_DIM_FROM_WIDTH = ("phi3", "mixtral")
+SLIDING_WINDOW_MODEL_TYPES = tuple(t for f in families.FAMILIES if f.sliding_windows
+                                   for t in f.model_types)
 
 
 @dataclass
@@ -42,20 +41,13 @@ def shape_of_config(c: dict) -> ModelShape:
     """The shape mlx-lm builds from an HF-style config. ``intermediate`` is the MLP width
     one row passes through: for a mixture of experts its experts' widths together
     (``num_experts_per_tok`` of them), or a dense layer's where that is wider."""
+    family = families.by_model_type(c.get("model_type"))
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim")
-    if not head_dim or c.get("model_type") in HEAD_DIM_FROM_WIDTH:
+    if not head_dim or (family and family.head_dim_from_width):
         head_dim = c["hidden_size"] // heads
-    intermediate = c["intermediate_size"]
-    per_token = c.get("num_experts_per_tok") or 0
-    if c.get("model_type") == "qwen3_moe":  # some layers may be dense (mlx-lm's rule)
-        dense = c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1
-        dense = intermediate if dense else 0
-        intermediate = max(dense, per_token * c["moe_intermediate_size"])
-    elif per_token:  # mixtral: every layer's experts are intermediate_size wide
-        intermediate *= per_token
-    window = c.get("sliding_window") if c.get("model_type") in SLIDING_WINDOW_MODEL_TYPES \
-        else None
+    intermediate = (family.mlp_width if family else families.family.mlp_width)(c)
+    window = c.get("sliding_window") if family and family.sliding_windows else None
     pattern = c.get("sliding_window_pattern") or 0
     local = c["num_hidden_layers"] - c["num_hidden_layers"] // pattern if window and pattern \
         else 0
