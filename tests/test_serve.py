@@ -26,7 +26,7 @@ import pytest
 from spmd_cp.config import SamplingConfig
 from spmd_cp.server.openai_api import ApiError, parse_json, parse_request
 from spmd_cp.engine.cache import LayerKV
-from spmd_cp.server.resident import ResidentCaches
+from spmd_cp.server.resident import Plan, ResidentCaches
 
 from conftest import MPIEXEC, RANK_ENV, SPMD_CP, run_cli
 
@@ -200,7 +200,7 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
     asked = []
     plan = caches.plan(np.r_[np.arange(30), 50, 51],  # a follow-up: in place
                        lambda *room: asked.append(room))
-    assert plan == {"entry": 0, "fork": False, "reused": 30, "evict": []}
+    assert plan == Plan(entry=0, fork=False, reused=30, evict=())
     assert asked == [(0, 300, 30)]  # nothing else kept; the entry continued has 300
     assert caches.take(plan) is a
     # Shares 2 of 30 tokens: the prefix is copied, the first conversation kept whole.
@@ -208,7 +208,7 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
                [0, 1, 99, 98, 97, 96])
     assert caches.entries == [a, b] and a.num_tokens == 30
     plan = caches.plan(np.array([7, 7, 7]), fits)  # a third conversation: the LRU goes
-    assert plan == {"entry": None, "fork": False, "reused": 0, "evict": [0]}
+    assert plan == Plan(entry=None, fork=False, reused=0, evict=(0,))
     c = filled(caches.take(plan), [7, 7, 7])
     assert caches.entries == [b, c]
 
@@ -218,7 +218,7 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
 
     caches.note_rooms([caches.own_rooms()])  # as the server does after each request
     plan = caches.plan(np.array([0, 1, 99, 98, 97, 5]), tight)
-    assert plan["entry"] == 0 and not plan["fork"] and plan["evict"] == [1]
+    assert plan.entry == 0 and not plan.fork and plan.evict == (1,)
     with pytest.raises(ApiError):
         caches.plan(np.array([1, 2]), lambda kept, continued, reused: tight(1, 0, reused))
 
@@ -236,10 +236,10 @@ def test_resident_entries_held_by_a_joining_request_are_not_continued_or_evicted
     caches.held = {id(a)}
     asked = []
     plan = caches.plan(np.r_[np.arange(30), 50], lambda *room: asked.append(room))
-    assert plan == {"entry": None, "fork": False, "reused": 0, "evict": [1]}
+    assert plan == Plan(entry=None, fork=False, reused=0, evict=(1,))
     assert asked == [(100, 0, 0)]  # a's room kept and counted, b's evicted
     caches.held = set()
-    assert caches.plan(np.r_[np.arange(30), 50], fits)["entry"] == 0
+    assert caches.plan(np.r_[np.arange(30), 50], fits).entry == 0
     assert b in caches.entries
 
 def test_http_side_alone_api_key_and_loading():

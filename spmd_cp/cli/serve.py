@@ -286,14 +286,14 @@ def serve_loop(comm, engine, loaded, root, caches):
         if work is None:
             return
         reset_resident_peak()  # /health's resident_peak_bytes: this request's
-        cache = caches.take(work)
-        result = generate(engine, cache, work["ids"][work["reused"]:], loaded.tokenizer,
-                          work["sampling"], write=root.emit if root else None,
+        cache = caches.take(work.plan)
+        result = generate(engine, cache, work.ids[work.reused:], loaded.tokenizer,
+                          work.sampling, write=root.emit if root else None,
                           cancelled=root.cancelled if root else None)
         memory = gather_memory(comm, caches)
         if root is not None:
             spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
-                          "generated, %s; %d cache entries", len(work["ids"]), work["reused"],
+                          "generated, %s; %d cache entries", len(work.ids), work.reused,
                           len(result.tokens), result.finish_reason, len(caches.entries))
             root.finished(result, work, caches, memory)
 
@@ -316,10 +316,10 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
         memory = gather_memory(comm, caches, scheduler.decoder.tail_bytes)
         if root is None:
             return
-        work["error"] = error
+        work.error = error
         if result is not None:
             spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
-                          "generated, %s; %d running", len(work["ids"]), work["reused"],
+                          "generated, %s; %d running", len(work.ids), work.reused,
                           len(result.tokens), result.finish_reason, len(scheduler.running))
         root.ended(request.key, result, work, caches, memory)
 
@@ -336,11 +336,11 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
         if joining and not busy:
             reset_resident_peak()  # /health's resident_peak_bytes: this batch's
         for work in joining:
-            works[work["key"]] = work
-            pending = root.running[work["key"]] if root is not None else None
+            works[work.key] = work
+            pending = root.running[work.key] if root is not None else None
             scheduler.join(Request(
-                work["key"], work["ids"][work["reused"]:], work["sampling"],
-                source=caches.take(work), write=pending.emit if pending else None,
+                work.key, work.ids[work.reused:], work.sampling,
+                source=caches.take(work.plan), write=pending.emit if pending else None,
                 cancelled=pending.cancelled.is_set if pending else None))
         scheduler.advance()
         caches.held = {id(joining.request.source) for joining in scheduler.joining}

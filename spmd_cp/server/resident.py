@@ -16,6 +16,8 @@ keeps the most any rank reported for each entry after the last request (``rooms`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..engine.cache import LayerKV
 from ..engine.prompt_cache import common_prefix_length
 from .openai_api import ApiError
@@ -37,6 +39,19 @@ IN_PLACE_SLACK = 8
 # buffers, the count moved from MLX's cache to the process's) and request times were not
 # told apart (per-turn medians 0.78 to 1.5 times bounded's). So: bounded, not cleared.
 BUFFER_CACHE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a request uses the resident entries (rank 0's ``ResidentCaches.plan``, applied
+    on every rank by ``take``): ``entry`` the one it continues (None: none shares a
+    token), ``fork`` a copy of its shared prefix rather than the entry cut down,
+    ``reused`` the tokens kept, ``evict`` the entries dropped."""
+
+    entry: int | None
+    fork: bool
+    reused: int
+    evict: tuple[int, ...] = ()
 
 
 def held_room(kept: int, continued: int, own_tokens: int) -> int:
@@ -92,7 +107,7 @@ class ResidentCaches:
                 best, reused = index, length
         return best, reused
 
-    def plan(self, ids, fits) -> dict:
+    def plan(self, ids, fits) -> Plan:
         """Rank 0: how ``ids`` use the entries. ``entry``: the one sharing the longest
         prefix (None: none shares any); ``fork``: copy that prefix into a new entry
         rather than cut the entry down (it would lose more than IN_PLACE_SLACK tokens: an
@@ -121,23 +136,23 @@ class ResidentCaches:
                 if not kept:
                     raise
                 evict.append(kept[0])
-        return {"entry": index, "fork": fork, "reused": reused, "evict": evict}
+        return Plan(index, fork, reused, tuple(evict))
 
-    def take(self, plan: dict):
+    def take(self, plan: Plan):
         """Every rank: apply rank 0's plan; the cache to prefill into, holding the kept
         prefix, now the most recently used entry."""
-        index = plan["entry"]
+        index = plan.entry
         source = self.entries[index] if index is not None else None
         if source is None:
             cache = self.engine.new_cache()
-        elif plan["fork"]:
-            cache = fork(self.engine, source, plan["reused"])
+        elif plan.fork:
+            cache = fork(self.engine, source, plan.reused)
         else:
             cache = source
         rooms = {id(c): room for c, room in zip(self.entries, self.rooms)}
         self.entries = [c for i, c in enumerate(self.entries)
-                        if i not in plan["evict"] and c is not cache]
-        cache.truncate(plan["reused"])
+                        if i not in plan.evict and c is not cache]
+        cache.truncate(plan.reused)
         self.entries.append(cache)
         self.rooms = [rooms.get(id(c), c.capacity) for c in self.entries]
         return cache

@@ -11,9 +11,30 @@ from __future__ import annotations
 import dataclasses
 import queue
 
+import numpy as np
+
+from ..config import SamplingConfig
 from ..errors import UserError
 from .http_api import Pending, ServerState
 from .openai_api import ApiError
+from .resident import Plan
+
+
+@dataclasses.dataclass
+class Work:
+    """One request's work, as rank 0 broadcasts it to every rank."""
+
+    ids: np.ndarray  # the prompt's token ids, whole
+    sampling: SamplingConfig  # max_tokens capped to the context
+    plan: Plan  # the resident entries' use
+    forecast: dict  # its memory forecast (the busiest rank's, by part)
+    slot_tokens: int  # batched serving: its slot's KV tokens a rank
+    key: int = 0  # batched serving: the request's key
+    error: str | None = None  # batched serving: set at its end where sampling failed
+
+    @property
+    def reused(self) -> int:
+        return self.plan.reused
 
 
 class RootSide:
@@ -37,7 +58,7 @@ class RootSide:
         self.outside_mlx = 0  # the most any rank held outside MLX's arrays, last measured
         self.buffer_cache_bytes = buffer_cache_bytes
 
-    def next_work(self, caches) -> dict | None:
+    def next_work(self, caches) -> Work | None:
         """The next request's work for every rank (None: shut down). Requests whose
         client has gone are dropped; bad ones are answered here with their 4xx."""
         self.current = None
@@ -61,7 +82,7 @@ class RootSide:
             return work
         return None
 
-    def next_works(self, caches, free: int) -> list[dict] | None:
+    def next_works(self, caches, free: int) -> list[Work] | None:
         """Batched serving: the work of the next request, which joins the running batch
         now ([] when none waits or ``free`` is 0; waiting for one while none runs);
         None: stopping with none running. One at a time: each request's plan of the
@@ -86,9 +107,9 @@ class RootSide:
                 pending.fail(error)
                 continue
             self.keys += 1
-            work["key"] = self.keys
+            work.key = self.keys
             self.running[self.keys] = pending
-            self.slot_rooms[self.keys] = work["slot_tokens"]
+            self.slot_rooms[self.keys] = work.slot_tokens
             pending.start()
             works.append(work)
         self.state.busy, self.state.running = bool(self.running), len(self.running)
@@ -96,14 +117,14 @@ class RootSide:
             return None
         return works
 
-    def ended(self, key: int, result, work: dict, caches, memory: list[dict]):
+    def ended(self, key: int, result, work: Work, caches, memory: list[dict]):
         """Batched serving: request ``key``'s answer to its handler (``result`` None:
         its sampling failed, ``error`` in work)."""
         self.current = self.running.pop(key)
         del self.slot_rooms[key]
         self.state.running = len(self.running)
         if result is None:
-            self.current.fail(ApiError(400, work["error"], code="invalid_value"))
+            self.current.fail(ApiError(400, work.error, code="invalid_value"))
             return
         self.finished(result, work, caches, memory)
 
@@ -126,7 +147,7 @@ class RootSide:
                            code="invalid_messages", param="messages") from None
         return text, content_spans(self.loaded, request.messages, text)
 
-    def prepare(self, request, caches) -> dict:
+    def prepare(self, request, caches) -> Work:
         """Token ids, the resident caches' plan for them (the entry continued, the tokens
         kept, the entries evicted), the sampling; checked: the context and the memory
         forecast with the resident entries kept: the busiest rank's (every part the
@@ -173,9 +194,7 @@ class RootSide:
             except UserError as error:
                 raise ApiError(400, str(error), code="memory_limit_exceeded") from None
 
-        plan = caches.plan(ids, fits)
-        return {"ids": ids, "sampling": sampling, "forecast": forecast, "slot_tokens": own,
-                **plan}
+        return Work(ids, sampling, caches.plan(ids, fits), forecast, own)
 
     def emit(self, text: str):
         self.current.emit(text)
@@ -199,11 +218,11 @@ class RootSide:
                                  for rank in memory]
             self.state.memory_forecast = forecast
 
-    def finished(self, result, work: dict, caches, memory: list[dict]):
+    def finished(self, result, work: Work, caches, memory: list[dict]):
         """The answer to its handler; ``memory``: as ``note_memory``'s."""
-        counts = {"prompt_tokens": len(work["ids"]), "completion_tokens": len(result.tokens),
-                  "cached_tokens": int(work["reused"])}
+        counts = {"prompt_tokens": len(work.ids), "completion_tokens": len(result.tokens),
+                  "cached_tokens": int(work.reused)}
         self.current.done(result.text, result.finish_reason, counts)
-        self.note_memory(caches, memory, work["forecast"])
+        self.note_memory(caches, memory, work.forecast)
         self.state.served += 1
         self.state.cancelled += result.finish_reason == "cancelled"
