@@ -133,7 +133,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     if comm.rank == 0:
         steps.log.info("batch: up to %d jobs decoded together (%s)", max_batch, why)
     cache = engine.new_cache()
-    root = RootSide(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None
+    root = BatchRoot(plan, loaded, run, sampling, args, comm.size) if comm.rank == 0 else None
     mx.reset_peak_memory()
     kv_peak = {"bytes": 0, "tokens": 0}
     try:
@@ -196,20 +196,20 @@ def validate(run: RunConfig, args: BatchConfig):
     return {"pending": pending, "already_done": len(jobs) - len(pending)}
 
 
-def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_batch: int):
+def run_group(engine, cache, tokenizer, work, root, kv_peak: dict, max_batch: int):
     """Prefill the group's shared tokens once, then answer its jobs after them (all
     ranks): together, up to ``max_batch`` at a time, or one after another."""
     from ..engine.cache import NO_REWIND
 
     cache.truncate(0)
-    shared = work["shared"]
-    together = max_batch > 1 and len(work["jobs"]) > 1
+    shared = work.shared
+    together = max_batch > 1 and len(work.jobs) > 1
     # Each job goes back to the shared tokens (none: to an empty cache, unless the
     # batched decoder moves the job's entries out of it, which counts every layer's).
     cache.rewinds_to = len(shared) if len(shared) or together else NO_REWIND
     shared_s = 0.0
     if len(shared):
-        label = f"{work['jobs'][0]['id']} (shared)"
+        label = f"{work.jobs[0].id} (shared)"
         start = time.perf_counter()
         engine.prefill(cache, shared, progress=root.progress.prefill_callback(label)
                        if root else None)
@@ -220,13 +220,13 @@ def run_group(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_bat
     _run_in_turn(engine, cache, tokenizer, work, root, kv_peak, shared_s)
 
 
-def _run_together(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max_batch: int,
+def _run_together(engine, cache, tokenizer, work, root, kv_peak: dict, max_batch: int,
                   shared_s: float):
     """The group's jobs through the scheduler (engine/scheduler.py): batched decode."""
     from ..engine.scheduler import Request, Scheduler
 
-    shared, jobs = work["shared"], {job["id"]: job for job in work["jobs"]}
-    first = work["jobs"][0]["id"]
+    shared, jobs = work.shared, {job.id: job for job in work.jobs}
+    first = work.jobs[0].id
 
     def finished(request, result, error):
         if root is None:
@@ -241,8 +241,7 @@ def _run_together(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max
 
     scheduler = Scheduler(engine, cache, len(shared), tokenizer, max_batch, finished,
                           root.progress.prefill_callback if root else None)
-    stats = scheduler.run([Request(job["id"], job["ids"], job["sampling"])
-                           for job in work["jobs"]])
+    stats = scheduler.run([Request(job.id, job.ids, job.sampling) for job in work.jobs])
     held = cache.nbytes + stats.tail_bytes  # the document's and every slot's
     if held > kv_peak["bytes"]:
         kv_peak.update(bytes=int(held), tokens=int(cache.positions.size + stats.tail_tokens))
@@ -250,15 +249,15 @@ def _run_together(engine, cache, tokenizer, work: dict, root, kv_peak: dict, max
         root.decoded_together(stats, scheduler.decoder.kind)
 
 
-def _run_in_turn(engine, cache, tokenizer, work: dict, root, kv_peak: dict, shared_s: float):
+def _run_in_turn(engine, cache, tokenizer, work, root, kv_peak: dict, shared_s: float):
     """The group's jobs one after another, each decoded alone."""
     from ..engine.generation import GenerationFailed, generate
 
-    shared = work["shared"]
-    for index, job in enumerate(work["jobs"]):
+    shared = work.shared
+    for index, job in enumerate(work.jobs):
         try:
-            result = generate(engine, cache, job["ids"], tokenizer, job["sampling"],
-                              prefill_progress=root.progress.prefill_callback(job["id"])
+            result = generate(engine, cache, job.ids, tokenizer, job.sampling,
+                              prefill_progress=root.progress.prefill_callback(job.id)
                               if root else None)
         except GenerationFailed as error:
             # Every rank raised it at the same step: the job's error line, the batch goes on.
@@ -275,7 +274,7 @@ def _run_in_turn(engine, cache, tokenizer, work: dict, root, kv_peak: dict, shar
             root.job_finished(job, result, reused, shared_s if index == 0 else 0.0)
 
 
-class RootSide:
+class BatchRoot:
     """Rank 0's share of a batch: preparing jobs, writing results, showing progress."""
 
     def __init__(self, plan: dict, loaded, run: RunConfig, sampling: SamplingConfig,
@@ -314,29 +313,29 @@ class RootSide:
                 self.writer.add(record)
                 self.errors += 1
                 self.progress.job_done(failed=True)
-            if work["jobs"]:
+            if work.jobs:
                 return work
         return None
 
-    def job_failed(self, job: dict, message: str):
+    def job_failed(self, job, message: str):
         from .jobs import error_record
 
-        self.writer.add(error_record(job["id"], "generation_failed", message))
+        self.writer.add(error_record(job.id, "generation_failed", message))
         self.errors += 1
         self.progress.job_done(failed=True)
 
-    def job_finished(self, job: dict, result, reused: int, shared_s: float,
+    def job_finished(self, job, result, reused: int, shared_s: float,
                      decode_counted: bool = True):
         """``decode_counted``: the job's decode time counts in the aggregate (False where
         its decode steps were shared with others: ``decoded_together`` counts them)."""
         from .steps import throughput
 
-        prefilled = job["prompt_tokens"] - reused
+        prefilled = job.prompt_tokens - reused
         ttft = shared_s + result.prefill_s
         record = {
-            "id": job["id"],
+            "id": job.id,
             "text": result.text,
-            "prompt_tokens": job["prompt_tokens"],
+            "prompt_tokens": job.prompt_tokens,
             "prompt_tokens_prefilled": prefilled,
             "prompt_tokens_reused": reused,
             "prefix_reused": reused > 0,
@@ -349,7 +348,7 @@ class RootSide:
         }
         self.writer.add(record)
         self.decode_setup_s += result.decode_setup_s
-        self.prompt_tokens += job["prompt_tokens"]
+        self.prompt_tokens += job.prompt_tokens
         self.reused_tokens += reused
         self.progress.job_done(prefilled=prefilled, generated=len(result.tokens),
                                prefill_s=ttft,

@@ -7,7 +7,10 @@ prepared together, and the tokens they all begin with are prefilled once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ..config import BatchConfig, RunConfig, SamplingConfig
 from ..errors import UserError
@@ -16,6 +19,26 @@ from .jobs import Job, error_record
 # A prefix job's prompt is the document, a blank line, then the question: exactly the
 # text ``generate --prompt-file`` gets from a file holding "document\n\nquestion".
 PREFIX_SEPARATOR = "\n\n"
+
+
+@dataclass
+class PreparedJob:
+    """One job as every rank receives it: its own token ids after the group's shared
+    ones, its whole prompt's length and its sampling."""
+
+    id: str
+    ids: np.ndarray
+    prompt_tokens: int
+    sampling: SamplingConfig
+
+
+@dataclass
+class GroupWork:
+    """A group's work for every rank: the tokens its jobs all begin with (prefilled
+    once; empty where they share none) and the jobs."""
+
+    shared: np.ndarray | None
+    jobs: list[PreparedJob]
 
 
 class JobError(Exception):
@@ -147,7 +170,7 @@ class Preparer:
                               seed=job.seed, stop=list(job.stop),
                               ignore_eos=pick(job.ignore_eos, d.ignore_eos))
 
-    def group(self, jobs: list[Job]):
+    def group(self, jobs: list[Job]) -> tuple[GroupWork, list[dict]]:
         """(work for every rank, error records) for one group of jobs."""
         from ..engine.prompt_cache import common_prefix_length
 
@@ -165,8 +188,8 @@ class Preparer:
             first = ready[0][1]
             shared = min([len(first) - 1] + [common_prefix_length(first, ids)
                                              for _, ids in ready[1:]])
-        work = {"shared": ready[0][1][:shared] if ready else None,
-                "jobs": [{"id": job.id, "ids": ids[shared:], "prompt_tokens": int(len(ids)),
-                          "sampling": self.sampling(job, int(len(ids)))}
-                         for job, ids in ready]}
+        work = GroupWork(ready[0][1][:shared] if ready else None,
+                         [PreparedJob(job.id, ids[shared:], int(len(ids)),
+                                      self.sampling(job, int(len(ids))))
+                          for job, ids in ready])
         return work, errors

@@ -6,7 +6,9 @@
 
 Rank 0 runs the HTTP server (spmd_cp/server) in threads that queue requests; its main
 thread takes one request at a time, tokenizes it and broadcasts the work; every rank then
-runs the same prefill and decode as `generate`, and rank 0 streams the text back. The
+runs the same prefill and decode as `generate`, and rank 0 streams the text back. With
+--max-batch B, up to B requests decode together (``serve_batched``): each joins the
+running batch when its prefill is done and leaves at its end. The
 sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
 the next request prefills only what follows the longest token prefix it shares with
 one. SIGTERM or SIGINT: the request being answered is finished, queued ones get 503,
@@ -300,9 +302,9 @@ def serve_loop(comm, engine, loaded, root, caches):
 
 def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
     """Every rank: requests decoded together (engine/scheduler.py), until rank 0 says
-    stop. Each step rank 0 hands over the requests that join (their prefill runs whole,
-    between two steps of the running ones: their streams pause for it); a request's
-    prompt goes into its resident entry as in one-at-a-time serving and is copied into
+    stop. Each step rank 0 hands over the next request that joins, if a slot is free; a
+    joining request's prompt is prefilled into its resident entry (as in one-at-a-time
+    serving) PREFILL_SLICE tokens between two steps of the running ones, then copied into
     its slot of the batch, where its answer's keys and values go. The entry keeps the
     prompt: a follow-up reuses it and prefills the answer again."""
     from ..engine.scheduler import Request, Scheduler
@@ -343,7 +345,7 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
                 source=caches.take(work.plan), write=pending.emit if pending else None,
                 cancelled=pending.cancelled.is_set if pending else None))
         scheduler.advance()
-        caches.held = {id(joining.request.source) for joining in scheduler.joining}
+        caches.held = {id(entry.request.source) for entry in scheduler.joining}
 
 
 def slot_scale(engine, decoder) -> float:
