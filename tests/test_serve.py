@@ -100,6 +100,18 @@ def launch_server(port: int, log_path, args: list[str], ranks: int = 2) -> Serve
     return Server(proc, port, log_path)
 
 
+@contextlib.contextmanager
+def serving(running: Server):
+    """``running`` once healthy; its process group killed at the end, whatever happened."""
+    try:
+        running.wait_healthy()
+        yield running
+    finally:
+        if running.proc.poll() is None:
+            os.killpg(running.proc.pid, signal.SIGKILL)
+            running.proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     assert MPIEXEC, "mpiexec not found (pip install mpich)"
@@ -112,13 +124,8 @@ def server(tmp_path_factory):
     running = launch_server(port, log_path, ["--max-context", str(MAX_CONTEXT), "--json",
                                              "--preload-cache", str(folder / "saved")])
     running.saved, running.saved_dir = saved, folder / "saved"
-    try:
-        running.wait_healthy()
+    with serving(running):
         yield running
-    finally:
-        if running.proc.poll() is None:
-            os.killpg(running.proc.pid, signal.SIGKILL)
-            running.proc.wait(timeout=30)
 
 
 def chat(server, content: str, max_tokens: int = 16, **extra):

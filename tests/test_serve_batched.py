@@ -20,7 +20,7 @@ import pytest
 
 from conftest import MPIEXEC, run_cli
 from spmd_cp.cli.serve import PREFILL_SLICE
-from test_serve import (HANG_S, REQUEST_TIMEOUT_S, free_port, launch_server,
+from test_serve import (HANG_S, REQUEST_TIMEOUT_S, free_port, launch_server, serving,
                         streaming_completion, wait_for)
 
 openai = pytest.importorskip("openai", reason="the openai client: pip install openai")
@@ -51,13 +51,8 @@ def batched(tmp_path_factory):
                             ["--max-batch", str(MAX_BATCH), "--max-context", str(MAX_CONTEXT),
                              "--json"])
     running.alone = {p: record["text"] for p, record in zip([*PROMPTS, FIRST_TURN, LONG], alone)}
-    try:
-        running.wait_healthy()
+    with serving(running):
         yield running
-    finally:
-        if running.proc.poll() is None:
-            os.killpg(running.proc.pid, signal.SIGKILL)
-            running.proc.wait(timeout=30)
 
 
 def complete(server, prompt: str, max_tokens: int = MAX_TOKENS, **extra):

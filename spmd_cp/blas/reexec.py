@@ -125,10 +125,10 @@ def ensure_fast_blas(argv: list[str] | None = None) -> str:
 # call before they sleep (default 2^28: about 0.1 s). Between prefill's calls that spin is
 # short; in decode, whose own pool wants every core of the rank, a worker woken by a stray
 # call spun beside it (Gemma 3 270M Q4_K_M, N = 1 on 2 threads: 11% of the run's samples in
-# its sched_yield). At 2^4 cycles (OpenBLAS's least) it sleeps at once: decode 44 against
-# 34.5 tok/s (1.28x; medians of 4 interleaved runs, 300-token prompt, 2-core AMD EPYC,
-# 2026-11-29), the embedded SmolLM2 127 against 109 (1.17x, 3 runs), prefill unchanged
-# (374-384 against 347-375 tok/s). A value the user set is kept.
+# its sched_yield). At 2^4 cycles (OpenBLAS's least) it sleeps at once: decode 43.4 against
+# 34.7 tok/s (1.25x; medians of 7 interleaved `generate --json` runs each, 300-token
+# prompt, 64 tokens, 2-core AMD EPYC, 2026-11-29), the embedded SmolLM2 126.9 against
+# 108.7 (1.17x, 3 runs each), prefill unchanged. A value the user set is kept.
 OPENBLAS_IDLE_TIMEOUT = "4"
 
 

@@ -103,7 +103,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             root = RootSide(state, loaded, run, comm, lambda: splits(engine, decode),
                             buffer_cache)
             root.note_memory(caches, memory)
-            root.batched, state.max_batch = max_batch > 1, max_batch
+            state.max_batch = max_batch
             state.ready.set()
             host, port = held["server"].server_address[:2]
             steps.log.info("serving %s on http://%s:%d/v1 (%d ranks, %d requests at once)",

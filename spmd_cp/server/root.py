@@ -51,7 +51,6 @@ class RootSide:
         self.may_split = may_split
         self.current: Pending | None = None
         self.running: dict[int, Pending] = {}  # batched serving: the requests decoding
-        self.batched = False  # requests decoded together (serve --max-batch > 1)
         self.slot_rooms: dict[int, int] = {}  # batched serving: each running request's slot
         self.slot_scale = 1.0  # a slot entry's bytes over one of the cache's (set by serve)
         self.keys = 0
@@ -59,28 +58,15 @@ class RootSide:
         self.buffer_cache_bytes = buffer_cache_bytes
 
     def next_work(self, caches) -> Work | None:
-        """The next request's work for every rank (None: shut down). Requests whose
-        client has gone are dropped; bad ones are answered here with their 4xx."""
+        """The next request's work for every rank (None: shut down)."""
         self.current = None
         self.state.busy, self.state.running = False, 0
-        while not self.state.stopping.is_set():
-            try:
-                pending = self.state.queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if pending.cancelled.is_set():
-                self.state.cancelled += 1
-                continue
-            try:
-                work = self.prepare(pending.request, caches)
-            except ApiError as error:
-                pending.fail(error)
-                continue
-            self.current = pending
-            self.state.busy, self.state.running = True, 1
-            pending.start()
-            return work
-        return None
+        taken = self._take(caches, wait=True)
+        if taken is None:
+            return None
+        self.current, work = taken
+        self.state.busy, self.state.running = True, 1
+        return work
 
     def next_works(self, caches, free: int) -> list[Work] | None:
         """Batched serving: the work of the next request, which joins the running batch
@@ -88,16 +74,30 @@ class RootSide:
         None: stopping with none running. One at a time: each request's plan of the
         resident caches is made after the last one's was applied. The work carries its
         ``key``; its Pending is held in ``running``."""
-        works = []
-        while free > 0 and not works and not self.state.stopping.is_set():
-            waiting = not self.running
+        taken = self._take(caches, wait=not self.running) if free > 0 else None
+        if taken is not None:
+            pending, work = taken
+            self.keys += 1
+            work.key = self.keys
+            self.running[self.keys] = pending
+            self.slot_rooms[self.keys] = work.slot_tokens
+        self.state.busy, self.state.running = bool(self.running), len(self.running)
+        if taken is None and not self.running and self.state.stopping.is_set():
+            return None
+        return [work] if taken is not None else []
+
+    def _take(self, caches, wait: bool) -> tuple[Pending, Work] | None:
+        """The next queued request and its work, started (None: stopping, or with
+        ``wait`` False none queued). Requests whose client has gone are dropped; bad
+        ones are answered here with their 4xx."""
+        while not self.state.stopping.is_set():
             try:
-                pending = self.state.queue.get(timeout=0.2) if waiting \
+                pending = self.state.queue.get(timeout=0.2) if wait \
                     else self.state.queue.get_nowait()
             except queue.Empty:
-                if waiting:
+                if wait:
                     continue
-                break
+                return None
             if pending.cancelled.is_set():
                 self.state.cancelled += 1
                 continue
@@ -106,16 +106,9 @@ class RootSide:
             except ApiError as error:
                 pending.fail(error)
                 continue
-            self.keys += 1
-            work.key = self.keys
-            self.running[self.keys] = pending
-            self.slot_rooms[self.keys] = work.slot_tokens
             pending.start()
-            works.append(work)
-        self.state.busy, self.state.running = bool(self.running), len(self.running)
-        if not works and not self.running and self.state.stopping.is_set():
-            return None
-        return works
+            return pending, work
+        return None
 
     def ended(self, key: int, result, work: Work, caches, memory: list[dict]):
         """Batched serving: request ``key``'s answer to its handler (``result`` None:
@@ -181,7 +174,8 @@ class RootSide:
         # Batched serving: every running request's slot and this one's (a copy of its
         # entry's tokens, and its answer's), each as long as the longest.
         rooms = [*self.slot_rooms.values(), own]
-        slots = int(len(rooms) * max(rooms) * self.slot_scale) if self.batched else 0
+        slots = int(len(rooms) * max(rooms) * self.slot_scale) \
+            if self.state.max_batch > 1 else 0
 
         def fits(kept: int, continued: int, reused: int):
             room = held_room(kept, continued, own) + slots
