@@ -74,7 +74,7 @@ def mlx_lm_steps(model_path: str, prompt: np.ndarray, steps: int) -> dict:
 def spmd_cp_steps(model_path: str, prompt: np.ndarray, steps: int, device: str) -> dict:
     from mpi4py import MPI
 
-    from spmd_cp.cli import steps as cli_steps
+    from spmd_cp.run.builder import make_engine, settle_run
     from spmd_cp.config import RunConfig
     from spmd_cp.models.loader import load_model
     from spmd_cp.runtime.comm import Comm
@@ -82,8 +82,8 @@ def spmd_cp_steps(model_path: str, prompt: np.ndarray, steps: int, device: str) 
     comm = Comm(MPI.COMM_WORLD)
     run = RunConfig(model_path=model_path, keep_quantized=True, device=device)
     loaded = load_model(model_path, keep_quantized=True)
-    run = cli_steps.settle_run(comm, loaded, run)
-    engine = cli_steps.make_engine(comm, loaded, run)
+    run = settle_run(comm, loaded, run)
+    engine = make_engine(comm, loaded, run)
     cache = engine.new_cache()
     engine.prefill(cache, prompt)
     engine.prepare_decode()

@@ -76,7 +76,7 @@ class RunConfig(_Settings):
     model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     cp_algo: str = "auto"
     # Tokens prefilled per chunk; 0: the whole prompt in one chunk; None: auto, decided
-    # with the compute path (cli/steps.py: mlx-lm's 2,048-token step on the GPU path at
+    # with the compute path (run/builder.py: mlx-lm's 2,048-token step on the GPU path at
     # one rank, else the whole prompt).
     prefill_chunk: int | None = None
     max_context: int | None = None  # None: the model's own limit
@@ -88,7 +88,8 @@ class RunConfig(_Settings):
     shard_weights: str = "auto"
     # The KV cache's dtype on the CPU path (the GPU path keeps the model's): a half
     # precision one holds half the bytes a decode step reads, and is read into float32.
-    # auto: float16 where the native decode step runs, else float32 (cli/steps.py).
+    # auto: float16 where the native decode step runs, else float32
+    # (engine/decode_plan.choose_kv_dtype).
     kv_dtype: str = "auto"
     comm_timeout: float | None = None  # None: spmd.DEFAULT_COMM_TIMEOUT_S; 0 disables
     trace: str | None = None

@@ -7,7 +7,7 @@ Per model and algorithm, rank 0 records the logprob of every prompt token (a flo
 cache) and the greedy continuation; per model, every rank's weight bytes, the most MLX
 memory it held while loading, and its KV heads.
 The grid, the load of each rank's slices and the decode settings are the CLI's own
-(cli/steps.load_checked_model's and make_engine's).
+(run/builder.load_checked_model's and make_engine's).
 """
 
 import json

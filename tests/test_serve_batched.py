@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from conftest import MPIEXEC, run_cli
-from spmd_cp.cli.serve import PREFILL_SLICE
+from spmd_cp.server.serving import PREFILL_SLICE
 from test_serve import (HANG_S, REQUEST_TIMEOUT_S, free_port, launch_server, serving,
                         streaming_completion, wait_for)
 

@@ -84,18 +84,22 @@ def test_native_decode_over_layers_it_cannot_run_is_refused_as_the_engine_is_bui
     import mlx.nn as nn
     from mpi4py import MPI
 
-    from spmd_cp.cli.steps import make_engine
     from spmd_cp.config import DecodeConfig, RunConfig
     from spmd_cp.errors import UserError
     from spmd_cp.models.loader import load_model
+    from spmd_cp.run.builder import make_engine, settle_run
     from spmd_cp.runtime.comm import Comm
 
+    comm = Comm(MPI.COMM_SELF)
     loaded = load_model(tiny_models["llama"])
     nn.quantize(loaded.model.model.layers[1], group_size=32, bits=4)
+    native = DecodeConfig(decode_step="native")
     with pytest.raises(UserError, match=r"^--decode-step native: rank 0: layer 1: q_proj is "
                                         r"a QuantizedLinear of uint32"):
-        make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig(), DecodeConfig(decode_step="native"))
-    assert make_engine(Comm(MPI.COMM_SELF), loaded, RunConfig()).plan is None  # auto: built
+        make_engine(comm, loaded, settle_run(comm, loaded, RunConfig(), native), native)
+    run = settle_run(comm, loaded, RunConfig(), DecodeConfig())
+    assert run.kv_dtype == "float32"  # the model rules the native step out: MLX's cache
+    assert make_engine(comm, loaded, run).plan is None  # auto: built
 
 
 def test_kv_dtype_auto_is_float32_where_decode_is_not_native(tiny_models, tiny_gemma3_models):
@@ -105,9 +109,9 @@ def test_kv_dtype_auto_is_float32_where_decode_is_not_native(tiny_models, tiny_g
     runs show it, test_decode.py; this process has no BLAS for the C step to bind.)"""
     from mpi4py import MPI
 
-    from spmd_cp.cli.steps import make_engine, settle_kv_dtype
     from spmd_cp.config import DecodeConfig, RunConfig
     from spmd_cp.models.loader import load_model
+    from spmd_cp.run.builder import make_engine, settle_run
     from spmd_cp.runtime.comm import Comm
 
     comm = Comm(MPI.COMM_SELF)
@@ -115,12 +119,15 @@ def test_kv_dtype_auto_is_float32_where_decode_is_not_native(tiny_models, tiny_g
     gemma = load_model(tiny_gemma3_models["gemma3_text"])
 
     def settled(loaded, decode, **run):
-        return settle_kv_dtype(comm, loaded, RunConfig(**run), decode).kv_dtype
+        return settle_run(comm, loaded, RunConfig(**run), decode).kv_dtype
 
     assert RunConfig().kv_dtype == "auto"
     assert settled(llama, None) == "float32"
     assert settled(llama, DecodeConfig(decode_step="graph")) == "float32"
     assert settled(gemma, DecodeConfig()) == "float32"
     assert settled(llama, DecodeConfig(decode_step="graph"), kv_dtype="bfloat16") == "bfloat16"
-    # an engine built from an unsettled configuration settles it the same way
-    assert make_engine(comm, gemma, RunConfig()).model.kv_dtype == mx.float32
+    # the engine reads the settled answer; an unsettled configuration is refused
+    assert make_engine(comm, gemma, settle_run(comm, gemma, RunConfig(), DecodeConfig())
+                       ).model.kv_dtype == mx.float32
+    with pytest.raises(ValueError, match="settle_run"):
+        make_engine(comm, gemma, RunConfig())

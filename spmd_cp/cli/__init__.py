@@ -10,8 +10,9 @@ Rank 0 reads and tokenizes the prompt, samples, and alone writes to stdout; ever
 holds the whole model (or, with --shard-weights, layers i mod N and 1/N of the
 vocabulary) and 1/N of the KV cache. One module per command (generate, score,
 batch, serve, doctor), gathered into one click group in commands.py; the steps they share
-are in steps.py. Importing this package loads neither MLX nor MPI: main() may still
-re-execute the process with a faster BLAS, so it imports the commands only after that.
+are in steps.py, the run they build in run/builder.py. Importing this package loads
+neither MLX nor MPI: main() may still re-execute the process with a faster BLAS, so it
+imports the commands only after that.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
                   args: BatchConfig):
     import mlx.core as mx
 
+    from ..run.builder import RunBuilder
     from ..runtime import spmd
     from . import steps
 
@@ -126,9 +127,9 @@ def batch_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
 
     if spmd.on_root(comm, check) == 0:
         return
-    loaded = steps.resolve_model(comm, run, decode)
-    run = steps.settle_run(comm, loaded, run, decode)
-    engine = steps.make_engine(comm, loaded, run, decode)
+    builder = RunBuilder(comm, run, decode)
+    loaded, engine = builder.load(), builder.engine()
+    run = builder.run  # settled
     max_batch, why = choose_max_batch(args.max_batch, run, loaded, engine)
     if comm.rank == 0:
         steps.log.info("batch: up to %d jobs decoded together (%s)", max_batch, why)

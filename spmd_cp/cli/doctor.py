@@ -301,7 +301,7 @@ def decode_plan_report(comm, run) -> dict:
     from ..engine.afd_load import load_afd_share
     from ..runtime.afd import AfdRoles, afd_obstacle
     from ..runtime.grid import grid_obstacle
-    from .steps import make_engine, settle_run
+    from ..run.builder import make_engine, settle_run
 
     if grid_obstacle(run.tp, comm.size) or afd_obstacle(run.afd, comm.size):
         return None

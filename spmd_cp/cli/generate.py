@@ -46,17 +46,18 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
     from ..engine.generation import generate as generate_tokens
     from ..engine.prompt_cache import save_cache
     from ..engine.startup import startup_fields, warm_up
+    from ..run.builder import RunBuilder
     from ..runtime import spmd
     from . import steps
     from .stream import AnswerStream
 
     prompt_text, meta = spmd.on_root(comm, validate, run, sampling, args)
-    path, checksum = steps.check_model(comm, run, decode)
+    builder = RunBuilder(comm, run, decode)
+    checksum = builder.check().checksum
     if meta is not None:
         spmd.on_root(comm, refuse_other_model, meta, args.load_cache, checksum)
-    loaded = steps.load_checked_model(comm, run, path)
-    run = steps.settle_run(comm, loaded, run, decode)
-    engine = steps.make_engine(comm, loaded, run, decode)
+    loaded, engine = builder.load(), builder.engine()
+    run = builder.run  # settled
     cache, conversation = open_cache(comm, engine, loaded, args, meta)
     prompt_ids, reused, forecast, max_tokens = spmd.on_root(
         comm, tokenize_prompt, comm, loaded, run, sampling, args, cache, conversation,

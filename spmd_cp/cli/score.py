@@ -33,17 +33,18 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
     from ..engine.cache import NO_REWIND
     from ..engine.startup import startup_fields, warm_up
+    from ..run.builder import RunBuilder
     from ..runtime import spmd
     from . import steps
 
     text = spmd.on_root(comm, validate, run, args)
     # A quantized file's matrices held packed, as generate holds them: the prefill reads
     # them a tile at a time (no decode step follows, but the memory is the same).
-    path, _ = steps.check_model(comm, run)
-    loaded = steps.load_checked_model(comm, run, path)
-    run = steps.settle_run(comm, loaded, run)
+    builder = RunBuilder(comm, run)  # no decode steps follow
+    loaded = builder.load()
+    run = builder.run  # settled
     ids, forecast = spmd.on_root(comm, tokenize_document, comm, loaded, run, text)
-    engine = steps.make_engine(comm, loaded, run)
+    engine = builder.engine()
     cache = engine.new_cache()
     cache.rewinds_to = NO_REWIND  # scored once, never continued
     warmup_s = warm_up(engine, decode=False)  # no decode step follows

@@ -8,7 +8,8 @@ Rank 0 runs the HTTP server (spmd_cp/server) in threads that queue requests; its
 thread takes one request at a time, tokenizes it and broadcasts the work; every rank then
 runs the same prefill and decode as `generate`, and rank 0 streams the text back. With
 --max-batch B, up to B requests decode together (``serve_batched``): each joins the
-running batch when its prefill is done and leaves at its end. The
+running batch when its prefill is done and leaves at its end (every rank's serving
+loops: server/serving.py). The
 sharded KV caches of the last few conversations stay on the ranks (server/resident.py):
 the next request prefills only what follows the longest token prefix it shares with
 one. SIGTERM or SIGINT: the request being answered is finished, queued ones get 503,
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import signal
 import sys
-from contextlib import contextmanager, nullcontext
 
 import click
 
@@ -30,9 +30,6 @@ from .generate import refuse_other_model
 from .options import common_options, decode_options, ranged_option, sampling_options
 
 REPEAT_S = 2.0  # signals this close to the first are the same stop request
-# With --max-batch: a joining request's prompt is prefilled this many tokens at a time
-# between the running requests' decode steps, so that their streams go on.
-PREFILL_SLICE = 256
 
 
 @click.command()
@@ -74,9 +71,11 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     from pathlib import Path
 
     from ..engine.startup import warm_up
+    from ..run.builder import RunBuilder
     from ..runtime import spmd
     from ..server import http_api
-    from . import steps
+    from ..server.serving import (bound_buffer_cache, gather_memory, preload, serve_batched,
+                                  serve_loop, serving_batch, splits)
 
     held = {}  # rank 0's server: objects that do not travel in a broadcast
     spmd.on_root(comm, open_server, args, sampling, held)
@@ -84,12 +83,12 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
     catch_signals(comm, state)
     try:
         metas = spmd.on_root(comm, read_preloads, args)
-        path, checksum = steps.check_model(comm, run, decode)
+        builder = RunBuilder(comm, run, decode)
+        checksum = builder.check().checksum
         for directory, meta in zip(args.preload, metas):
             spmd.on_root(comm, refuse_other_model, meta, directory, checksum)
-        loaded = steps.load_checked_model(comm, run, path)
-        run = steps.settle_run(comm, loaded, run, decode)
-        engine = steps.make_engine(comm, loaded, run, decode)
+        loaded, engine = builder.load(), builder.engine()
+        run = builder.run  # settled
         warm_up(engine)
         buffer_cache = bound_buffer_cache(engine.model.compute)
         caches = preload(comm, engine, loaded, args, metas)
@@ -106,7 +105,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             state.max_batch = max_batch
             state.ready.set()
             host, port = held["server"].server_address[:2]
-            steps.log.info("serving %s on http://%s:%d/v1 (%d ranks, %d requests at once)",
+            spmd.log.info("serving %s on http://%s:%d/v1 (%d ranks, %d requests at once)",
                            state.model_id, host, port, comm.size, max_batch)
         if max_batch > 1:
             serve_batched(comm, engine, loaded, root, caches, max_batch)
@@ -126,52 +125,6 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
             print(json.dumps({**state.health(), "ranks": comm.size}), flush=True)
 
 
-def bound_buffer_cache(compute) -> int:
-    """On the CPU path, MLX's buffer cache within the bound the memory forecast counts
-    (and the load's freed buffers handed back): the bound, or 0 where MLX's is kept (a
-    GPU, whose allocations cost more and were not measured against a bound)."""
-    import mlx.core as mx
-
-    from ..server.resident import BUFFER_CACHE_BYTES
-
-    if compute.gpu:
-        return 0
-    mx.set_cache_limit(BUFFER_CACHE_BYTES)
-    mx.clear_cache()
-    return BUFFER_CACHE_BYTES
-
-
-def splits(engine, decode: DecodeConfig) -> bool:
-    """Whether decode steps run split: the plan's layout once made, else whether it may."""
-    if engine.plan is not None:
-        return engine.plan.layout == "split"
-    return decode.decode_tp != "off"
-
-
-def serving_batch(args: ServeConfig, loaded, run: RunConfig, engine) -> int:
-    """Requests decoded together: --max-batch where the engine has a batched step."""
-    from .steps import log
-
-    why = "layer-sharded weights" if getattr(loaded, "share", None) is not None else \
-        "--afd" if run.afd is not None else None
-    if args.max_batch > 1 and why is not None:
-        if engine.comm.rank == 0:
-            log.warning("--max-batch %d: %s decode one request at a time", args.max_batch,
-                        why)
-        return 1
-    return args.max_batch
-
-
-def gather_memory(comm, caches, slot_bytes: int = 0) -> list[dict] | None:
-    """Every rank's memory figures (runtime/resident.py's ``memory_now``), its resident
-    KV bytes (and the running requests' slots, ``slot_bytes``) and each entry's K/V room,
-    on rank 0 (None elsewhere)."""
-    from ..runtime.resident import memory_now
-
-    return comm.gather_object({"kv_bytes": int(caches.nbytes + slot_bytes),
-                               "kv_rooms": caches.own_rooms(), **memory_now()})
-
-
 def read_preloads(args: ServeConfig) -> list[dict]:
     """Rank 0, before the model loads: the meta.json of every --preload-cache."""
     from ..engine.prompt_cache import read_meta
@@ -181,21 +134,6 @@ def read_preloads(args: ServeConfig) -> list[dict]:
         raise UserError(f"{len(args.preload)} --preload-cache directories, more than "
                         f"--cache-entries {args.cache_entries}")
     return [read_meta(directory) for directory in args.preload]
-
-
-def preload(comm, engine, loaded, args: ServeConfig, metas: list[dict]):
-    """Every rank: the resident caches, with the --preload-cache conversations in."""
-    from ..engine.prompt_cache import load_cache
-    from ..server.resident import ResidentCaches
-    from .steps import log
-
-    caches = ResidentCaches(engine, args.cache_entries)
-    for directory, meta in zip(args.preload, metas):
-        caches.add(load_cache(comm, directory, meta, loaded.checksum,
-                              engine.model.num_layers, engine.model.kv_dtype,
-                              loaded.config.get("vocab_size"), engine.grid))
-        log.info("resident cache from %s: %d tokens", directory, caches.entries[-1].num_tokens)
-    return caches
 
 
 def open_server(args: ServeConfig, sampling: SamplingConfig, held: dict):
@@ -261,96 +199,3 @@ def catch_signals(comm, state):
         comm.watchdog.on_interrupt = on_interrupt
 
 
-@contextmanager
-def idle(comm):
-    """Waiting for the next request may take hours: no --comm-timeout meanwhile."""
-    watchdog = comm.watchdog
-    if watchdog is None:
-        yield
-        return
-    timeout, context = watchdog.timeout, watchdog.context
-    watchdog.timeout, watchdog.context = 0, "serve: waiting for a request"
-    try:
-        yield
-    finally:
-        watchdog.timeout, watchdog.context = timeout, context
-
-
-def serve_loop(comm, engine, loaded, root, caches):
-    """Every rank: the next request from rank 0, answered together, until it says stop."""
-    from ..engine.generation import generate
-    from ..runtime import spmd
-    from ..runtime.resident import reset_resident_peak
-
-    while True:
-        with idle(comm):
-            work = spmd.on_root(comm, lambda: root.next_work(caches))
-        if work is None:
-            return
-        reset_resident_peak()  # /health's resident_peak_bytes: this request's
-        cache = caches.take(work.plan)
-        result = generate(engine, cache, work.ids[work.reused:], loaded.tokenizer,
-                          work.sampling, write=root.emit if root else None,
-                          cancelled=root.cancelled if root else None)
-        memory = gather_memory(comm, caches)
-        if root is not None:
-            spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
-                          "generated, %s; %d cache entries", len(work.ids), work.reused,
-                          len(result.tokens), result.finish_reason, len(caches.entries))
-            root.finished(result, work, caches, memory)
-
-
-def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
-    """Every rank: requests decoded together (engine/scheduler.py), until rank 0 says
-    stop. Each step rank 0 hands over the next request that joins, if a slot is free; a
-    joining request's prompt is prefilled into its resident entry (as in one-at-a-time
-    serving) PREFILL_SLICE tokens between two steps of the running ones, then copied into
-    its slot of the batch, where its answer's keys and values go. The entry keeps the
-    prompt: a follow-up reuses it and prefills the answer again."""
-    from ..engine.scheduler import Request, Scheduler
-    from ..runtime import spmd
-    from ..runtime.resident import reset_resident_peak
-
-    works = {}
-
-    def finished(request, result, error):
-        work = works.pop(request.key)
-        memory = gather_memory(comm, caches, scheduler.decoder.tail_bytes)
-        if root is None:
-            return
-        work.error = error
-        if result is not None:
-            spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
-                          "generated, %s; %d running", len(work.ids), work.reused,
-                          len(result.tokens), result.finish_reason, len(scheduler.running))
-        root.ended(request.key, result, work, caches, memory)
-
-    scheduler = Scheduler(engine, engine.new_cache(), 0, loaded.tokenizer, max_batch, finished,
-                          prefill_slice=PREFILL_SLICE)
-    if root is not None:
-        root.slot_scale = slot_scale(engine, scheduler.decoder)
-    while True:
-        busy = scheduler.running or scheduler.joining
-        with nullcontext() if busy else idle(comm):
-            joining = spmd.on_root(comm, lambda: root.next_works(caches, scheduler.free))
-        if joining is None:
-            return
-        if joining and not busy:
-            reset_resident_peak()  # /health's resident_peak_bytes: this batch's
-        for work in joining:
-            works[work.key] = work
-            pending = root.running[work.key] if root is not None else None
-            scheduler.join(Request(
-                work.key, work.ids[work.reused:], work.sampling,
-                source=caches.take(work.plan), write=pending.emit if pending else None,
-                cancelled=pending.cancelled.is_set if pending else None))
-        scheduler.advance()
-        caches.held = {id(entry.request.source) for entry in scheduler.joining}
-
-
-def slot_scale(engine, decoder) -> float:
-    """A batch slot's bytes per entry over the cache's (the native step's slots hold
-    float32, MLX's the cache's dtype)."""
-    if decoder.kind != "native":
-        return 1.0
-    return 4 / engine.model.kv_dtype.size

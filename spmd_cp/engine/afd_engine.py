@@ -6,7 +6,7 @@ attention ranks (its MLPs across the link, afd_attention.py), or an FFN rank's
   mpi4py over the attention ranks (``--decode-comm mpi``): the native step computes
   the MLP in place, the split layout would cut an MLP the attention ranks do not hold,
   and MLX's own MPI group spans every rank, FFN ranks included;
-- the KV dtype follows ``--kv-dtype`` (auto is float32 here: steps.settle_kv_dtype).
+- the KV dtype follows ``--kv-dtype`` (auto is float32 here: decode_plan.choose_kv_dtype).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ A decode step has four independent choices, each with its reason:
                calls; none for the graph step
     merge      how the ranks' attention partials merge (the native step gathers them)
 
+The KV cache's dtype under ``--kv-dtype auto`` follows from the step and is decided here
+too (``choose_kv_dtype``), once the model is loaded and before the engine, the forecast
+and any prefill need it.
+
 ``open_decode`` decides them in that dependency order on every rank at once (each
 obstacle any rank meets is every rank's), builds the step the plan names, and returns
 both: the engine holds that step and calls it, and nothing changes a mode afterwards.
@@ -29,14 +33,14 @@ from dataclasses import dataclass, field
 
 from ..attention.calibrate import (low_quantile, measure_request_collective,
                                    recheck_decode_figures, sample_collective, uncounted)
-from ..config import DecodeConfig
+from ..config import DecodeConfig, RunConfig
 from ..errors import UserError
 from ..runtime.spmd import first_reason
 from .decode_choice import PackedReads, estimate_split, split_matrix_bytes, split_modules
 from .decode_transport import choose_transport
 from .graph_step import GraphStep
 from .native_decode import NativeDecoder
-from .native_eligibility import flag_obstacle, native_obstacle
+from .native_eligibility import flag_obstacle, loaded_obstacle, native_obstacle
 from .tp_decode import TensorParallelDecoder, is_layer_sharded, slicing_obstacle
 
 log = logging.getLogger("spmd_cp")
@@ -45,6 +49,40 @@ log = logging.getLogger("spmd_cp")
 # cost by this share: near the break-even either layout decodes about as fast, and the
 # split one holds copied column slices besides the weights.
 SPLIT_MARGIN = 0.25
+
+# --kv-dtype auto: a half-precision cache where the native decode step reads it (its
+# attention widens keys and values in registers: a step reads half the cache bytes,
+# docs/CPU_SPEED.md), float32 elsewhere (MLX's steps and a scoring pass read a half
+# cache back into float32 whole, for nothing, and float32's scores are mlx-lm's).
+AUTO_KV_HALF = "float16"
+AUTO_KV_FALLBACK = "float32"
+
+
+def choose_kv_dtype(comm, loaded, run: RunConfig, compute,
+                    decode: DecodeConfig | None) -> tuple[str, str]:
+    """Collective: (the cache dtype ``--kv-dtype auto`` stands for, why), the same on
+    every rank: float16 where decode steps follow (``decode``: their flags; None: none
+    do) and every rank can run them natively (native_eligibility.py's rules, asked of
+    the model as loaded), else float32. Batched steps (--max-batch) follow the same rule:
+    they run natively where one sequence's step does, else in MLX, which widens a half
+    cache on the CPU each layer (by hand, one rank, 3K keys: their attention 77 vs 23 ms
+    a step). The GPU path keeps the model's dtype whatever this says."""
+    if compute.gpu:
+        return AUTO_KV_FALLBACK, "not read on the GPU path"
+    if decode is None:
+        return AUTO_KV_FALLBACK, "no decode steps follow"
+    if getattr(loaded, "share", None) is not None:
+        reason = "layer-sharded weights decode in MLX's step"
+    elif run.tp > 1:
+        reason = "tensor-parallel slices (--tp) decode in MLX's step"
+    elif run.afd is not None:
+        reason = "--afd's attention ranks decode in MLX's step"
+    else:
+        reason = flag_obstacle(decode) or first_reason(
+            comm, loaded_obstacle(loaded.model, compute))
+    if reason:
+        return AUTO_KV_FALLBACK, f"the decode step is MLX's: {reason}"
+    return AUTO_KV_HALF, "decode steps run natively"
 
 
 @dataclass(frozen=True)

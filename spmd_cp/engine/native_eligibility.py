@@ -2,7 +2,7 @@
 compute path, the model's modules and dtypes, the C library. Checked before any rank
 commits to the native step, so every rank can take the same way (decode_plan.py); the
 part the settings alone decide is checked again before any model loads, so that
-``--decode-step native`` where it cannot run fails before the heavy work (cli/steps.py)."""
+``--decode-step native`` where it cannot run fails before the heavy work (run/builder.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..config import DecodeConfig
 from ..kernels import decode_step
 from ..kernels.decode_step import KV_KINDS, MAX_GROUP, MAX_HEAD_DIM
 from ..runtime.device import Compute
-from .layer_parts import LayerParts, describe_feed_forward
+from .layer_parts import LayerParts, describe_feed_forward, head_counts
 from .model import CPModel
 from .one_token import EXACT_AS_MATRIX
 
@@ -83,17 +83,35 @@ def native_obstacle(model: CPModel) -> str | None:
         return "the MLPs run on the FFN ranks (--afd)"
     kv_dtype = str(model.kv_dtype).removeprefix("mlx.core.")
     reason = settings_obstacle(model.compute, kv_dtype, getattr(model.layers, "sharded", False))
-    if reason:
-        return reason
-    embedding = model.embed_tokens
+    return reason or modules_obstacle(model.embed_tokens, model.layers, model.lm_head) \
+        or library_obstacle()
+
+
+def loaded_obstacle(model: nn.Module, compute: Compute) -> str | None:
+    """``native_obstacle`` of an mlx-lm model as loaded (whole layers on every rank, a
+    KV dtype the native step reads), before any CPModel wraps it: the KV dtype's choice
+    asks it (decode_plan.choose_kv_dtype)."""
+    inner = model.model
+    head = getattr(model, "lm_head", None)
+    return (settings_obstacle(compute, "float32", getattr(inner.layers, "sharded", False))
+            or modules_obstacle(inner.embed_tokens, inner.layers,
+                                head if head is not None else inner.embed_tokens)
+            or library_obstacle())
+
+
+def modules_obstacle(embedding, layers, lm_head) -> str | None:
+    """What in the model's own modules the native step does not compute, or None: the
+    embedding, the head counts and widths, each layer's MLP, RoPE and matrices, the LM
+    head (a tied head: the embedding, or its ``as_linear``)."""
     if type(embedding) is not nn.Embedding or embedding["weight"].dtype != mx.float32:
         return f"the embedding is {_described(embedding)}"
-    if model.num_heads % model.num_kv_heads or model.num_heads // model.num_kv_heads > MAX_GROUP:
-        return f"{model.num_heads} query heads over {model.num_kv_heads} KV heads"
-    head_dim = LayerParts.of(model.layers[0]).qkv_widths[1] // model.num_kv_heads  # k's width
+    heads, kv_heads = head_counts(layers[0].self_attn)
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        return f"{heads} query heads over {kv_heads} KV heads"
+    head_dim = LayerParts.of(layers[0]).qkv_widths[1] // kv_heads  # k's width
     if head_dim > MAX_HEAD_DIM:
         return f"heads of {head_dim} dimensions (at most {MAX_HEAD_DIM})"
-    for index, layer in enumerate(model.layers):
+    for index, layer in enumerate(layers):
         parts = LayerParts.of(layer)
         if not parts.is_dense:
             return (f"layer {index}: its MLP is {describe_feed_forward(parts.feed_forward)}, "
@@ -103,7 +121,7 @@ def native_obstacle(model: CPModel) -> str | None:
         for name, module in parts.named():
             if type(module) is not nn.Linear or module["weight"].dtype != mx.float32:
                 return f"layer {index}: {name} is {_described(module)}"
-    head = getattr(model.lm_head, "__self__", model.lm_head)  # tied: the embedding
+    head = getattr(lm_head, "__self__", lm_head)  # tied: the embedding
     if type(head) not in (nn.Linear, nn.Embedding) or head["weight"].dtype != mx.float32:
         return f"the LM head is {_described(head)}"
-    return library_obstacle()
+    return None

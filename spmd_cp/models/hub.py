@@ -5,7 +5,7 @@ cache (``HF_HOME`` / ``HF_HUB_CACHE`` honoured) and downloaded there when it is 
 and the hub may be reached, with mlx-lm's own file patterns (config, safetensors,
 tokenizer files). A local path always wins over a repo id of the same spelling.
 
-Which rank downloads is the caller's business (cli/steps.py: one rank per host); this
+Which rank downloads is the caller's business (run/builder.py: one rank per host); this
 module only answers "where is it on this host".
 """
 

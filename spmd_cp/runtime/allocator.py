@@ -97,7 +97,7 @@ def startup_choice(environ=os.environ) -> tuple[str | None, dict]:
     """(the jemalloc library to preload or None, the variables to start with) for a
     re-executed rank. None: glibc (the default), the user's own allocator preloaded, or
     a bad ``SPMD_CP_ALLOCATOR`` (every rank reports that as one line before the model
-    loads: cli/steps.py)."""
+    loads: run/builder.py)."""
     try:
         library = requested()
     except UserError:

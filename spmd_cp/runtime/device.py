@@ -98,7 +98,7 @@ def compiled_kernels_work() -> bool:
     the same arithmetic. On the CPU, MLX writes the kernels it generates under the
     temporary directory (``$TMPDIR/mlx``) and raises at evaluation where it cannot (a
     ``TMPDIR`` that is missing or read-only). Probed once, on a tiny function, before the
-    first forward pass (cli/steps.make_engine). (Without a C++ compiler MLX evaluates
+    first forward pass (run/builder.make_engine). (Without a C++ compiler MLX evaluates
     compiled functions op by op, silently: that works.)"""
     try:
         mx.eval(mx.compile(lambda x: x * 2.0 + 1.0)(mx.ones((4,))))

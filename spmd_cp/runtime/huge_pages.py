@@ -66,7 +66,7 @@ def startup_environment(environ=os.environ) -> dict:
         if requested() != "on":
             return {}
     except UserError:
-        return {}  # every rank reports it as one line before the model loads (cli/steps.py)
+        return {}  # every rank reports it as one line before the model loads (run/builder.py)
     current = environ.get(TUNABLES, "")
     own = _tunables(current)
     if HUGETLB in own:

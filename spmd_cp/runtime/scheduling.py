@@ -47,7 +47,7 @@ def use_batch_scheduling() -> None:
         if requested() != "batch" or not hasattr(os, "SCHED_BATCH"):
             return
     except UserError:
-        return  # every rank reports it before the model loads (cli/steps.py)
+        return  # every rank reports it before the model loads (run/builder.py)
     for tid in _threads():
         try:
             if os.sched_getscheduler(tid) == os.SCHED_OTHER:  # leave real-time or idle
