@@ -12,8 +12,10 @@
  *     a fused multiply-add). Registration compares it with the float32 matrix bit for
  *     bit; it is also the plain C kernel's dequantizer.
  *   - with AVX2, FMA and F16C, one function per type (`*_run`) that unpacks 32 integers
- *     at a time with byte shifts and masks (IQ4's table with a byte shuffle) and makes
- *     each weight with one fused multiply-add of integer, scale and minimum: either
+ *     at a time with byte shifts and masks (IQ4's table with a byte shuffle; Q4_K widens
+ *     each 8 bytes of its nibbles from memory) and makes each weight with one fused
+ *     multiply-add of integer, scale and minimum (a K-quant's scales made eight at a
+ *     time): either
  *     written out (`*_avx2`, registration's second check) or multiplied by x into four
  *     accumulators (`*_dot`, the kernel), the same instructions either way.
  * The fused multiply-add gives the reference's value: in every type here the product is
@@ -290,6 +292,13 @@ BLOCKS_INLINE float half_of(const uint8_t *p) {
   return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
 }
 
+/* Eight bytes at p (signed or not) as floats. */
+BLOCKS_INLINE __m256 floats8(const void *p, int is_signed) {
+  __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes)
+                                      : _mm256_cvtepu8_epi32(bytes));
+}
+
 /* One type's two entry points from its `NAME_run(blocks, count, store, out, x, sum)`. */
 #define BLOCK_ENTRIES(NAME)                                                              \
   BLOCKS_TARGET static void NAME##_avx2(const uint8_t *b, int count, float *out) {      \
@@ -360,27 +369,53 @@ BLOCKS_INLINE void q3_k_run(const uint8_t *b, int count, int store, float *out, 
 }
 BLOCK_ENTRIES(q3_k)
 
-/* Q4_K and Q5_K: 32 values a scale and a minimum (negated: the bias added). */
+/* Q4_K and Q5_K: 32 values a scale and a minimum (negated: the bias added), eight
+ * of each: the 6-bit fields gathered a word at a time (as llama.cpp's kernels do; the
+ * values k_scale_min reads one by one), then widened and multiplied eight at once. */
 BLOCKS_INLINE void k_scales(const uint8_t *b, float *dl, float *ml) {
-  float d = half_of(b), dmin = half_of(b + 2);
-  for (int j = 0; j < 8; j++) {
-    int scale, min;
-    k_scale_min(b + 4, j, &scale, &min);
-    dl[j] = d * (float)scale, ml[j] = -(dmin * (float)min);
-  }
+  uint32_t u[4];
+  memcpy(u, b + 4, 12);
+  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4); /* minimums 4-7 */
+  uint32_t minimums = u[1] & six;                            /* minimums 0-3 */
+  u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);         /* scales 4-7 */
+  u[2] = minimums;
+  u[0] &= six;                                               /* scales 0-3 */
+  _mm256_storeu_ps(dl, _mm256_mul_ps(_mm256_set1_ps(half_of(b)), floats8(u, 0)));
+  _mm256_storeu_ps(ml, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_of(b + 2)),
+                                                   floats8(u + 2, 0)),
+                                     _mm256_set1_ps(-0.0f)));
 }
 
+/* Eight weights w: written to out + at (`store`) or their products with x + at added
+ * into sum[part]. */
+BLOCKS_INLINE void emit8(__m256 w, int part, int at, int store, float *out, const float *x,
+                         __m256 *sum) {
+  if (store)
+    _mm256_storeu_ps(out + at, w);
+  else
+    sum[part] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + at), sum[part]);
+}
+
+/* Each 8 bytes of a run of 32 widened once, from memory, for both of their nibbles (the
+ * run's values e and e + 32): no shuffle of the run in registers (1.25x emit32's way,
+ * one thread, 4096 x 4096, the same sums in the same order). */
 BLOCKS_INLINE void q4_k_run(const uint8_t *b, int count, int store, float *out, const float *x,
                             __m256 *sum) {
+  const __m256i low = _mm256_set1_epi32(0x0f);
   for (; count--; b += 144, out += store ? 256 : 0, x += 256) {
     float dl[8], ml[8];
     k_scales(b, dl, ml);
-    BLOCKS_UNROLLED for (int c = 0; c < 4; c++) {
-      __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-      BLOCKS_UNROLLED for (int s = 0; s < 2; s++) {
-        int j = 2 * c + s;
-        emit32(FIELD32(bytes, 4 * s, 0x0f), 0, dl[j], dl[j], ml[j], ml[j], 1, store,
-               out + (store ? 32 * j : 0), x + 32 * j, sum);
+    BLOCKS_UNROLLED for (int c = 0; c < 4; c++) { /* values 64c .. 64c + 63 */
+      __m256 d0 = _mm256_set1_ps(dl[2 * c]), m0 = _mm256_set1_ps(ml[2 * c]);
+      __m256 d1 = _mm256_set1_ps(dl[2 * c + 1]), m1 = _mm256_set1_ps(ml[2 * c + 1]);
+      BLOCKS_UNROLLED for (int part = 0; part < 4; part++) {
+        __m256i q = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)(b + 16 + 32 * c + 8 * part)));
+        emit8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d0, m0), part,
+              64 * c + 8 * part, store, out, x, sum);
+        emit8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d1, m1), part,
+              64 * c + 32 + 8 * part, store, out, x, sum);
       }
     }
   }
@@ -410,8 +445,10 @@ BLOCK_ENTRIES(q5_k)
 BLOCKS_INLINE void q6_k_run(const uint8_t *b, int count, int store, float *out, const float *x,
                             __m256 *sum) {
   for (; count--; b += 210, out += store ? 256 : 0, x += 256) {
-    float d = half_of(b + 208), dl[16];
-    for (int k = 0; k < 16; k++) dl[k] = d * (float)(int8_t)b[192 + k];
+    float dl[16]; /* d times each 16 values' signed scale, eight at once */
+    __m256 d = _mm256_set1_ps(half_of(b + 208));
+    BLOCKS_UNROLLED for (int k = 0; k < 16; k += 8)
+      _mm256_storeu_ps(dl + k, _mm256_mul_ps(d, floats8(b + 192 + k, 1)));
     BLOCKS_UNROLLED for (int h = 0; h < 2; h++) {
       __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
       BLOCKS_UNROLLED for (int u = 0; u < 2; u++) {

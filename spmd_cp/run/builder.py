@@ -72,8 +72,9 @@ class RunBuilder:
         """The checked model loaded (checked first where ``check`` was not called), and
         ``run`` settled against it."""
         identity = self.identity or self.check()
-        self.loaded = load_checked_model(self.comm, self.run, identity.path,
-                                         self.decode is not None)
+        # packed where decode reads it so, and for score too (a prefill reads a tile at
+        # a time: the same memory as generate's)
+        self.loaded = load_checked_model(self.comm, self.run, identity.path)
         self.run = settle_run(self.comm, self.loaded, self.run, self.decode)
         return self.loaded
 
