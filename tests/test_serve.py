@@ -143,6 +143,8 @@ def test_parse_request_checks_types_and_ranges():
     assert request.sampling.seed == 3 and not request.sampling.ignore_eos
     assert parse_request("chat", {"messages": [{"role": "user", "content": "hi"}],
                                   "ignore_eos": True}, defaults).sampling.ignore_eos
+    assert parse_request("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
+                         defaults).n == 3
     for bad in ({"messages": []}, {"messages": "hi"},
                 {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": "yes"},
                 {"messages": [{"role": "robot", "content": "hi"}]},
@@ -150,7 +152,8 @@ def test_parse_request_checks_types_and_ranges():
                 {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
                 {"messages": [{"role": "user", "content": "hi"}], "top_p": 2},
                 {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
-                {"messages": [{"role": "user", "content": "hi"}], "n": 2}):
+                *({"messages": [{"role": "user", "content": "hi"}], "n": n}
+                  for n in (0, 17, "2", 1.5))):
         with pytest.raises(ApiError) as error:
             parse_request("chat", bad, defaults)
         assert error.value.status == 400 and error.value.body()["error"]["message"]
@@ -404,6 +407,36 @@ def test_greedy_chat_equals_generate(server):
     again = chat(server, QUESTION)  # now from the resident cache's prefix
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content == expected["text"]
+    both = chat(server, QUESTION, n=2)  # greedy choices: the same answer twice
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.message.content for c in both.choices] == [expected["text"]] * 2
+    assert both.usage.prompt_tokens == expected["prompt_tokens"]
+    assert both.usage.completion_tokens == 2 * expected["tokens"]
+
+
+def test_n_choices_each_sample_with_the_seed_plus_its_index(server):
+    """n = 3 sampled answers, whole and streamed: choice i is the answer to the same
+    request with seed + i alone (one request at a time: each seeded run draws the same)."""
+    client = server.client()
+    ask = dict(model="any", messages=[{"role": "user", "content": "Tell me a story."}],
+               max_tokens=12, temperature=0.9)
+    replies = [client.chat.completions.create(**ask, seed=5 + i) for i in range(3)]
+    alone = [reply.choices[0].message.content for reply in replies]
+    assert len(set(alone)) > 1  # sampled: the seeds differ
+    many = client.chat.completions.create(**ask, seed=5, n=3)
+    assert [c.message.content for c in many.choices] == alone
+    assert many.usage.prompt_tokens == replies[0].usage.prompt_tokens  # counted once
+    assert many.usage.completion_tokens == sum(r.usage.completion_tokens for r in replies)
+    chunks = list(client.chat.completions.create(**ask, seed=5, n=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts, finished = ["", "", ""], set()
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert texts == alone and finished == {0, 1, 2}
+    assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
 
 
 def test_control_token_strings_in_a_message_stay_text(server, tiny_models):

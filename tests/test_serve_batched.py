@@ -99,6 +99,24 @@ def test_concurrent_requests_decode_together_and_equal_each_alone(batched):
     assert max(running) >= 1, batched.log()
 
 
+def test_n_choices_decode_together_whole_and_streamed(batched):
+    """n = 3 greedy choices decode together (the batch's three slots): each the text
+    decoded alone; streamed, each index's events make that text."""
+    logged = len(batched.log())
+    reply = complete(batched, PROMPTS[2], n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [batched.alone[PROMPTS[2]]] * 3
+    texts = ["", ""]
+    for event in complete(batched, PROMPTS[4], n=2, stream=True):
+        for choice in event.choices:
+            texts[choice.index] += choice.text
+    assert texts == [batched.alone[PROMPTS[4]]] * 2
+    # a choice ended while the others still decoded: they ran together
+    running = [int(n) for n in re.findall(r"generated, \w+; (\d+) running",
+                                          batched.log()[logged:])]
+    assert max(running) >= 1, batched.log()
+
+
 def test_follow_up_reuses_its_prompt_beside_another_request(batched):
     """A follow-up's prompt begins with the first turn's: its resident entry (the prompt
     kept when the answer decoded in a slot) is reused, while another request decodes."""

@@ -2,9 +2,11 @@
 queue them for rank 0's main thread and relay its answer (JSON, or server-sent events).
 
 Nothing here touches MLX or MPI. A handler thread and the main thread meet in a
-``Pending``: the main thread puts ("start" | "text" | "done" | "error", value) events
-on it; the handler sets ``cancelled`` when its client has gone (a failed write, or the
-socket closed while waiting), and the main thread stops that generation at its next token.
+``Pending`` (one a choice where a request asks for ``n``: server/choices.py): the main
+thread puts ("start" | "text" | "done" | "error", value, the choice's index) events on
+the handler's queue; the handler sets ``cancelled`` when its client has gone (a failed
+write, or the socket closed while waiting), and the main thread stops that generation at
+its next token.
 
 Every client gets an HTTP answer, however many come at once: the kernel holds
 ``LISTEN_BACKLOG`` connections not yet accepted (the standard library's 5 turned the
@@ -28,8 +30,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from . import choices
 from .guardian import RANK_LOST
-from .openai_api import ApiError, chunk, full_response, parse_json, parse_request, usage_chunk
+from .openai_api import ApiError, parse_json, parse_request
 
 log = logging.getLogger("spmd_cp")
 MAX_BODY_BYTES = 64 << 20
@@ -44,25 +47,27 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 class Pending:
-    """One queued request, between its handler thread and rank 0's main thread."""
+    """One queued request (a choice of one), between its handler thread and rank 0's
+    main thread. ``events``: its handler's queue, shared by a request's choices."""
 
-    def __init__(self, request):
+    def __init__(self, request, events: queue.Queue | None = None):
         self.request = request
-        self.events: queue.Queue = queue.Queue()
+        self.index = request.index  # its choice
+        self.events: queue.Queue = events if events is not None else queue.Queue()
         self.cancelled = threading.Event()
         self.guard_id = None  # its connection's id at the guardian (server/guardian.py)
 
     def start(self):
-        self.events.put(("start", None))
+        self.events.put(("start", None, self.index))
 
     def emit(self, text: str):
-        self.events.put(("text", text))
+        self.events.put(("text", text, self.index))
 
     def done(self, text: str, finish_reason: str, counts: dict):
-        self.events.put(("done", (text, finish_reason, counts)))
+        self.events.put(("done", (text, finish_reason, counts), self.index))
 
     def fail(self, error: ApiError):
-        self.events.put(("error", error))
+        self.events.put(("error", error, self.index))
 
 
 class ServerState:
@@ -209,71 +214,49 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.state.stopping.is_set():
             return self.send_api_error(shutting_down())
-        pending = Pending(request)
+        events: queue.Queue = queue.Queue()
+        pendings = [Pending(choice, events) for choice in choices.choice_requests(request)]
         guardian = self.state.guardian
-        if guardian is not None:
-            pending.guard_id = guardian.hold(self.connection)
+        guard_id = guardian.hold(self.connection) if guardian is not None else None
+        for pending in pendings:
+            pending.guard_id = guard_id
         try:
-            self.state.queue.put_nowait(pending)
-        except queue.Full:
+            for pending in pendings:
+                self.state.queue.put_nowait(pending)
+        except queue.Full:  # the choices queued already are dropped as cancelled
+            choices.cancel(pendings)
             if guardian is not None:
-                guardian.release(pending.guard_id)
+                guardian.release(guard_id)
             return self.send_api_error(queue_full(self.state.queue.maxsize))
         try:
-            (self.stream if request.stream else self.answer)(pending)
+            (choices.stream if request.stream else choices.answer)(self, pendings)
         except OSError:  # the client went away while we wrote
-            pending.cancelled.set()
+            choices.cancel(pendings)
         finally:
             if guardian is not None:
-                guardian.release(pending.guard_id)
+                guardian.release(guard_id)
 
-    # -- answers -----------------------------------------------------------------------
-    def next_event(self, pending: Pending):
-        """The main thread's next event, or None once the client has gone."""
+    # -- answers (server/choices.py composes them) ------------------------------------
+    def next_event(self, pendings: list[Pending]):
+        """The main thread's next event for this request's choices, or None once the
+        client has gone (every choice cancelled)."""
         while True:
             try:
-                return pending.events.get(timeout=POLL_S)
+                return pendings[0].events.get(timeout=POLL_S)
             except queue.Empty:
                 if peer_closed(self.connection):
-                    pending.cancelled.set()
+                    choices.cancel(pendings)
                     return None
 
-    def answer(self, pending: Pending):
-        while (event := self.next_event(pending)) is not None:
-            kind, value = event
-            if kind == "error":
-                return self.send_api_error(value)
-            if kind == "done":
-                text, finish, counts = value
-                return self.send_json(200, full_response(pending.request, self.state.model_id,
-                                                         text, finish, counts))
-
-    def stream(self, pending: Pending):
-        request, model = pending.request, self.state.model_id
-        while (event := self.next_event(pending)) is not None:
-            kind, value = event
-            if kind == "error":
-                return self.send_api_error(value)
-            if kind == "start":
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                if self.state.guardian is not None:
-                    self.state.guardian.streaming(pending.guard_id)
-                if request.kind == "chat":
-                    self.send_event(chunk(request, model, first=True))
-            elif kind == "text":
-                self.send_event(chunk(request, model, text=value))
-            elif kind == "done":
-                _, finish, counts = value
-                self.send_event(chunk(request, model, finish_reason=finish))
-                if request.include_usage:
-                    self.send_event(usage_chunk(request, model, counts))
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-                return
+    def start_events(self, pending: Pending):
+        """A stream's headers, once its first choice starts."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.state.guardian is not None:
+            self.state.guardian.streaming(pending.guard_id)
 
     def send_event(self, body: dict):
         self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")

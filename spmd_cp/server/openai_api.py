@@ -48,6 +48,8 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    n: int = 1  # choices: answers to the one prompt, each sampled as a request of its own
+    index: int = 0  # this choice's, where the request is one of n
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -134,10 +136,21 @@ def parse_sampling(body: dict, defaults: SamplingConfig) -> SamplingConfig:
         ignore_eos = defaults.ignore_eos
     elif not isinstance(ignore_eos, bool):
         raise _invalid("ignore_eos", "true or false", ignore_eos)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise ApiError(400, "only n=1 is supported", code="unsupported_value", param="n")
     return SamplingConfig(**settings, stop=stop, ignore_eos=ignore_eos)
+
+
+# The most choices one request may ask for (``n``): each is a sequence of its own.
+MAX_CHOICES = 16
+
+
+def parse_choices(body: dict) -> int:
+    """``n``: how many answers to the one prompt (1 to MAX_CHOICES)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise _invalid("n", f"an integer from 1 to {MAX_CHOICES}", n)
+    return n
 
 
 def _text_content(content, index: int) -> str:
@@ -187,7 +200,8 @@ def parse_request(kind: str, body: dict, defaults: SamplingConfig) -> ApiRequest
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _invalid("stream_options", 'an object like {"include_usage": true}', options)
     request = ApiRequest(kind, parse_sampling(body, defaults), stream=stream,
-                         include_usage=options.get("include_usage", False), model=model)
+                         include_usage=options.get("include_usage", False), model=model,
+                         n=parse_choices(body))
     if kind == "chat":
         request.messages = parse_messages(body.get("messages"))
     else:
@@ -213,28 +227,30 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def full_response(request: ApiRequest, model: str, text: str, finish_reason: str,
+def full_response(request: ApiRequest, model: str, answers: list[tuple[str, str]],
                   counts: dict) -> dict:
-    """The whole answer of a non-streaming request."""
-    if request.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": _finish(finish_reason)}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None,
-                  "finish_reason": _finish(finish_reason)}
-    return {**_head(request, model, False), "choices": [choice], "usage": usage(**counts)}
+    """The whole answer of a non-streaming request: ``answers``, (text, finish reason)
+    of each choice in index order."""
+    choices = []
+    for index, (text, finish_reason) in enumerate(answers):
+        if request.kind == "chat":
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": index, "text": text}
+        choices.append({**choice, "logprobs": None, "finish_reason": _finish(finish_reason)})
+    return {**_head(request, model, False), "choices": choices, "usage": usage(**counts)}
 
 
 def chunk(request: ApiRequest, model: str, text: str | None = None,
-          finish_reason: str | None = None, first: bool = False) -> dict:
-    """One server-sent event of a streaming answer."""
+          finish_reason: str | None = None, first: bool = False, index: int = 0) -> dict:
+    """One server-sent event of a streaming answer (choice ``index``'s)."""
     if request.kind == "chat":
         delta = {"role": "assistant", "content": ""} if first else (
             {"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None,
+        choice = {"index": index, "delta": delta, "logprobs": None,
                   "finish_reason": _finish(finish_reason)}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": None,
                   "finish_reason": _finish(finish_reason)}
     return {**_head(request, model, True), "choices": [choice]}
 
