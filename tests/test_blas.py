@@ -151,7 +151,8 @@ worst, cases = 0.0, 0
 # kernels' counts of query columns (2, 5, 7; 3 and 8 above) and of probability rows (4,
 # 5, 8; 2, 3 and 6 above), over 260-302 keys or values (tiles of 128 and a remainder,
 # key blocks of 4, 2 and 1 and a remainder), widths not a multiple of the vectors (69,
-# 71, 72); one row or column (1, 300, 64), (1, 40, 300) is sgemv's
+# 71, 72); one row or column (1, 300, 64), (1, 40, 300) is sgemv's, or the few-rows
+# kernel's where the matrix is given plain and the row is 64 or more long
 for m, n, k in [(7, 1, 5), (1, 9, 6), (1, 1, 8), (33, 1, 64), (1, 40, 17), (3, 4, 5),
                 (2, 64, 300), (3, 600, 600), (100, 3, 64), (70, 8, 37), (3, 1500, 64),
                 (3, 64, 5000), (6, 40, 100),

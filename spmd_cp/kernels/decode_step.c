@@ -229,15 +229,6 @@ static void geglu_plain(const float *gate, const float *up, int n, float *act) {
   }
 }
 
-/* out (d) = x (d) times the (d x d) matrix r, each output's products added in order
- * (a RoPE matrix: rotate below; where the compiler fuses a multiply and an add, as on
- * ARMv8, within float32 rounding of the AVX2 form's value). */
-static void row_times_plain(const float *x, const float *r, int d, float *out) {
-  memset(out, 0, (size_t)d * sizeof(float));
-  for (int i = 0; i < d; i++)
-    for (int j = 0; j < d; j++) out[j] += x[i] * r[(size_t)i * d + j];
-}
-
 #ifdef HAVE_X86_VECTORS
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -303,23 +294,6 @@ AVX2 static void geglu_avx2(const float *gate, const float *up, int n, float *ac
   geglu_plain(gate + i, up + i, n - i, act + i);
 }
 
-/* row_times_plain eight outputs at a time: a multiply, then an add (never fused). */
-AVX2 static void row_times_avx2(const float *x, const float *r, int d, float *out) {
-  int j = 0;
-  for (; j + LANES <= d; j += LANES) {
-    __m256 sum = _mm256_setzero_ps();
-    for (int i = 0; i < d; i++)
-      sum = _mm256_add_ps(sum, _mm256_mul_ps(_mm256_set1_ps(x[i]),
-                                             _mm256_loadu_ps(r + (size_t)i * d + j)));
-    _mm256_storeu_ps(out + j, sum);
-  }
-  for (; j < d; j++) {
-    float sum = 0.0f;
-    for (int i = 0; i < d; i++) sum += x[i] * r[(size_t)i * d + j];
-    out[j] = sum;
-  }
-}
-
 static int avx2_here(void) {
   static int known = -1;
   if (known < 0) known = cpu_has_avx2_fma(0);
@@ -345,18 +319,11 @@ static void geglu(const float *gate, const float *up, int n, float *act) {
   else
     geglu_plain(gate, up, n, act);
 }
-static void row_times(const float *x, const float *r, int d, float *out) {
-  if (avx2_here())
-    row_times_avx2(x, r, d, out);
-  else
-    row_times_plain(x, r, d, out);
-}
 #else
 #define softmax_row softmax_row_plain
 #define row_max row_max_plain
 #define swiglu swiglu_plain
 #define geglu geglu_plain
-#define row_times row_times_plain
 #endif
 
 static void add_into(float *h, const float *x, int n) {
@@ -377,20 +344,10 @@ void spmd_cp_decode_qkv(const layer *l, float *h, const float *added, float *nor
 }
 
 /* RoPE of `count` heads in place: x (count x d) times the (d x d) rotation, as MLX's
- * matmul does it (engine/one_token.py's matrix). One head (a model's single KV head) is
- * multiplied here: a product of one row would go to the BLAS's sgemv, which splits even
- * a 256 x 256 matrix over its own threads, asleep between calls (OPENBLAS_THREAD_TIMEOUT,
- * blas/reexec.py), each woken and waited for: Gemma 3 270M, one rank on 2 threads, its
- * attention calls 578 us a layer against 121 on one thread. Each output sums x[i] R[i][j]
- * in order, products and sums rounded apart (row_times_avx2): two terms of a column are
- * not zero, so the value is RoPE's own x cos - y sin. */
+ * matmul does it (engine/one_token.py's matrix). */
 static void rotate(float *x, int count, int d, const float *rotation, float *scratch) {
-  if (count == 1) {
-    row_times(x, rotation, d, scratch);
-  } else {
-    sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, count, d, d, 1.0f, x, d, rotation, d, 0.0f,
-          scratch, d);
-  }
+  sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, count, d, d, 1.0f, x, d, rotation, d, 0.0f, scratch,
+        d);
   memcpy(x, scratch, (size_t)count * d * sizeof(float));
 }
 

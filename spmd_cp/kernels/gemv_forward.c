@@ -1415,6 +1415,15 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       /* c's one row (n values) = op(A)'s one row (k values) times op(B) (k x n), i.e.
        * op(B) transposed times that row. */
       int x_stride = a_plain ? 1 : lda;
+      if (b_plain && k >= LONG_ROWS && n <= MAX_WIDTH) {
+        /* One row times a matrix given plain, as the few-rows kernel below takes two to
+         * eight (a RoPE matrix's one KV head, a query group of one over the values):
+         * sgemv would split even a 256 x 256 product over the BLAS's threads, asleep
+         * between calls, and wait for them to wake (Gemma 3 270M, one rank on 2 threads:
+         * its attention calls 578 us a layer against 121 on one thread; 65 us here). */
+        values(1, n, k, alpha, a, a_plain ? lda : 1, x_stride, b, ldb, beta, c, ldc);
+        return;
+      }
       int index = b_plain || x_stride != 1 ? -1 : shadow_of(b, n, ldb);
       if (index >= 0 && k == shadows[index].cols &&
           shadow_product(index, (int)((b - shadows[index].weights) / k), n, alpha, a, beta, c))

@@ -72,8 +72,6 @@ class RunBuilder:
         """The checked model loaded (checked first where ``check`` was not called), and
         ``run`` settled against it."""
         identity = self.identity or self.check()
-        # packed where decode reads it so, and for score too (a prefill reads a tile at
-        # a time: the same memory as generate's)
         self.loaded = load_checked_model(self.comm, self.run, identity.path)
         self.run = settle_run(self.comm, self.loaded, self.run, self.decode)
         return self.loaded
@@ -135,13 +133,13 @@ def model_location(comm: Comm, spec: str | None) -> str:
     return path
 
 
-def load_checked_model(comm: Comm, run: RunConfig, path: str, decode: bool = True):
-    """Load the model ``check_model`` accepted, on every rank. ``decode``: hold a
-    quantized model's matrices packed (decode reads them so, a prefill a tile at a time:
-    generate, batch, serve and score do), unless ``--no-quantized-decode`` or on the GPU
-    path (``--device gpu`` on a CPU too)."""
+def load_checked_model(comm: Comm, run: RunConfig, path: str):
+    """Load the model ``check_model`` accepted, on every rank: a quantized model's
+    matrices held packed (decode reads them so, a prefill a tile at a time; score's
+    prefill too), unless ``--no-quantized-decode`` or on the GPU path (``--device gpu`` on
+    a CPU too)."""
     # (--tp cuts the matrices MLX computes with: no packed forms)
-    decode = decode and run.quantized_decode and not compute_of(run).gpu and run.tp == 1 \
+    decode = run.quantized_decode and not compute_of(run).gpu and run.tp == 1 \
         and run.afd is None
     start = time.perf_counter()
     if run.afd is not None:  # each side reads its part (engine/afd_load.py)

@@ -36,20 +36,32 @@ def merged_counts(counts: dict[int, dict]) -> dict:
             "completion_tokens": sum(c["completion_tokens"] for c in counts.values())}
 
 
-def answer(handler, pendings: list) -> None:
-    """The whole answer, once every choice is done (or the first error)."""
-    answers, counts = {}, {}
-    while len(answers) < len(pendings):
+def _events(handler, pendings: list):
+    """The choices' events as they come until every choice is done. An error event is
+    the request's answer (every choice cancelled); it, or the client leaving, ends the
+    events early: the caller sees fewer choices done than asked."""
+    done = 0
+    while done < len(pendings):
         event = handler.next_event(pendings)
         if event is None:
             return
-        kind, value, index = event
-        if kind == "error":
+        if event[0] == "error":
             cancel(pendings)
-            return handler.send_api_error(value)
+            handler.send_api_error(event[1])
+            return
+        done += event[0] == "done"
+        yield event
+
+
+def answer(handler, pendings: list) -> None:
+    """The whole answer, once every choice is done (or the first error)."""
+    answers, counts = {}, {}
+    for kind, value, index in _events(handler, pendings):
         if kind == "done":
             text, finish, counts[index] = value
             answers[index] = (text, finish)
+    if len(answers) < len(pendings):
+        return
     request = pendings[0].request
     handler.send_json(200, full_response(request, handler.state.model_id,
                                          [answers[i] for i in range(len(pendings))],
@@ -61,14 +73,7 @@ def stream(handler, pendings: list) -> None:
     names its choice's index), then the usage where asked, then [DONE]."""
     request, model = pendings[0].request, handler.state.model_id
     started, counts = False, {}
-    while len(counts) < len(pendings):
-        event = handler.next_event(pendings)
-        if event is None:
-            return
-        kind, value, index = event
-        if kind == "error":
-            cancel(pendings)
-            return handler.send_api_error(value)
+    for kind, value, index in _events(handler, pendings):
         if kind == "start":
             if not started:
                 handler.start_events(pendings[0])
@@ -80,6 +85,8 @@ def stream(handler, pendings: list) -> None:
         elif kind == "done":
             _, finish, counts[index] = value
             handler.send_event(chunk(request, model, finish_reason=finish, index=index))
+    if len(counts) < len(pendings):
+        return
     if request.include_usage:
         handler.send_event(usage_chunk(request, model, merged_counts(counts)))
     handler.wfile.write(b"data: [DONE]\n\n")
