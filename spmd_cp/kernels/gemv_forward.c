@@ -445,8 +445,14 @@ AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 
   AVX2_TARGET static inline __attribute__((always_inline)) void NAME##_body(          \
       const shadow *sh, int row, const float *lanes, int m, float *out) {             \
     SHADOW_ROW_START(BITS, FUSED);                                                     \
-    __m256 acc[8];                                                                     \
+    /* Up to four vectors: two accumulators each (even and odd shifts: SHADOW_DOT2's \
+     * sums), so that an FMA seldom waits for the one before it on its accumulator    \
+     * (4-bit rows in cache, a C harness on the 2-core AMD EPYC, 2026-12-07: 1.66x at \
+     * m = 2, 1.24x at m = 4; more accumulators spill AVX2's 16 registers). */         \
+    enum { PAIRED = 4 };                                                               \
+    __m256 acc[8], odd[PAIRED];                                                        \
     UNROLLED for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                 \
+    UNROLLED for (int i = 0; i < PAIRED; i++) odd[i] = _mm256_setzero_ps();            \
     for (int b = 0; b < blocks; b++, lanes += BLOCK * m) {                             \
       __m256i words = block_words(p, b, whole);                                        \
       int first = first_group(sh, b, BLOCK);                                           \
@@ -454,13 +460,19 @@ AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 
       __m256 bias = per_lane(biases, kind, first, two, groups);                        \
       UNROLLED for (int s = 0; s < PER_WORD; s++) {                                    \
         __m256 w = SHADOW_WEIGHTS(s);                                                  \
-        UNROLLED for (int i = 0; i < 8; i++)                                           \
-          if (i < m)                                                                   \
-            acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lanes + (s * m + i) * 8), acc[i]); \
+        UNROLLED for (int i = 0; i < 8; i++) {                                         \
+          if (i >= m) continue;                                                        \
+          __m256 x = _mm256_loadu_ps(lanes + (s * m + i) * 8);                         \
+          if (m <= PAIRED && s % 2 == 1)                                               \
+            odd[i % PAIRED] = _mm256_fmadd_ps(w, x, odd[i % PAIRED]);                  \
+          else                                                                         \
+            acc[i] = _mm256_fmadd_ps(w, x, acc[i]);                                    \
+        }                                                                              \
       }                                                                                \
     }                                                                                  \
     UNROLLED for (int i = 0; i < 8; i++)                                               \
-      if (i < m) out[i] = horizontal_sum(acc[i]);                                      \
+      if (i < m)                                                                       \
+        out[i] = horizontal_sum(m <= PAIRED ? _mm256_add_ps(acc[i], odd[i % PAIRED]) : acc[i]); \
   }                                                                                    \
   AVX2_TARGET static void NAME(const shadow *sh, int row, const float *lanes, int m,  \
                                float *out) {                                           \
@@ -1114,8 +1126,13 @@ static void refuse_released(void) {
 enum { PREFETCH_ROWS = 8, CACHE_LINE = 64 };
 
 static inline void prefetch_row(const shadow *s, int row) {
-  size_t row_bytes = (size_t)s->cols * s->bits / 8, groups = s->cols / s->group;
   const char *packed = (const char *)s->packed + row * s->packed_step;
+  if (s->format != NULL) { /* a block shadow: its blocks hold their scales */
+    size_t row_bytes = (size_t)(s->cols / s->format->values) * s->format->bytes;
+    for (size_t at = 0; at < row_bytes; at += CACHE_LINE) prefetch(packed + at);
+    return;
+  }
+  size_t row_bytes = (size_t)s->cols * s->bits / 8, groups = s->cols / s->group;
   for (size_t at = 0; at < row_bytes; at += CACHE_LINE) prefetch(packed + at);
   size_t row_offset = row * s->group_step * group_bytes(s->group_kind);
   const char *scales = (const char *)s->scales + row_offset;
@@ -1274,6 +1291,11 @@ static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
   for (int j = j0; j < j1; j++, row++) {
     if (row == s->rows) row = 0, s++; /* a matrix registered in pieces */
 #ifdef HAVE_X86_VECTORS
+    /* Fetched ahead as shadow_product does: the hardware alone streamed a 4-bit
+     * matrix at 3.1 GB/s here, 24.9 GFMA/s at m = 4 against 34.0 fetched ahead (the
+     * same harness, 65536 x 1536). */
+    if (row + PREFETCH_ROWS < s->rows && j + PREFETCH_ROWS < j1)
+      prefetch_row(s, row + PREFETCH_ROWS);
     const float *lanes = s->format == NULL ? job->lanes[s->bits == 8] : NULL;
     if (lanes != NULL) {
       size_t stride = job->lane_stride[s->bits == 8];

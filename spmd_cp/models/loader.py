@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,6 +40,10 @@ class LoadedModel:
     config: dict
     path: str
     checksum: str = ""  # sha256 of the model files (checksum.py)
+    # The weight bytes the memory forecast counts, per (ranks, split decode): walking the
+    # parameters took 40-110 ms, and serve forecasts every request (run/memory.py).
+    weight_bytes_by_layout: dict = field(default_factory=dict, init=False, repr=False,
+                                         compare=False)
 
     @property
     def max_context(self) -> int | None:
@@ -67,7 +71,8 @@ def check_model_path(path: str) -> Path:
         raise UserError(f"model not found: {path}")
     if p.is_file():
         if p.suffix.lower() != ".gguf":
-            raise UserError(f"model file is not GGUF: {path} (pass a .gguf file or an MLX/HF directory)")
+            raise UserError(f"model file is not GGUF: {path} (pass a .gguf file or an "
+                            "MLX/HF directory)")
         if not _readable(p):
             raise UserError(f"model file is not readable: {path}")
         _check_file(p, read_gguf_tensors)

@@ -146,6 +146,7 @@ class Shadows:
         # forms are then the only copy of the weights.
         self.releasing = False
         self.released_count = 0  # a quick "none": most processes release nothing
+        self.generation = 0  # counts registrations and releases (what caches of sizes key on)
 
     @property
     def active(self) -> bool:
@@ -218,6 +219,7 @@ class Shadows:
         if answer not in (FUSED, UNFUSED):
             return self._refuse(REFUSALS.get(answer, f"answer {answer}"))
         self._entries.append(_Entry(weights.ctypes.data, *matrix.shape, packed))
+        self.generation += 1
         self._kept.append(matrix)
         if self.releasing:
             self.release(matrix)
@@ -234,6 +236,7 @@ class Shadows:
         if not entry.released:
             entry.released = True
             self.released_count += 1
+            self.generation += 1
             note_released(entry.rows * entry.cols * 4)
 
     def _entry_at(self, matrix: mx.array) -> _Entry:

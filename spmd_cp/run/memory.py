@@ -31,6 +31,26 @@ def forecast_algo(run: RunConfig) -> str:
     return "pass-kv" if run.cp_algo == "auto" else run.cp_algo
 
 
+def replicated_bytes(comm: Comm, loaded, run: RunConfig, split_decode: bool) -> int:
+    """The weights a rank holds (with --tp, its slices), and the split step's copies
+    where it may run: counted once a model and layout (the weights do not change once
+    loaded and settled), as serve forecasts every request."""
+    from ..engine.decode_choice import split_copy_bytes
+    from ..models.quantized_shadows import SHADOWS
+
+    split = split_decode and getattr(loaded, "share", None) is None and run.tp == 1 \
+        and run.afd is None
+    # A shadow registered or released since changes the count (the split step's
+    # copies register when it is first built).
+    key = (comm.size, split, SHADOWS.generation)
+    if key not in loaded.weight_bytes_by_layout:
+        total = model_nbytes(loaded.model)
+        if split:
+            total += split_copy_bytes(loaded.model.model, comm.size)
+        loaded.weight_bytes_by_layout[key] = total
+    return loaded.weight_bytes_by_layout[key]
+
+
 def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_tokens: int,
                  score: bool = False, split_decode: bool = False,
                  process_bytes: int | None = None, window_tail: int | None = None,
@@ -44,14 +64,9 @@ def check_memory(comm: Comm, loaded, run: RunConfig, total_tokens: int, new_toke
     layers drop the keys behind their windows, the tokens after the prompt (None: every
     key is kept); ``server_parts``: forecast_rank_bytes's ``held_kv_tokens`` and
     ``buffer_cache_bytes``."""
-    from ..engine.decode_choice import split_copy_bytes
-
     limit = memory_limit(run)
-    replicated = model_nbytes(loaded.model)  # with --tp, this rank's slices
-    if split_decode and getattr(loaded, "share", None) is None and run.tp == 1 \
-            and run.afd is None:
-        replicated += split_copy_bytes(loaded.model.model, comm.size)
-    weights = weight_plan(loaded, replicated, run.keep_quantized)
+    weights = weight_plan(loaded, replicated_bytes(comm, loaded, run, split_decode),
+                          run.keep_quantized)
     compute = Compute.resolve(run.device, run.attention_kernel)
     shape = tensor_share(kv_model_shape(loaded, run.kv_dtype, compute), run.tp)
     need = check_fits(shape, weights,
