@@ -146,16 +146,19 @@ BATCH_DOCUMENT = " ".join(f"Item {i} is kept in box {i * 7 % 13}." for i in rang
 
 
 @needs_c_helpers
-@pytest.mark.parametrize("n", [1, 3])
-def test_batched_native_steps_equal_one_sequence_at_a_time(n, tiny_variant_models, tmp_path):
+@pytest.mark.parametrize("n, decode_tp", [(1, "auto"), (3, "off"), (3, "on")])
+def test_batched_native_steps_equal_one_sequence_at_a_time(n, decode_tp, tiny_variant_models,
+                                                           tmp_path):
     """``batch --max-batch 3`` through the native step's batched form
     (engine/native_batched.py) on Qwen2 (q/k/v biases, an untied head): four jobs after
     one document, the second shorter so that the fourth joins as it leaves, the batch
     then shrinking to two and one; each job's greedy
     tokens equal those of one job after another (``--max-batch 1``, one sequence's
     native step) on the same ranks, over a float16 cache. One rank: the document's keys
-    split over the pool's two threads; three ranks: rows dealt unevenly, and a rank
-    without rows in a step of two."""
+    split over the pool's two threads; three ranks in the replicated layout
+    (``--decode-tp off``): rows dealt unevenly, and a rank without rows in a step of two;
+    in the split layout (``on``: every rank all rows through its slices of the weights,
+    native_batched_split.py)."""
     (tmp_path / "doc.txt").write_text(BATCH_DOCUMENT)
     jobs = tmp_path / "jobs.jsonl"
     questions = ["Which box holds item 5?", "Where is item 11?", "List the boxes.",
@@ -169,9 +172,12 @@ def test_batched_native_steps_equal_one_sequence_at_a_time(n, tiny_variant_model
         summaries[batch] = run_cli(n, [
             "batch", "--model", tiny_variant_models["qwen2"], "--jobs", str(jobs), "--output",
             str(out), "--max-batch", batch, "--no-chat-template", "--kv-dtype", "float16",
-            "--json"]).last_json()
+            "--decode-tp", decode_tp, "--json"]).last_json()
         answers[batch] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert summaries["3"]["batched_step"] == "native" and summaries["1"]["batched_step"] is None
+    if n > 1:
+        assert summaries["3"]["decode_plan"]["layout"] == \
+            {"off": "replicated", "on": "split"}[decode_tp]
     assert set(summaries["3"]["batch_sizes"]) == {"1", "2", "3"}
     assert answers["3"] == answers["1"]
     assert [len(a) for a in answers["1"]] == LENGTHS

@@ -40,8 +40,25 @@ from ..runtime.comm import offsets
 from .batch_rows import RowSplit
 from .cache import ShardedKVCache
 from .native_decode import ROPE_BLOCK, NativeDecoder
+from .native_batched_split import SplitLayout
 from .native_views import float32_view
 from .prefix_batch import PrefixBatch, TailSlots
+
+# A step runs in the split layout (where the plan's step is split) while the replicated
+# layout would give each rank fewer rows than this: its products of so few rows read every
+# weight on every rank for little work (SmolLM2 at N = 2 after a 2,633-token document, 2-core
+# AMD EPYC, 2026-12-07: split 17.2 / 26.8 ms a step of 2 / 4 rows against 19.5 / 33.9;
+# 44.2 / 85.5 against 41.6 / 81.3 at 8 / 16 rows).
+SPLIT_BELOW_ROWS = 4
+
+
+def replicated_layers(engine) -> NativeDecoder:
+    """The replicated layout's layers (whole matrices: a rank computes its rows): the
+    plan's step where it is replicated, else one more over the same weights (views)."""
+    if engine.decoder.split is None:
+        return engine.decoder
+    return NativeDecoder(engine.model, engine.cp, persistent=False)
+
 
 class NativeTails(TailSlots):
     """The native step's tails: per layer float32 keys and values (S, NKV, C, d), each
@@ -86,11 +103,7 @@ class NativeBatchedDecoder(PrefixBatch):
     kind = "native"
 
     def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
-        # The replicated layout's layers (whole matrices: a rank computes its rows): the
-        # plan's step where it is replicated, else one more over the same weights (views)
-        native = engine.decoder
-        if native.split is not None:
-            native = NativeDecoder(engine.model, engine.cp, persistent=False)
+        native = replicated_layers(engine)
         super().__init__(engine, prefix, prefix_tokens,
                          NativeTails(len(native.layers), native.kv_heads, native.head_dim))
         self.native, self.library = native, native.library
@@ -100,6 +113,9 @@ class NativeBatchedDecoder(PrefixBatch):
         self._rope_start, self._rope_count, self._rope_bases = 0, 0, []
         self._scratch = np.zeros(0, np.float32)
         gemv_forward.lend_pool(rank_threads())  # the packed products of several rows
+        # Where the plan's step is split, its layers run the steps of few rows
+        self.split_layout = SplitLayout(self, engine.decoder) \
+            if engine.decoder.split is not None else None
 
     # -- one step ----------------------------------------------------------------------
     def step(self, keys: list, tokens: list[int], on_layer=None):
@@ -109,11 +125,13 @@ class NativeBatchedDecoder(PrefixBatch):
         owners = [self._place(sequence) for sequence in sequences]
         rows = len(keys)
         split = RowSplit.of(rows, self.comm.size)
-        mine = split.rows(self.comm.rank)
+        layout = self.split_layout if self.split_layout is not None and \
+            max(split.counts) < SPLIT_BELOW_ROWS else None
+        mine = slice(0, rows) if layout is not None else split.rows(self.comm.rank)
         positions = np.array([s.position for s in sequences], np.int64)
         with self.comm.bounded("decode step"):
             logits = self._forward(sequences, owners, np.array(tokens, np.int64)[mine],
-                                   positions, split, on_layer)
+                                   positions, split, on_layer, layout)
         for sequence, owner in zip(sequences, owners):
             sequence.position += 1
             sequence.tail_sizes[owner] += 1
@@ -192,26 +210,43 @@ class NativeBatchedDecoder(PrefixBatch):
             self._scratch = np.zeros(max(need, 2 * self._scratch.size), np.float32)
         return self._scratch.ctypes.data
 
-    def _forward(self, sequences, owners, my_tokens, positions, split: RowSplit, on_layer):
-        """The step's layers and head (see the module doc): the logits on rank 0."""
+    def _forward(self, sequences, owners, my_tokens, positions, split: RowSplit, on_layer,
+                 layout=None):
+        """The step's layers and head (see the module doc; ``layout``: the split layout's,
+        native_batched_split.py): the logits on rank 0."""
         native, comm = self.native, self.comm
-        rows, mine = split.total, split.counts[comm.rank]
+        rows, mine = split.total, my_tokens.size
+        buffers = self._buffers(rows, mine) if layout is None else layout.buffers(rows)
+        step = self._step_for(sequences, owners, positions, split, buffers)
+        self._embed(my_tokens, step.buffers["h"])
+        added = None
+        for index, layer_kv in enumerate(self.prefix.layers):
+            if on_layer is not None:
+                on_layer(index)
+            if layout is None:
+                added = self._layer(step, index, native.layer_refs[index], layer_kv, added)
+            else:
+                added = layout.layer(step, index, layer_kv, added)
+        if layout is not None:
+            comm.bytes_sent += len(native.layers) * layout.layer_bytes(rows)
+            return layout.head(step.buffers, rows, added)
+        comm.bytes_sent += len(native.layers) * self._layer_bytes(rows, mine)
+        return self._head(step.buffers, rows, mine, split, added)
+
+    def _layer_bytes(self, rows: int, mine: int) -> int:
+        """What a layer's collectives hand to other ranks (Comm's counting)."""
+        return (self.comm.size - 1) * (mine * self.width + rows * self.partial) * 4
+
+    def _step_for(self, sequences, owners, positions, split: RowSplit, buffers: dict
+                  ) -> "_Step":
+        """What every layer of the step reads, the new entries' tail rows reserved."""
         stores = self._store_rows(sequences, owners)
         tail_lengths = np.array([self.tails.lengths[s.slot] for s in sequences], np.int32)
         prefix_firsts, tail_firsts = self._firsts(sequences, positions)
-        step = _Step(split, comm.rank, self._buffers(rows, mine), self._scratch_for(rows),
+        return _Step(split, self.comm.rank, buffers, self._scratch_for(split.total),
                      self._rotations(positions), stores,
                      np.array([s.slot for s in sequences], np.int32), tail_lengths,
                      prefix_firsts, tail_firsts)
-        self._embed(my_tokens, step.buffers["h"])
-        added = None
-        for index, (layer, layer_kv) in enumerate(zip(native.layer_refs, self.prefix.layers)):
-            if on_layer is not None:
-                on_layer(index)
-            added = self._layer(step, index, layer, layer_kv, added)
-        comm.bytes_sent += len(native.layers) * (comm.size - 1) * (
-            mine * self.width + rows * self.partial) * 4
-        return self._head(step.buffers, rows, mine, split, added)
 
     def _layer(self, step: "_Step", index: int, layer, layer_kv, added):
         """One layer of the step (see the module doc); the address of its MLP's output."""
@@ -226,20 +261,7 @@ class NativeBatchedDecoder(PrefixBatch):
             comm.mpi.Allgatherv(b["qkv_local"], [b["qkv"], (counts, offsets(counts))])
         else:
             b["qkv"] = b["qkv_local"]
-        window = native.windows[index]
-        firsts = None
-        if window is not None:  # the layer's first kept key: what it dropped is not there
-            firsts = np.maximum(step.prefix_firsts[window] - layer_kv.dropped, 0).astype(
-                np.int32)
-        attention = BatchAttention(
-            rows, ctypes.cast(step.rotations[index], ctypes.c_void_p), step.stores.ctypes.data,
-            step.slots.ctypes.data, None if firsts is None else firsts.ctypes.data,
-            layer_kv.offset, self.tails.keys[index].ctypes.data,
-            self.tails.values[index].ctypes.data, self.tails.positions.shape[1],
-            step.tail_firsts.get(window, step.no_tail_firsts).ctypes.data,
-            step.tail_lengths.ctypes.data)
-        lib.spmd_cp_batch_attend(layer, ctypes.byref(attention), b["qkv"].ctypes.data,
-                                 step.scratch, b["partials"].ctypes.data)
+        self._attend(step, index, layer, layer_kv)
         parts, source = 1, b["partials"][step.first_row:]
         if comm.size > 1:  # every rank's partials of every row; this rank merges its own
             comm.mpi.Allgather(b["partials"], b["gathered"])
@@ -252,6 +274,25 @@ class NativeBatchedDecoder(PrefixBatch):
         lib.spmd_cp_batch_mlp(layer, mine, b["h"].ctypes.data, b["o_part"].ctypes.data,
                               b["mlp_scratch"].ctypes.data, b["mlp_part"].ctypes.data)
         return b["mlp_part"].ctypes.data
+
+    def _attend(self, step: "_Step", index: int, layer, layer_kv):
+        """Every row's query over this rank's share of the prefix and its own tail: the
+        partials (rows x heads x (d + 2)) into the step's buffer."""
+        window, b = self.native.windows[index], step.buffers
+        firsts = None
+        if window is not None:  # the layer's first kept key: what it dropped is not there
+            firsts = np.maximum(step.prefix_firsts[window] - layer_kv.dropped, 0).astype(
+                np.int32)
+        attention = BatchAttention(
+            step.split.total, ctypes.cast(step.rotations[index], ctypes.c_void_p),
+            step.stores.ctypes.data, step.slots.ctypes.data,
+            None if firsts is None else firsts.ctypes.data,
+            layer_kv.offset, self.tails.keys[index].ctypes.data,
+            self.tails.values[index].ctypes.data, self.tails.positions.shape[1],
+            step.tail_firsts.get(window, step.no_tail_firsts).ctypes.data,
+            step.tail_lengths.ctypes.data)
+        self.library.spmd_cp_batch_attend(layer, ctypes.byref(attention), b["qkv"].ctypes.data,
+                                          step.scratch, b["partials"].ctypes.data)
 
     def _embed(self, tokens: np.ndarray, h: np.ndarray):
         native = self.native
@@ -278,7 +319,13 @@ class NativeBatchedDecoder(PrefixBatch):
             comm.bytes_sent += (comm.size - 1) * local.nbytes
         else:
             normed[...] = local
-        logits = b["logits"]
+        return self._vocab_logits(b, rows)
+
+    def _vocab_logits(self, b: dict, rows: int):
+        """Every row (normed: b["normed"]) times this rank's rows of the vocabulary,
+        gathered: the logits (rows, V) on rank 0, None elsewhere."""
+        native, lib, comm = self.native, self.library, self.comm
+        normed, logits = b["normed"][:rows], b["logits"]
         lib.spmd_cp_batch_product(ctypes.byref(native.head), rows, normed.ctypes.data,
                                   logits.ctypes.data, native.head.rows)
         if comm.size == 1:

@@ -214,7 +214,8 @@ static void batch_tails(const layer *l, const batch_attention *a, const float *q
  * spmd_cp_batch_scratch(...) floats. */
 void spmd_cp_batch_attend(const layer *l, const batch_attention *a, float *qkv, float *scratch,
                           float *out) {
-  int d = l->head_dim, heads = l->heads, kv = l->kv_heads, width = qkv_width(l);
+  /* A row's full q/k/v (a split layer's pieces hold only this rank's columns). */
+  int d = l->head_dim, heads = l->heads, kv = l->kv_heads, width = (heads + 2 * kv) * d;
   int part_width = d + PARTIAL_EXTRA, threads = pool.threads;
   size_t block = (size_t)a->rows * heads * part_width;
   float *partials = scratch, *rotated = partials + (threads + 1) * block;
