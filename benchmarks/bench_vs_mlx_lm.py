@@ -27,7 +27,7 @@ same spmd-cp command on 2 simulated hosts (``launch/netns-cluster up 2 --rate R`
 this machine's 2 cores, links capped at R) through ``launch/spmd-cp-run --netns-cluster
 --threads 1``, so the ranks talk TCP instead of shared memory.
 
-Then the memory forecast (spmd_cp.engine.forecast.forecast_rank_bytes, the check behind
+Then the memory forecast (spmd_cp.engine.cache.forecast.forecast_rank_bytes, the check behind
 --memory-limit): the longest context that fits --budget per rank for N = 1, 2, 4, 8, with
 the whole prompt in one prefill call and with --prefill-chunk 1024; and an empirical check
 of the N = 1 point: spmd-cp run with --memory-limit just under and just over it.
@@ -166,7 +166,7 @@ def common_prefix(a: str, b: str) -> int:
 
 
 def longest_fitting(shape, weights, n, chunk, budget, algo="pass-kv") -> int:
-    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.engine.cache.forecast import forecast_rank_bytes
 
     lo, hi = 0, 10**8
     while lo < hi:
@@ -179,12 +179,12 @@ def longest_fitting(shape, weights, n, chunk, budget, algo="pass-kv") -> int:
 
 
 def memory_section(args, shape, weights, prompts_dir: Path) -> tuple[str, dict]:
-    from spmd_cp.engine.forecast import SAFETY, forecast_rank_bytes, parse_bytes
+    from spmd_cp.engine.cache.forecast import SAFETY, forecast_rank_bytes, parse_bytes
 
     budget = parse_bytes(args.budget)
     out = [f"\n### Longest context within {args.budget} per rank (memory forecast)\n",
-           "spmd_cp.engine.forecast.forecast_rank_bytes (weights + KV shard + activations of one "
-           f"prefill call, x{SAFETY} safety on activations), pass-kv, float32. The model itself "
+           "spmd_cp.engine.cache.forecast.forecast_rank_bytes (weights + KV shard + activations "
+           f"of one prefill call, x{SAFETY} safety on activations), pass-kv, float32. The model itself "
            "is trained for 8192 positions; longer contexts are arithmetic here.\n"]
     rows, data = [], {}
     for n in args.forecast_ranks:

@@ -56,7 +56,7 @@ def synthetic_cache(comm, model, context: int):
     import mlx.core as mx
 
     from spmd_cp.attention.partition import head_tail_positions
-    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.cache.cache import ShardedKVCache
 
     positions = head_tail_positions(context, comm.size)
     attn = model.layers[0].self_attn

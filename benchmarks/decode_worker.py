@@ -54,7 +54,7 @@ def synthetic_cache(bench: benchlib.Worker, context: int):
     import mlx.core as mx
 
     from spmd_cp.attention.partition import head_tail_positions
-    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.cache.cache import ShardedKVCache
 
     comm, model = bench.comm, bench.model
     rank_positions = head_tail_positions(context, comm.size)

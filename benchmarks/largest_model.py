@@ -3,7 +3,7 @@
     python benchmarks/largest_model.py                      # 16 and 64 GiB, 32K tokens
     python benchmarks/largest_model.py --budget-gib 24 --context 131072
 
-Computed with the forecast `--memory-limit` checks (spmd_cp.engine.forecast): weights
+Computed with the forecast `--memory-limit` checks (spmd_cp.engine.cache.forecast): weights
 per rank (replicated, or with layer sharding the busiest rank's layers i mod N, its 1/N
 of the vocabulary and a window of PREFETCH_LAYERS + 1 layers: the same
 WeightLayout.per_rank the CLI uses, built here from published shapes instead of file
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spmd_cp.engine.forecast import forecast_rank_bytes  # noqa: E402
-from spmd_cp.engine.weights import PREFETCH_LAYERS  # noqa: E402
+from spmd_cp.engine.cache.forecast import forecast_rank_bytes  # noqa: E402
+from spmd_cp.engine.weights.weights import PREFETCH_LAYERS  # noqa: E402
 from spmd_cp.models.partial_load import WeightLayout  # noqa: E402
 from spmd_cp.models.shape import ModelShape  # noqa: E402
 

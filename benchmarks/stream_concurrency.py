@@ -23,7 +23,7 @@ ensure_fast_blas()  # before MLX and MPI load, as the CLI does
 import mlx.core as mx  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from spmd_cp.engine.weight_slices import times_transposed  # noqa: E402
+from spmd_cp.engine.weights.weight_slices import times_transposed  # noqa: E402
 
 MATRICES, ROWS, COLS, ROUNDS = 76, 1536, 576, 20
 

@@ -151,7 +151,7 @@ class DecodeConfig(_Settings):
 
     kv_interleave: int = 1
     decode_merge: str = "allgather"
-    # auto: split when the cached calibration says it pays (engine/decode_choice.py).
+    # auto: split when the cached calibration says it pays (engine/decode/decode_choice.py).
     decode_tp: str = "auto"
     # auto: the decode step's collectives run inside MLX's graph (runtime/graph_comm.py)
     # where every rank can open MLX's MPI or ring backend, else through mpi4py.

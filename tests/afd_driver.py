@@ -9,7 +9,7 @@ cache) and the greedy continuation; per model, every rank's weight bytes and the
 memory it held while loading (and the whole model's bytes, its experts' and its largest
 layer's), and per algorithm the KV bytes and the AFD summary (bytes crossed,
 waits). The load and the engine are the CLI's own
-(engine/afd_load.py, engine/afd_engine.py).
+(engine/afd/afd_load.py, engine/afd/afd_engine.py).
 """
 
 import json
@@ -22,12 +22,12 @@ if __name__ == "__main__":
 
 from spmd_cp.run.metrics import model_nbytes, rank_metrics  # noqa: E402
 from spmd_cp.config import DecodeConfig, RunConfig  # noqa: E402
-from spmd_cp.engine.afd_attention import is_mixture  # noqa: E402
-from spmd_cp.engine.afd_engine import open_afd_engine  # noqa: E402
-from spmd_cp.engine.expert_slices import expert_bytes  # noqa: E402
+from spmd_cp.engine.afd.afd_attention import is_mixture  # noqa: E402
+from spmd_cp.engine.afd.afd_engine import open_afd_engine  # noqa: E402
+from spmd_cp.engine.weights.expert_slices import expert_bytes  # noqa: E402
 from spmd_cp.engine.layer_parts import feed_forward  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402
-from spmd_cp.engine.afd_load import load_afd_share  # noqa: E402
+from spmd_cp.engine.afd.afd_load import load_afd_share  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402
 from spmd_cp.runtime.afd import AfdRoles  # noqa: E402
 from spmd_cp.runtime.device import Compute  # noqa: E402

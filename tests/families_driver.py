@@ -27,7 +27,7 @@ from spmd_cp.config import DecodeConfig  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402
 from spmd_cp.engine.model import CPModel  # noqa: E402
-from spmd_cp.engine.prompt_cache import load_cache, read_meta, save_cache  # noqa: E402
+from spmd_cp.engine.cache.prompt_cache import load_cache, read_meta, save_cache  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402
 
 ALGOS = ["allgather-kv", "pass-kv", "pass-q", "auto"]
@@ -82,7 +82,7 @@ def run_split_decode(comm, model) -> dict:
 
 def run_sharded(comm, path: str) -> dict:
     """The split decode step over layer-sharded weights (models/partial_load.py)."""
-    from spmd_cp.engine.sharded_model import build_cp_model
+    from spmd_cp.engine.weights.sharded_model import build_cp_model
     from spmd_cp.models.partial_load import load_rank_share
 
     share = load_rank_share(path, comm.rank, comm.size)

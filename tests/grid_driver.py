@@ -22,8 +22,8 @@ from spmd_cp.run.metrics import model_nbytes  # noqa: E402
 from spmd_cp.config import DecodeConfig  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402
-from spmd_cp.engine.sharded_model import build_cp_model  # noqa: E402
-from spmd_cp.engine.tensor_load import load_tensor_share  # noqa: E402
+from spmd_cp.engine.weights.sharded_model import build_cp_model  # noqa: E402
+from spmd_cp.engine.weights.tensor_load import load_tensor_share  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402
 from spmd_cp.runtime.grid import Grid  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Real ranks divide an LM head by vocabulary rows (engine/graph_step.py DividedHead).
+"""Real ranks divide an LM head by vocabulary rows (engine/decode/graph_step.py DividedHead).
 
     mpiexec -n N python tests/head_driver.py OUT_JSON
 
@@ -20,7 +20,7 @@ import numpy as np
 def main():
     from mpi4py import MPI
 
-    from spmd_cp.engine.graph_step import DividedHead
+    from spmd_cp.engine.decode.graph_step import DividedHead
     from spmd_cp.runtime.comm import Comm
 
     comm = Comm(MPI.COMM_WORLD)

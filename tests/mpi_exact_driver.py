@@ -24,7 +24,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from spmd_cp.config import DecodeConfig  # noqa: E402
-from spmd_cp.engine.cache import NO_REWIND  # noqa: E402
+from spmd_cp.engine.cache.cache import NO_REWIND  # noqa: E402
 from spmd_cp.engine.engine import Engine  # noqa: E402
 from spmd_cp.engine.generation import decode_tokens  # noqa: E402
 from spmd_cp.models.loader import load_model  # noqa: E402

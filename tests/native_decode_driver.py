@@ -1,4 +1,4 @@
-"""Native decode steps (engine/native_decode.py) against mlx-lm's own forward pass.
+"""Native decode steps (engine/decode/native_decode.py) against mlx-lm's own forward pass.
 
     mpiexec -n N python tests/native_decode_driver.py OUT_JSON [--graph] MODEL [MODEL ...]
 

@@ -138,7 +138,7 @@ def test_a_quantized_mixture_keeps_its_quantized_experts_apart(afd_models, tmp_p
 def test_a_mixture_of_fewer_experts_than_ffn_ranks_is_refused(afd_models):
     """Each FFN rank holds whole experts: 8 experts over 9 FFN ranks is refused in one line
     naming the layer and the counts, as the load begins."""
-    from spmd_cp.engine.afd_load import load_afd_share
+    from spmd_cp.engine.afd.afd_load import load_afd_share
     from spmd_cp.errors import UserError
 
     with pytest.raises(UserError, match="--afd 1:9: layer 0: 8 experts cannot be divided "

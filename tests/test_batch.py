@@ -327,7 +327,7 @@ def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, wo
                           "2", "--json"], timeout=150)
     assert "--kv-dtype auto: float16 (decode steps run natively)" in summary.stderr
     summary = summary.last_json()
-    assert summary["batched_step"] == "native"  # engine/native_batched.py
+    assert summary["batched_step"] == "native"  # engine/decode/native_batched.py
     by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     alone = killed_then_resumed[3]
     for job_id in ("d1", "d2", "d3"):

@@ -1,5 +1,5 @@
 """Batched decode's pure parts against numpy: the attention of B queries over a shared
-prefix and each one's own tail (engine/batched_decode.py), and the rows dealt to ranks.
+prefix and each one's own tail (engine/decode/batched_decode.py), and the rows dealt to ranks.
 The whole step over real ranks is tested end to end in tests/test_batch.py (answers
 equal to one job at a time)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spmd_cp.attention import merge_partials
-from spmd_cp.engine.batched_decode import RowSplit, prefix_attention, tail_attention
+from spmd_cp.engine.decode.batched_decode import RowSplit, prefix_attention, tail_attention
 
 NH, NKV, D = 6, 2, 16
 

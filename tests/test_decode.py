@@ -107,7 +107,7 @@ def test_positions_and_token_ids_grow_in_place_as_plain_concatenation_would():
     """The cache's per-rank positions and token ids (buffers that double as they fill)
     through prefill-like and decode-like appends, truncation and rollback: equal to
     numpy concatenation and filtering of the same records, step by step."""
-    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.cache.cache import ShardedKVCache
 
     cache = ShardedKVCache(num_layers=1, cp_rank=1, cp_size=3)
     want_positions = [np.zeros(0, np.int64) for _ in range(3)]
@@ -156,10 +156,10 @@ def test_positions_and_token_ids_grow_in_place_as_plain_concatenation_would():
 def test_cache_room_is_what_its_buffers_take_within_a_growth_step():
     """What the server's memory forecast counts for a resident cache: its room, which the
     buffers' own sizes give, at most a growth step beyond the most it held since it
-    last grew, and kept when the cache is cut back (engine/cache.py)."""
+    last grew, and kept when the cache is cut back (engine/cache/cache.py)."""
     import mlx.core as mx
 
-    from spmd_cp.engine.cache import LayerKV, ShardedKVCache
+    from spmd_cp.engine.cache.cache import LayerKV, ShardedKVCache
 
     cache = ShardedKVCache(num_layers=2, cp_rank=0, cp_size=1)
     most = 0
@@ -186,9 +186,9 @@ def test_a_window_layer_drops_the_keys_no_later_query_sees():
     at 30 sees 23..30), each still the key of its position, the global layer all of
     them; every rank's held positions follow from the floor alone. A truncation that
     would need a dropped key is refused; one to the promised 30 keeps positions 23..29,
-    and an empty cache forgets the floor (engine/cache.py)."""
+    and an empty cache forgets the floor (engine/cache/cache.py)."""
     from spmd_cp.attention.partition import head_tail_positions
-    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.cache.cache import ShardedKVCache
 
     ranks = head_tail_positions(40, 2)
     cache = ShardedKVCache(num_layers=2, cp_rank=1, cp_size=2)
@@ -221,7 +221,7 @@ def test_a_cache_filled_in_one_step_holds_contiguous_rows():
     from a transposed view (as a projection's heads are): the buffers hold the values
     as contiguous rows, as the native decode step writes into them in place (an update
     of the whole buffer once came back as the transposed view itself)."""
-    from spmd_cp.engine.cache import LayerKV
+    from spmd_cp.engine.cache.cache import LayerKV
 
     rng = np.random.default_rng(3)
     for n in (LayerKV.step, 2 * LayerKV.step, LayerKV.step - 1):
@@ -245,7 +245,7 @@ def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
 
     from spmd_cp.config import DecodeConfig
     from spmd_cp.runtime.comm import Comm
-    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.cache.cache import ShardedKVCache
     from spmd_cp.engine.engine import Engine
     from spmd_cp.engine.model import CPModel
     from spmd_cp.models.loader import load_model

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import run_cli
 from spmd_cp.attention.calibrate import DECODE_SAMPLES, low_quantile
-from spmd_cp.engine.decode_choice import (PackedReads, estimate_split, split_copy_bytes,
+from spmd_cp.engine.decode.decode_choice import (PackedReads, estimate_split, split_copy_bytes,
                                           split_matrix_bytes)
-from spmd_cp.engine.decode_plan import SPLIT_MARGIN
+from spmd_cp.engine.decode.decode_plan import SPLIT_MARGIN
 from spmd_cp.models.loader import load_model
 
 SMOLLM2_MATRICES = 538_060_032  # bytes; SmolLM2-135M in float32 (docs/BENCHMARKS.md)

@@ -170,7 +170,7 @@ def test_doctor_two_ranks_agree_and_write_the_calibration(embedded_model, cache)
     assert len(packed) == 2 and packed[0] == packed[1], packed
     assert packed[0].startswith(("on (", "not available (")), packed
     assert f"quantized decode {packed[0]}" in launch.stdout
-    # Whether decode steps run natively (engine/native_decode.py): every rank alike.
+    # Whether decode steps run natively (engine/decode/native_decode.py): every rank alike.
     native = summary["native_decode"]
     assert len(native) == 2 and native[0] == native[1], native
     assert native[0].startswith(("on (", "not available (")), native

@@ -152,7 +152,7 @@ def test_split_step_names_experts_it_cannot_cut(family_models):
     import mlx.nn as nn
 
     from spmd_cp.engine.model import CPModel
-    from spmd_cp.engine.tp_decode import slicing_obstacle
+    from spmd_cp.engine.decode.tp_decode import slicing_obstacle
     from spmd_cp.models.loader import load_model
 
     loaded = load_model(family_models["mixtral"], keep_quantized=True)

@@ -143,7 +143,7 @@ def test_memory_forecast_counts_the_process_outside_mlx(embedded_model):
     """The forecast is of resident memory: what the rank process holds besides MLX's
     arrays (measured in this process: interpreter, libraries) adds to the total, and a
     limit the arrays alone would meet is refused with the part named."""
-    from spmd_cp.engine.forecast import check_fits, forecast_rank_bytes
+    from spmd_cp.engine.cache.forecast import check_fits, forecast_rank_bytes
     from spmd_cp.engine.model import kv_model_shape
     from spmd_cp.errors import UserError
     from spmd_cp.models.loader import load_model

@@ -269,7 +269,7 @@ def test_shape_of_a_nested_text_config_and_its_forecast(tiny_gemma3_models):
     answer's tokens, counted per layer."""
     import dataclasses
 
-    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.engine.cache.forecast import forecast_rank_bytes
     from spmd_cp.models.loader import load_model
 
     text, nested = (load_model(tiny_gemma3_models[k]).shape for k in ("gemma3_text", "gemma3"))

@@ -216,7 +216,7 @@ def run_sharded_score(model: str, document: Path, tmp_path: Path):
 def test_kv_dtype_and_forecast_follow_the_path(half_models):
     import mlx.core as mx
 
-    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.engine.cache.forecast import forecast_rank_bytes
     from spmd_cp.engine.model import kv_dtype_for, kv_model_shape
     from spmd_cp.models.loader import load_model
     from spmd_cp.runtime.device import Compute

@@ -389,7 +389,7 @@ def test_a_cache_whose_meta_json_is_not_what_save_cache_writes_is_refused(tmp_pa
                                                                          expected):
     """read_meta (rank 0, before the model loads): one line naming the field; the same
     cache with the values save_cache writes is read as written."""
-    from spmd_cp.engine.prompt_cache import read_meta
+    from spmd_cp.engine.cache.prompt_cache import read_meta
     from spmd_cp.errors import UserError
 
     shards = [tiny_shard([0]), tiny_shard([1])]
@@ -410,7 +410,7 @@ def test_a_cache_whose_meta_json_is_not_what_save_cache_writes_is_refused(tmp_pa
 
 
 def test_a_meta_json_nested_deeply_is_corrupt_not_a_recursion_error(tmp_path):
-    from spmd_cp.engine.prompt_cache import read_meta
+    from spmd_cp.engine.cache.prompt_cache import read_meta
     from spmd_cp.errors import UserError
 
     (tmp_path / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
@@ -436,7 +436,7 @@ def test_a_shard_that_is_not_what_save_cache_writes_is_refused(tmp_path, case, e
     import numpy as np
     from mpi4py import MPI
 
-    from spmd_cp.engine.prompt_cache import load_cache, read_meta
+    from spmd_cp.engine.cache.prompt_cache import load_cache, read_meta
     from spmd_cp.errors import UserError
     from spmd_cp.runtime.comm import Comm
 

@@ -1,4 +1,4 @@
-"""Decode steps outside MLX's graph (engine/native_decode.py, kernels/decode_step.c).
+"""Decode steps outside MLX's graph (engine/decode/native_decode.py, kernels/decode_step.c).
 
 The C calls against float64 numpy on one random layer; whole steps on real ranks against
 mlx-lm's unmodified forward pass over the whole sequence; and MLX's own step, which the
@@ -150,7 +150,7 @@ BATCH_DOCUMENT = " ".join(f"Item {i} is kept in box {i * 7 % 13}." for i in rang
 def test_batched_native_steps_equal_one_sequence_at_a_time(n, decode_tp, tiny_variant_models,
                                                            tmp_path):
     """``batch --max-batch 3`` through the native step's batched form
-    (engine/native_batched.py) on Qwen2 (q/k/v biases, an untied head): four jobs after
+    (engine/decode/native_batched.py) on Qwen2 (q/k/v biases, an untied head): four jobs after
     one document, the second shorter so that the fourth joins as it leaves, the batch
     then shrinking to two and one; each job's greedy
     tokens equal those of one job after another (``--max-batch 1``, one sequence's
@@ -194,7 +194,7 @@ def test_what_keeps_mlx_step_is_named(tiny_models):
 
     from spmd_cp.config import DecodeConfig
     from spmd_cp.engine.model import CPModel
-    from spmd_cp.engine.native_eligibility import native_obstacle, upfront_obstacle
+    from spmd_cp.engine.decode.native_eligibility import native_obstacle, upfront_obstacle
     from spmd_cp.models.loader import load_model
     from spmd_cp.runtime.device import Compute
 
@@ -226,7 +226,7 @@ def test_half_precision_cache_saves_its_dtype_and_loads_converted():
     import mlx.core as mx
     import numpy as np
 
-    from spmd_cp.engine.cache import ShardedKVCache
+    from spmd_cp.engine.cache.cache import ShardedKVCache
 
     rng = np.random.default_rng(3)
     cache = ShardedKVCache(2, 0, 1, mx.float16)
@@ -247,7 +247,7 @@ def test_half_precision_cache_saves_its_dtype_and_loads_converted():
 
 def test_forecast_counts_the_cache_at_its_element_size():
     """--kv-dtype float16 halves the forecast's KV bytes; activations stay float32's."""
-    from spmd_cp.engine.forecast import forecast_rank_bytes
+    from spmd_cp.engine.cache.forecast import forecast_rank_bytes
     from spmd_cp.models.shape import ModelShape
 
     shape = ModelShape(30, 576, 1536, 9, 3, 64, 49152)

@@ -1,4 +1,4 @@
-"""One-token forms of the CPU path (engine/one_token.py, the compiled decode merge): the
+"""One-token forms of the CPU path (engine/decode/one_token.py, the compiled decode merge): the
 same bits as the modules and functions they stand in for, which are mlx-lm's and MLX's
 own (and a numpy merge for the merge)."""
 
@@ -14,8 +14,8 @@ from spmd_cp.attention.block import (block_attention, decode_partial_packed, mer
                                      pack_partial)
 from spmd_cp.attention.gather import _merge_float32, _merge_sums
 from spmd_cp.engine.model import _one_token_heads, heads_to_rows
-from spmd_cp.engine.one_token import EXACT_AS_MATRIX, RopeMatrices, rms_norm, rotation_matrix
-from spmd_cp.engine.weight_slices import WeightMatrix, times_transposed
+from spmd_cp.engine.decode.one_token import EXACT_AS_MATRIX, RopeMatrices, rms_norm, rotation_matrix
+from spmd_cp.engine.weights.weight_slices import WeightMatrix, times_transposed
 
 ROPES = {
     "plain": dict(dims=64, base=100000.0, traditional=False, scaling_config=None),

@@ -25,7 +25,7 @@ import pytest
 
 from spmd_cp.config import SamplingConfig
 from spmd_cp.server.openai_api import ApiError, parse_json, parse_request
-from spmd_cp.engine.cache import LayerKV
+from spmd_cp.engine.cache.cache import LayerKV
 from spmd_cp.server.resident import Plan, ResidentCaches
 
 from conftest import MPIEXEC, RANK_ENV, SPMD_CP, run_cli

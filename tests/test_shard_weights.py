@@ -103,7 +103,7 @@ def wide_model(tmp_path_factory):
 
 
 def test_memory_limit_shards_automatically_and_bounds_model_bytes(wide_model, text_file):
-    from spmd_cp.engine.weights import PREFETCH_LAYERS
+    from spmd_cp.engine.weights.weights import PREFETCH_LAYERS
 
     model = wide_model
     layer, replicated = layer_and_total_bytes(model)
@@ -224,7 +224,7 @@ def test_replicated_decode_over_sharded_layers_holds_a_window_not_the_model(deep
     (with SmolLM2 in float32 at N = 2: MLX peak 471 vs 282 MiB). MLX's peak per rank
     stays within its own layers, the window, 1/N of the vocabulary and a few MB of
     activations; the tokens are the replicated run's."""
-    from spmd_cp.engine.weights import PREFETCH_LAYERS
+    from spmd_cp.engine.weights.weights import PREFETCH_LAYERS
 
     layer, replicated = layer_and_total_bytes(deep_model)
     expected = generate(2, deep_model, text_file, "--shard-weights", "off").last_json()

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_cli
 
-from spmd_cp.engine.weight_slices import WeightMatrix, apply_all, column_slice, split_ranges
+from spmd_cp.engine.weights.weight_slices import WeightMatrix, apply_all, column_slice, split_ranges
 
 
 def quantized(out_dims: int, in_dims: int, bits: int, group: int = 32, bias=False, seed=0,
@@ -117,7 +117,7 @@ def test_embedded_model_slicing_obstacles(embedded_model):
     ranks (W_o by rows: any row count); over 49 its down_proj's 48 groups of 32 inputs
     cannot be shared, and that is said."""
     from spmd_cp.engine.model import CPModel
-    from spmd_cp.engine.tp_decode import describe_weights, slicing_obstacle
+    from spmd_cp.engine.decode.tp_decode import describe_weights, slicing_obstacle
     from spmd_cp.models.loader import load_model
 
     model = CPModel(load_model(embedded_model, keep_quantized=True).model)
@@ -192,7 +192,7 @@ def test_a_small_models_q_k_v_rows_spanning_matrices_are_joined_into_one(embedde
     views. (That the memory forecast counts the copy: test_decode_choice.py's forecast
     against the ranks' model_bytes.)"""
     from spmd_cp.engine import tp_decode
-    from spmd_cp.engine.weight_slices import stack_rows
+    from spmd_cp.engine.weights.weight_slices import stack_rows
     from spmd_cp.models.loader import load_model
 
     layer = load_model(embedded_model).model.model.layers[0]

@@ -18,7 +18,7 @@ from conftest import assert_refused, run_cli, run_ranks, write_tiny_model
 from test_families import FAMILIES, reference
 
 from spmd_cp.cli.doctor_checks import grid_report, grid_warnings
-from spmd_cp.engine.tensor_groups import HeadShare, head_shares
+from spmd_cp.engine.weights.tensor_groups import HeadShare, head_shares
 
 TESTS = Path(__file__).parent
 DRIVER = [sys.executable, str(TESTS / "grid_driver.py")]

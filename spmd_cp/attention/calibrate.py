@@ -313,7 +313,7 @@ def sample_stream(comm: Comm, samples: int = DECODE_SAMPLES, nbytes=64 << 20) ->
 
 def measure_request_collective(comm: Comm, width=1024, repeats=20) -> float:
     """Seconds of one small Allreduce as the native decode step runs its collectives
-    (engine/native_decode.py): a persistent MPI request on host buffers, started and
+    (engine/decode/native_decode.py): a persistent MPI request on host buffers, started and
     waited, or the blocking call where the library has no persistent collectives. No
     MLX array crosses to the host, so this is a bare MPI latency: over shared memory a
     few microseconds where ``measure_collective``'s round trip takes about 100. The best

@@ -32,7 +32,7 @@ def allgather_kv_attention(comm: Comm, rank_positions: list[np.ndarray],
 
     ``rank_positions``: every rank's cached positions (the cache's), which fix the order
     of the gathered keys; ``window_held``: per window, every rank's positions its layers
-    hold where they dropped the keys behind every window (engine/cache.py). ``fused``:
+    hold where they dropped the keys behind every window (engine/cache/cache.py). ``fused``:
     MLX's fused attention (None: the default runtime.device.Compute's choice).
     """
     all_pos = np.concatenate(rank_positions)
@@ -142,7 +142,7 @@ def _merge_float32(partials: mx.array, head_dim: int) -> mx.array:
     """The merged output (1, NH, 1, d) of float32 partials packed as (N, NH, 1, d + 1),
     compiled, with the lse kept as the packed column and no axis squeezed: on the CPU
     path the merge's graph nodes per layer fall from 25 to 9 with the caller's reshape
-    (engine/one_token.py says why that counts); the same arithmetic as
+    (engine/decode/one_token.py says why that counts); the same arithmetic as
     ``merge_stacked``, bit for bit (tests/test_one_token.py)."""
     return merge_stacked_columns(partials[..., :head_dim], partials[..., head_dim:])[0]
 

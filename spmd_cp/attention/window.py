@@ -84,7 +84,7 @@ def window_kv_attention(comm, cached_positions: list, query_positions: list,
     values, q_pos, k_pos, scale, window)``. ``cached_positions``: every rank's cache
     positions; ``query_positions``: every rank's new (query) positions of this call;
     ``held``: per window, every rank's positions its layers hold where they dropped the
-    keys behind every window (engine/cache.py)."""
+    keys behind every window (engine/cache/cache.py)."""
     plans: dict = {}  # window -> WindowPlan, made once per call
     ring_keys = ring_key_count(comm.rank, [p.size for p in cached_positions])
     held = held or {}

@@ -200,7 +200,7 @@ def validate(run: RunConfig, args: BatchConfig):
 def run_group(engine, cache, tokenizer, work, root, kv_peak: dict, max_batch: int):
     """Prefill the group's shared tokens once, then answer its jobs after them (all
     ranks): together, up to ``max_batch`` at a time, or one after another."""
-    from ..engine.cache import NO_REWIND
+    from ..engine.cache.cache import NO_REWIND
 
     cache.truncate(0)
     shared = work.shared

@@ -291,14 +291,14 @@ def attention_ranks(run, ranks: int) -> int:
 
 def decode_plan_report(comm, run) -> dict:
     """Collective: the decode plan `generate` makes on these ranks for ``run.model_path``
-    with the default decode flags (engine/decode_plan.py), whole, and the KV cache's
+    with the default decode flags (engine/decode/decode_plan.py), whole, and the KV cache's
     dtype it settles on: the model is loaded for it (each rank's slices with ``--tp``;
     None where ``--tp`` cannot form groups: a warning says why)."""
     from ..attention.calibrate import uncounted
     from ..config import DecodeConfig
-    from ..engine.tensor_load import load_tensor_share
+    from ..engine.weights.tensor_load import load_tensor_share
     from ..models.loader import load_model
-    from ..engine.afd_load import load_afd_share
+    from ..engine.afd.afd_load import load_afd_share
     from ..runtime.afd import AfdRoles, afd_obstacle
     from ..runtime.grid import grid_obstacle
     from ..run.builder import make_engine, settle_run
@@ -346,8 +346,8 @@ def describe_auto(model_path: str, cp_size: int, measured, warnings: list[str], 
 def describe_weights(model_path: str, cp_size: int, warnings: list[str]) -> dict | None:
     """The weight bytes one rank holds, replicated and with --shard-weights on these ranks
     (from the file headers; None, with a warning, where they cannot be read)."""
-    from ..engine.forecast import default_memory_limit
-    from ..engine.weights import PREFETCH_LAYERS
+    from ..engine.cache.forecast import default_memory_limit
+    from ..engine.weights.weights import PREFETCH_LAYERS
     from ..run.sharding import auto_shards, layout_of
 
     try:

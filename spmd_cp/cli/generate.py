@@ -42,9 +42,9 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
                      args: GenerateConfig):
     import mlx.core as mx
 
-    from ..engine.cache import NO_REWIND
+    from ..engine.cache.cache import NO_REWIND
     from ..engine.generation import generate as generate_tokens
-    from ..engine.prompt_cache import save_cache
+    from ..engine.cache.prompt_cache import save_cache
     from ..engine.startup import startup_fields, warm_up
     from ..run.builder import RunBuilder
     from ..runtime import spmd
@@ -90,7 +90,7 @@ def generate_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Dec
 def validate(run: RunConfig, sampling: SamplingConfig, args: GenerateConfig):
     """Rank 0, before anything heavy: the text arguments, the prompt, the cache to
     continue, the outputs."""
-    from ..engine.prompt_cache import META, read_meta
+    from ..engine.cache.prompt_cache import META, read_meta
     from ..text_input import check_text
     from .outputs import Output, check_outputs, claim_outputs
     from .steps import model_inputs, read_prompt, trace_output
@@ -130,7 +130,7 @@ def refuse_other_model(meta: dict, directory: str, checksum: str):
 
 def open_cache(comm, engine, loaded, args: GenerateConfig, meta: dict | None):
     """The sharded cache to prefill into, and the conversation it holds."""
-    from ..engine.prompt_cache import load_cache
+    from ..engine.cache.prompt_cache import load_cache
     from .steps import log, new_conversation
 
     if meta is None:
@@ -148,7 +148,7 @@ def tokenize_prompt(comm, loaded, run: RunConfig, sampling: SamplingConfig,
     memory forecast that let them run, and how many tokens may follow them in the
     model's context."""
     from ..config import sampling_problem
-    from ..engine.prompt_cache import common_prefix_length
+    from ..engine.cache.prompt_cache import common_prefix_length
     from ..errors import UserError
     from .steps import cap_to_context, check_memory, prompt_parts_for, tokenize_checked
 

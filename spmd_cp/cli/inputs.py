@@ -86,7 +86,7 @@ def input_bound(max_context: int | None, model_path: str | None,
 
 
 def context_bound(tokens: int | None, memory_limit: str | None = None) -> int:
-    from ..engine.forecast import default_memory_limit, parse_bytes
+    from ..engine.cache.forecast import default_memory_limit, parse_bytes
 
     memory = parse_bytes(memory_limit) if memory_limit else default_memory_limit()
     bound = (tokens or FALLBACK_CONTEXT_TOKENS) * INPUT_BYTES_PER_TOKEN

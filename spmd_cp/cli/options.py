@@ -41,7 +41,7 @@ MIN_MEMORY_LIMIT = 64 << 20
 
 def _memory_size(ctx, param, value):
     """--memory-limit: a size parse_bytes reads, at least MIN_MEMORY_LIMIT (kept as text)."""
-    from ..engine.forecast import describe_bytes, parse_bytes
+    from ..engine.cache.forecast import describe_bytes, parse_bytes
     from ..errors import UserError
 
     if value is None:

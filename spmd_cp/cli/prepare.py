@@ -114,9 +114,9 @@ class Preparer:
     def token_ids(self, job: Job, documents: dict):
         import numpy as np
 
-        from ..engine.forecast import check_fits
+        from ..engine.cache.forecast import check_fits
         from ..engine.model import kv_model_shape
-        from ..engine.tensor_groups import tensor_share
+        from ..engine.weights.tensor_groups import tensor_share
         from ..config import sampling_problem
         from ..engine.generation import token_sampler
         from ..runtime.resident import outside_mlx_bytes
@@ -172,7 +172,7 @@ class Preparer:
 
     def group(self, jobs: list[Job]) -> tuple[GroupWork, list[dict]]:
         """(work for every rank, error records) for one group of jobs."""
-        from ..engine.prompt_cache import common_prefix_length
+        from ..engine.cache.prompt_cache import common_prefix_length
 
         documents, ready, errors = {}, [], []
         for job in jobs:

@@ -31,7 +31,7 @@ def score_command(comm, run: RunConfig, args: ScoreConfig):
 
     import mlx.core as mx
 
-    from ..engine.cache import NO_REWIND
+    from ..engine.cache.cache import NO_REWIND
     from ..engine.startup import startup_fields, warm_up
     from ..run.builder import RunBuilder
     from ..runtime import spmd

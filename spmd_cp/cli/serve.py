@@ -127,7 +127,7 @@ def serve_command(comm, run: RunConfig, sampling: SamplingConfig, decode: Decode
 
 def read_preloads(args: ServeConfig) -> list[dict]:
     """Rank 0, before the model loads: the meta.json of every --preload-cache."""
-    from ..engine.prompt_cache import read_meta
+    from ..engine.cache.prompt_cache import read_meta
     from ..errors import UserError
 
     if len(args.preload) > args.cache_entries:

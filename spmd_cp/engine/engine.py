@@ -22,9 +22,9 @@ from ..runtime.comm import Comm
 from ..runtime.graph_comm import open_graph_collectives
 from ..runtime.grid import Grid
 from ..runtime.trace import span
-from .cache import ShardedKVCache
-from .decode_plan import DecodePlan, open_decode
-from .graph_step import GraphStep
+from .cache.cache import ShardedKVCache
+from .decode.decode_plan import DecodePlan, open_decode
+from .decode.graph_step import GraphStep
 from .model import CPModel
 from .score_records import ScoreRecords
 
@@ -233,8 +233,8 @@ class Engine:
         """Collective: the batched decode steps after ``cache``'s prefix: the native
         step's batched form where the decode plan runs the native step
         (native_batched.py), else MLX's (batched_decode.BatchedDecoder)."""
-        from .batched_decode import BatchedDecoder
-        from .native_batched import NativeBatchedDecoder
+        from .decode.batched_decode import BatchedDecoder
+        from .decode.native_batched import NativeBatchedDecoder
 
         if self.batched_native():
             return NativeBatchedDecoder(self, cache, prefix_tokens)

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..models import families
-from .weight_slices import WeightMatrix
+from .weights.weight_slices import WeightMatrix
 
 
 

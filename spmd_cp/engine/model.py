@@ -30,13 +30,13 @@ from mlx_lm.models.gemma3_text import clip_residual
 from ..attention.exp import swiglu
 from ..models.quantized_shadows import embedding_rows
 from ..models.shape import ModelShape
-from .cache import ShardedKVCache
+from .cache.cache import ShardedKVCache
 from .layer_form import embedding_scale, layer_forms
 from .layer_parts import LayerParts, head_counts, in_row_tiles, key_projection_name
 from ..runtime.device import Compute
 from ..runtime.trace import span
-from .one_token import RopeMatrices, lean_graph, rms_norm
-from .weight_slices import linear, times_transposed
+from .decode.one_token import RopeMatrices, lean_graph, rms_norm
+from .weights.weight_slices import linear, times_transposed
 
 # attend(q (NH, n, d), keys (NKV, S, d), values, q_pos (n,), k_pos (S,), scale, window)
 #   -> (NH, n, d)

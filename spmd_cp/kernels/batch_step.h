@@ -1,5 +1,5 @@
 /*
- * A batched decode step's work between its collectives (engine/native_batched.py):
+ * A batched decode step's work between its collectives (engine/decode/native_batched.py):
  * B sequences after one shared prefix, one token each. A rank runs its run of the B
  * rows through the layer's products (one cblas_sgemm of its rows a matrix: the
  * preloaded forward reads a packed weight once for all of them, gemv_forward.c's

@@ -1,5 +1,5 @@
 /*
- * A decode step's work between its collectives, on the CPU (engine/native_decode.py).
+ * A decode step's work between its collectives, on the CPU (engine/decode/native_decode.py).
  *
  * Through MLX a decode step of SmolLM2-135M is about 1,500 graph nodes, each built on
  * the Python thread and handed to MLX's compute thread with its buffers malloc'ed: at
@@ -56,12 +56,12 @@ typedef struct {
   int rows, cols, ld;
 } matrix;
 
-enum { MAX_PIECES = 3, MAX_GROUP = 64 }; /* engine/native_decode.py checks both */
+enum { MAX_PIECES = 3, MAX_GROUP = 64 }; /* engine/decode/native_decode.py checks both */
 /* A partial's head: d unnormalized values, then the probabilities' sum and the largest
  * unscaled score. */
 enum { PARTIAL_EXTRA = 2 };
 
-/* One rank's part of one layer, filled once by engine/native_decode.py (the cache's
+/* One rank's part of one layer, filled once by engine/decode/native_decode.py (the cache's
  * pointers again whenever it grows). */
 typedef struct {
   int dim, heads, kv_heads, head_dim;
@@ -85,7 +85,7 @@ typedef struct {
 } layer;
 
 /* What a batched step's attention reads besides the layer (batch_step.h;
- * engine/native_batched.py fills it). */
+ * engine/decode/native_batched.py fills it). */
 typedef struct {
   int rows;
   const float *const *rotations; /* per row its position's (d x d) RoPE matrix, or NULL */
@@ -344,7 +344,7 @@ void spmd_cp_decode_qkv(const layer *l, float *h, const float *added, float *nor
 }
 
 /* RoPE of `count` heads in place: x (count x d) times the (d x d) rotation, as MLX's
- * matmul does it (engine/one_token.py's matrix). */
+ * matmul does it (engine/decode/one_token.py's matrix). */
 static void rotate(float *x, int count, int d, const float *rotation, float *scratch) {
   sgemm(ROW_MAJOR, NO_TRANS, NO_TRANS, count, d, d, 1.0f, x, d, rotation, d, 0.0f, scratch,
         d);
@@ -613,5 +613,5 @@ void spmd_cp_decode_head(const matrix *head, int dim, float *h, const float *add
 /* Prefill attention's tiles, on the same pool and row kernels (attention/native_prefill.py). */
 #include "prefill_attention.h"
 
-/* Batched decode steps of several sequences (engine/native_batched.py). */
+/* Batched decode steps of several sequences (engine/decode/native_batched.py). */
 #include "batch_step.h"

@@ -1,7 +1,7 @@
 """The native decode step's C library (decode_step.c): built on first use, its structs.
 
-engine/native_decode.py fills one ``Layer`` per layer of a model and calls the library's
-four functions a layer between its collectives (engine/native_batched.py its batched
+engine/decode/native_decode.py fills one ``Layer`` per layer of a model and calls the library's
+four functions a layer between its collectives (engine/decode/native_batched.py its batched
 forms, batch_step.h) (on a pool of threads the library starts
 once, ``spmd_cp_decode_set_threads``); this module only builds and loads the library
 (runtime/native.py, like the sgemv forward), declares the functions' argument types, and
@@ -117,7 +117,7 @@ def library():
         "spmd_cp_decode_head": [pointer, integer, pointer, pointer, pointer, real, pointer,
                                 pointer],
     }
-    signatures.update({  # batch_step.h's (engine/native_batched.py)
+    signatures.update({  # batch_step.h's (engine/decode/native_batched.py)
         "spmd_cp_batch_qkv": [pointer, integer, pointer, pointer, pointer, pointer],
         "spmd_cp_batch_attend": [pointer] * 5,
         "spmd_cp_batch_merge": [integer, integer, integer, real, pointer, ctypes.c_long,

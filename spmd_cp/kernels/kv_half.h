@@ -19,7 +19,7 @@
 
 #include "cpu_features.h"
 
-/* How the cache's elements are stored (engine/native_decode.py passes the cache's). */
+/* How the cache's elements are stored (engine/decode/native_decode.py passes the cache's). */
 enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2 };
 /* The longest head (native_eligibility.py checks), and the floats of a tile of widened
  * rows (64 KB: in the second-level cache, and at least 64 rows of up to 256 values, the

@@ -3,7 +3,7 @@
 Layer i belongs to rank i mod N; the embedding and an untied LM head are split by
 vocabulary rows. A rank reads only those tensors' bytes (tensor_files.py) and builds
 mlx-lm's model as a skeleton whose other parameters are empty placeholders, so no rank
-ever holds, even transiently, more than its share. engine/weights.py broadcasts each
+ever holds, even transiently, more than its share. engine/weights/weights.py broadcasts each
 layer from its owner before it runs.
 
 Layers are kept "packed", as the file stores them (quantized triples stay quantized),
@@ -182,7 +182,7 @@ def _compute_dtype(dtype, form: ComputeForm):
 class Skeleton:
     """A model's files opened and mlx-lm's model built of empty placeholders: what a
     rank's share is then read into (``--shard-weights`` here, ``--tp``'s
-    engine/tensor_load.py)."""
+    engine/weights/tensor_load.py)."""
 
     path: Path
     files: object  # tensor_files.GGUFFile or the safetensors files

@@ -1,6 +1,6 @@
 """Read chosen tensors, or chosen rows of them, from model files without reading the rest.
 
-A rank of a sharded run (engine/weights.py) holds only its own layers and its slice of
+A rank of a sharded run (engine/weights/weights.py) holds only its own layers and its slice of
 the vocabulary, so it must never load the whole file, not even transiently: these
 readers find each tensor's byte range in the file's header and read only that range.
 

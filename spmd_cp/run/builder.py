@@ -4,7 +4,7 @@ settings decided once, the engine opened over them.
 generate, score, batch and serve build through ``RunBuilder`` in the same order: check
 the model on every rank (agreeing on errors, before anything heavy), load it, settle the
 auto settings (``--prefill-chunk``, ``--kv-dtype``: the decode plan's rule), open the
-engine, whose decode plan decides every decode mode (engine/decode_plan.py). doctor and
+engine, whose decode plan decides every decode mode (engine/decode/decode_plan.py). doctor and
 the benchmarks call the same steps. Rank 0's own validation (inputs, outputs, flags)
 stays with each front end (cli/, server/); this module imports neither.
 """
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from ..attention.exp import use_polynomial_exp
 from ..blas import describe_blas
 from ..config import DecodeConfig, RunConfig
-from ..engine.afd_engine import open_afd_engine
-from ..engine.afd_load import load_afd_share
-from ..engine.decode_plan import AUTO_KV_HALF, choose_kv_dtype
+from ..engine.afd.afd_engine import open_afd_engine
+from ..engine.afd.afd_load import load_afd_share
+from ..engine.decode.decode_plan import AUTO_KV_HALF, choose_kv_dtype
 from ..engine.engine import Engine
-from ..engine.native_eligibility import native_obstacle, upfront_obstacle
-from ..engine.sharded_model import build_cp_model
+from ..engine.decode.native_eligibility import native_obstacle, upfront_obstacle
+from ..engine.weights.sharded_model import build_cp_model
 from ..engine.startup import require_same_path
-from ..engine.tensor_load import load_tensor_share
+from ..engine.weights.tensor_load import load_tensor_share
 from ..errors import UserError
 from ..models import hub
 from ..models.checksum import model_checksum
@@ -142,7 +142,7 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str):
     decode = run.quantized_decode and not compute_of(run).gpu and run.tp == 1 \
         and run.afd is None
     start = time.perf_counter()
-    if run.afd is not None:  # each side reads its part (engine/afd_load.py)
+    if run.afd is not None:  # each side reads its part (engine/afd/afd_load.py)
         hint = keep_quantized_hint(run, path) if comm.rank == 0 else None
         if hint:
             log.info(hint)
@@ -180,7 +180,7 @@ def load_checked_model(comm: Comm, run: RunConfig, path: str):
 # tokens, docs/GPU.md); in mlx-lm's steps one rank runs mlx-lm's own shapes. Ranks of a
 # larger job hold a shard each (N = 2 measured 0.99-1.02x mlx-lm's peak) and a chunk would
 # send the cache around the ring again; the CPU path's tiled attention bounds its
-# activations as the forecast models them (engine/forecast.py): both take it whole.
+# activations as the forecast models them (engine/cache/forecast.py): both take it whole.
 GPU_PREFILL_STEP = 2048
 
 

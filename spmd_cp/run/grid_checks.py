@@ -1,6 +1,6 @@
 """``--tp T``'s and ``--afd A:F``'s checks before anything loads.
 
-Tensor-parallel groups (runtime/grid.py, engine/tensor_groups.py) cut every matrix into
+Tensor-parallel groups (runtime/grid.py, engine/weights/tensor_groups.py) cut every matrix into
 slices MLX computes with, so what relies on whole matrices on every rank does not combine
 with them, and is refused here in one line rather than after a long load:
 
@@ -10,7 +10,7 @@ with them, and is refused here in one line rather than after a long load:
   (``--decode-tp on``): a grid decodes in MLX's step over its own slices (the decode plan
   says why, decode_plan.py).
 
-``--afd`` (engine/afd_attention.py) moves every MLP off the attention ranks: the same
+``--afd`` (engine/afd/afd_attention.py) moves every MLP off the attention ranks: the same
 three, and ``--tp`` with it, are refused, each with its reason.
 """
 
@@ -68,7 +68,7 @@ def keep_quantized_hint(run: RunConfig, path: str) -> str | None:
     float32 form (the CPU default), or ``--afd``'s sides all of it between them, what
     ``--keep-quantized`` would hold instead (from the file's headers); None where it would
     not hold less."""
-    from ..run.sharding import layout_of
+    from .sharding import layout_of
 
     if (run.tp == 1 and run.afd is None) or run.keep_quantized:
         return None

@@ -1,12 +1,12 @@
-"""The memory forecast a command checks on rank 0 before any prefill (engine/forecast.py
+"""The memory forecast a command checks on rank 0 before any prefill (engine/cache/forecast.py
 models it): what the busiest rank will hold against ``--memory-limit``."""
 
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..engine.forecast import check_fits, default_memory_limit, parse_bytes
+from ..engine.cache.forecast import check_fits, default_memory_limit, parse_bytes
 from ..engine.model import kv_model_shape
-from ..engine.tensor_groups import tensor_share
+from ..engine.weights.tensor_groups import tensor_share
 from ..runtime.afd import AfdRoles
 from ..runtime.comm import Comm
 from ..runtime.device import Compute
@@ -35,7 +35,7 @@ def replicated_bytes(comm: Comm, loaded, run: RunConfig, split_decode: bool) -> 
     """The weights a rank holds (with --tp, its slices), and the split step's copies
     where it may run: counted once a model and layout (the weights do not change once
     loaded and settled), as serve forecasts every request."""
-    from ..engine.decode_choice import split_copy_bytes
+    from ..engine.decode.decode_choice import split_copy_bytes
     from ..models.quantized_shadows import SHADOWS
 
     split = split_decode and getattr(loaded, "share", None) is None and run.tp == 1 \

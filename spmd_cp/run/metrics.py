@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..engine.engine import Engine
-from ..engine.sharded_model import weight_bytes
+from ..engine.weights.sharded_model import weight_bytes
 from ..models.quantized_shadows import SHADOWS
 from ..runtime.afd import straggler_summary
 from ..runtime.comm import Comm

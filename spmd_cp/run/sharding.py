@@ -1,12 +1,12 @@
 """``--shard-weights on|off|auto``: whether each rank loads only its share of the layers
-(models/partial_load.py, engine/weights.py), and the weight bytes the forecast counts."""
+(models/partial_load.py, engine/weights/weights.py), and the weight bytes the forecast counts."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from ..engine.forecast import WeightPlan, default_memory_limit, parse_bytes
-from ..engine.weights import PREFETCH_LAYERS
+from ..engine.cache.forecast import WeightPlan, default_memory_limit, parse_bytes
+from ..engine.weights.weights import PREFETCH_LAYERS
 from ..config import RunConfig
 from ..models.partial_load import weight_layout
 from ..runtime.resident import outside_mlx_bytes

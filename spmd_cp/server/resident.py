@@ -8,7 +8,7 @@ broadcast with the request, and every rank applies it (``take``). Rank 0 reads t
 ids of the entries from its own copies: every rank's are the same.
 
 The memory forecast counts what the entries' buffers take, not the tokens they hold: a
-cache grows by whole steps (engine/cache.py, 256 tokens a layer) and keeps its room when
+cache grows by whole steps (engine/cache/cache.py, 256 tokens a layer) and keeps its room when
 cut back, so four short conversations held 1,024 tokens' room a rank where they held
 about 470 tokens (SmolLM2, N = 2). Each rank's room differs (its shards differ); rank 0
 keeps the most any rank reported for each entry after the last request (``rooms``).
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.cache import LayerKV
-from ..engine.prompt_cache import common_prefix_length
+from ..engine.cache.cache import LayerKV
+from ..engine.cache.prompt_cache import common_prefix_length
 from .openai_api import ApiError
 
 # A request continues an entry in place when at most this many of its tokens are dropped

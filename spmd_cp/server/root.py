@@ -147,7 +147,7 @@ class RootSide:
         most any rank holds), MLX's buffer cache at its bound included where bounded."""
         from ..run.memory import check_memory
         from ..run.prompts import cap_to_context, tokenize_checked
-        from ..engine.forecast import kv_tokens_per_rank
+        from ..engine.cache.forecast import kv_tokens_per_rank
         from ..runtime.resident import outside_mlx_bytes
         from .resident import held_room
 

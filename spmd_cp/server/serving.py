@@ -61,7 +61,7 @@ def gather_memory(comm, caches, slot_bytes: int = 0) -> list[dict] | None:
 
 def preload(comm, engine, loaded, args: ServeConfig, metas: list[dict]):
     """Every rank: the resident caches, with the --preload-cache conversations in."""
-    from ..engine.prompt_cache import load_cache
+    from ..engine.cache.prompt_cache import load_cache
 
     caches = ResidentCaches(engine, args.cache_entries)
     for directory, meta in zip(args.preload, metas):

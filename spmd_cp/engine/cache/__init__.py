@@ -1,0 +1,3 @@
+"""The KV cache: this rank's shard, prompt caches on disk, and the memory forecast checked
+before prefill.
+"""
