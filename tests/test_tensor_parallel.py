@@ -191,7 +191,7 @@ def test_a_small_models_q_k_v_rows_spanning_matrices_are_joined_into_one(embedde
     matrix (one matmul, like the first rank's); rows over JOIN_QKV_MAX_BYTES a layer stay
     views. (That the memory forecast counts the copy: test_decode_choice.py's forecast
     against the ranks' model_bytes.)"""
-    from spmd_cp.engine import tp_decode
+    from spmd_cp.engine.decode import tp_decode
     from spmd_cp.engine.weights.weight_slices import stack_rows
     from spmd_cp.models.loader import load_model
 

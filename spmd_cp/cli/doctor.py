@@ -89,7 +89,7 @@ def local_report(compute) -> dict:
     from mpi4py import MPI
 
     from ..blas import describe_blas, usable_cpus
-    from ..engine import native_eligibility
+    from ..engine.decode import native_eligibility
     from ..models import quantized_shadows
     from ..runtime.allocator import describe as allocator
     from ..runtime.device import BackendInfo

@@ -16,6 +16,11 @@ head and pool), a layer in four C calls and two collectives:
     head:   final RMSNorm of this rank's rows  -> Allgatherv; every row times this
             rank's rows of the vocabulary  -> Gatherv to rank 0
 
+That is the replicated layout: each rank reads every weight for its rows. Where the
+plan's step is split and dealing would give each rank fewer than SPLIT_BELOW_ROWS rows,
+a step runs in the split layout instead (native_batched_split.py: every rank all rows
+through its slices of the weights).
+
 Tails (each sequence's own tokens after the prefix that this rank holds) are float32
 numpy buffers here, each entry rounded as the prefix's cache would store it; the prefix
 stays the engine's cache (any KV dtype: a half-precision one read in float32). Greedy
