@@ -132,7 +132,8 @@ def local_report(compute) -> dict:
                    "host's cache (default: embedded SmolLM2-135M-Instruct).")
 @click.option("--recalibrate", is_flag=True,
               help="Measure link and compute again and replace the cached calibration.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary as the last stdout line.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON summary as the last stdout line.")
 @device_options
 @grid_option
 def doctor(**options):
