@@ -266,7 +266,7 @@ class NativeBatchedDecoder(PrefixBatch):
             comm.mpi.Allgatherv(b["qkv_local"], [b["qkv"], (counts, offsets(counts))])
         else:
             b["qkv"] = b["qkv_local"]
-        self._attend(step, index, layer, layer_kv)
+        self.attend(step, index, layer, layer_kv)
         parts, source = 1, b["partials"][step.first_row:]
         if comm.size > 1:  # every rank's partials of every row; this rank merges its own
             comm.mpi.Allgather(b["partials"], b["gathered"])
@@ -280,7 +280,7 @@ class NativeBatchedDecoder(PrefixBatch):
                               b["mlp_scratch"].ctypes.data, b["mlp_part"].ctypes.data)
         return b["mlp_part"].ctypes.data
 
-    def _attend(self, step: "_Step", index: int, layer, layer_kv):
+    def attend(self, step: "_Step", index: int, layer, layer_kv):
         """Every row's query over this rank's share of the prefix and its own tail: the
         partials (rows x heads x (d + 2)) into the step's buffer."""
         window, b = self.native.windows[index], step.buffers
@@ -324,9 +324,9 @@ class NativeBatchedDecoder(PrefixBatch):
             comm.bytes_sent += (comm.size - 1) * local.nbytes
         else:
             normed[...] = local
-        return self._vocab_logits(b, rows)
+        return self.vocab_logits(b, rows)
 
-    def _vocab_logits(self, b: dict, rows: int):
+    def vocab_logits(self, b: dict, rows: int):
         """Every row (normed: b["normed"]) times this rank's rows of the vocabulary,
         gathered: the logits (rows, V) on rank 0, None elsewhere."""
         native, lib, comm = self.native, self.library, self.comm

@@ -74,7 +74,7 @@ class SplitLayout:
         lib.spmd_cp_batch_qkv(layer, rows, b["h"].ctypes.data, added, b["normed"].ctypes.data,
                               b["qkv_local"].ctypes.data)
         self._gather_columns(b["qkv_local"], b["qkv_ranks"], b["qkv"], self.qkv_widths)
-        batch._attend(step, index, layer, layer_kv)
+        batch.attend(step, index, layer, layer_kv)
         comm.mpi.Allgather(b["partials"], b["gathered"])
         lib.spmd_cp_batch_merge(comm.size, rows * native.heads, native.head_dim, native.scale,
                                 b["gathered"].ctypes.data, rows * batch.partial,
@@ -116,4 +116,4 @@ class SplitLayout:
         self.batch.library.spmd_cp_batch_final_norm(
             rows, native.dim, b["h"].ctypes.data, added, native.norm.ctypes.data,
             native.norm_eps, b["normed"].ctypes.data)
-        return self.batch._vocab_logits(b, rows)
+        return self.batch.vocab_logits(b, rows)
