@@ -41,7 +41,7 @@ class LoadedModel:
     path: str
     checksum: str = ""  # sha256 of the model files (checksum.py)
     # The weight bytes the memory forecast counts, per (ranks, split decode): walking the
-    # parameters took 40-110 ms, and serve forecasts every request (run/memory.py).
+    # parameters took 37-82 ms at N = 2, and serve forecasts every request (run/memory.py).
     weight_bytes_by_layout: dict = field(default_factory=dict, init=False, repr=False,
                                          compare=False)
 

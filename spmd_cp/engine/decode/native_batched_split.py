@@ -22,6 +22,7 @@ normed after it), so each row follows one sequence's split step to float32 round
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
@@ -57,7 +58,7 @@ class SplitLayout:
                 "qkv": f32((rows, width)), "partials": f32((rows, batch.partial)),
                 "gathered": f32((size, rows, batch.partial)),
                 "attention": f32((rows, native.heads * native.head_dim)),
-                "o_local": f32((rows, dim)), "o_mine": f32((rows, self.my_o)),
+                "o_mine": f32((rows, self.my_o)),
                 "o_ranks": f32(rows * dim), "o_part": f32((rows, dim)),
                 "mlp_scratch": f32((rows, dim + 2 * self.hidden)),
                 "mlp_local": f32((rows, dim)), "mlp_part": f32((rows, dim)),
@@ -79,9 +80,11 @@ class SplitLayout:
         lib.spmd_cp_batch_merge(comm.size, rows * native.heads, native.head_dim, native.scale,
                                 b["gathered"].ctypes.data, rows * batch.partial,
                                 b["attention"].ctypes.data)
-        lib.spmd_cp_batch_output(layer, rows, b["attention"].ctypes.data,
-                                 b["o_local"].ctypes.data)  # its rows dim apart
-        np.copyto(b["o_mine"], b["o_local"][:, :self.my_o])
+        # this rank's columns of W_o, rows my_o apart (the layer's own product writes
+        # them dim apart)
+        lib.spmd_cp_batch_product(ctypes.byref(native.layers[index].o), rows,
+                                  b["attention"].ctypes.data, b["o_mine"].ctypes.data,
+                                  self.my_o)
         self._gather_columns(b["o_mine"], b["o_ranks"], b["o_part"], self.o_widths)
         lib.spmd_cp_batch_mlp(layer, rows, b["h"].ctypes.data, b["o_part"].ctypes.data,
                               b["mlp_scratch"].ctypes.data, b["mlp_local"].ctypes.data)
