@@ -254,6 +254,8 @@ def test_jobs_decoded_together_keep_the_sliding_windows(tiny_gemma3_models, tmp_
                               "float32", "--json"]).last_json()
         assert summary["batched_step"] == (None if batch == "1" else
                                            "mlx" if step == "graph" else "native")
+        # the native step takes the questions as rows; MLX's prefills them
+        assert summary["prompts_as_rows"] == (3 if (batch, step) == ("3", "native") else 0)
         answers[batch, step] = [json.loads(line)["token_ids"]
                                 for line in out.read_text().splitlines()]
     alone = answers["1", "native"]

@@ -175,6 +175,8 @@ def test_batched_native_steps_equal_one_sequence_at_a_time(n, decode_tp, tiny_va
             "--decode-tp", decode_tp, "--json"]).last_json()
         answers[batch] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert summaries["3"]["batched_step"] == "native" and summaries["1"]["batched_step"] is None
+    # the questions were fed as rows of the batched steps (scheduler.PROMPT_ROWS)
+    assert summaries["3"]["prompts_as_rows"] == len(questions)
     if n > 1:
         assert summaries["3"]["decode_plan"]["layout"] == \
             {"off": "replicated", "on": "split"}[decode_tp]

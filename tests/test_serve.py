@@ -235,9 +235,10 @@ def test_resident_caches_continue_fork_and_evict_least_recently_used():
 
 
 def test_resident_entries_held_by_a_joining_request_are_not_continued_or_evicted():
-    """serve --max-batch prefills a joining request into its entry a slice at a time:
-    meanwhile another request that begins alike neither continues that entry (it gets
-    its own), copies from it, nor evicts it; its room still counts against memory."""
+    """serve --max-batch prefills a joining request into its entry a slice at a time (or
+    feeds it as rows of the next step): meanwhile another request that begins alike
+    neither continues that entry nor evicts it, but copies the tokens it holds into an
+    entry of its own; the held entry's room still counts against memory."""
     caches = ResidentCaches(FakeEngine(), max_entries=2)
     fits = lambda kept, continued, reused: None  # noqa: E731
     a = filled(caches.take(caches.plan(np.arange(30), fits)), np.arange(30))
@@ -246,8 +247,8 @@ def test_resident_entries_held_by_a_joining_request_are_not_continued_or_evicted
     caches.held = {id(a)}
     asked = []
     plan = caches.plan(np.r_[np.arange(30), 50], lambda *room: asked.append(room))
-    assert plan == Plan(entry=None, fork=False, reused=0, evict=(1,))
-    assert asked == [(100, 0, 0)]  # a's room kept and counted, b's evicted
+    assert plan == Plan(entry=0, fork=True, reused=30, evict=(1,))
+    assert asked == [(100, 0, 30)]  # a's room kept and counted, b's evicted
     caches.held = set()
     assert caches.plan(np.r_[np.arange(30), 50], fits).entry == 0
     assert b in caches.entries

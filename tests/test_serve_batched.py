@@ -97,6 +97,8 @@ def test_concurrent_requests_decode_together_and_equal_each_alone(batched):
     # Requests ended while others were still decoding: they ran together.
     running = [int(n) for n in re.findall(r"generated, \w+; (\d+) running", batched.log())]
     assert max(running) >= 1, batched.log()
+    # short prompts joined as rows of the running requests' steps (scheduler.PROMPT_ROWS)
+    assert "the rest as rows of a step" in batched.log()
 
 
 def test_n_choices_decode_together_whole_and_streamed(batched):

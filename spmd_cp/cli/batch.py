@@ -7,11 +7,10 @@ Order of work, on every rank: rank 0 checks the whole jobs file and the output f
 tokenizes the jobs and broadcasts their ids, and all ranks prefill and decode together.
 Jobs that share a ``prefix_file`` (and ``system``) run back to back: the tokens they all
 begin with (chat header + document) are prefilled once into the sharded cache, each job
-prefills only its own tail after them (a short tail on a long cached context is the
-case pass-Q exists for; ``--cp-algo auto`` weighs it: docs/ALGORITHMS.md, "The auto
-choice") and generates, and the cache is truncated back to the shared part.
-Results are written in input order (jobs.ResultWriter holds early finishers). See
-docs/BATCH.md.
+prefills only its own tail after them (pass-Q's case, docs/ALGORITHMS.md; decoded
+together, a short tail is rows of a batched step) and generates, and the cache is
+truncated back to the shared part. Results are written in input order
+(jobs.ResultWriter holds early finishers). See docs/BATCH.md.
 """
 
 from __future__ import annotations
@@ -301,7 +300,7 @@ class BatchRoot:
         self.decode_setup_s = 0.0  # decode is readied once, in the first job that decodes
         self.errors = 0
         self.batch_sizes = Counter()  # decode steps run at each batch size
-        self.batched_step = None  # "native" / "mlx" once jobs decoded together
+        self.batched_step, self.prompts_as_rows = None, 0  # "native" / "mlx" once together
         self.prompt_tokens = 0
         self.reused_tokens = 0
         self.start = time.perf_counter()
@@ -363,6 +362,7 @@ class BatchRoot:
         self.batched_step = kind
         self.progress.decode_s += stats.step_s
         self.batch_sizes.update(stats.sizes)
+        self.prompts_as_rows += stats.prompts_as_rows  # jobs whose tails were a step's rows
 
     def finish(self, metrics: dict, engine, as_json: bool):
         from .steps import algos_used, throughput
@@ -389,6 +389,7 @@ class BatchRoot:
             "decode_setup_s": round(self.decode_setup_s, 6),
             "batch_sizes": {str(size): steps for size, steps in sorted(self.batch_sizes.items())},
             "batched_step": self.batched_step,
+            "prompts_as_rows": self.prompts_as_rows,
             "ranks": self.ranks,
             **engine.grid.as_dict(),
             "algo": algos_used(engine),

@@ -2,21 +2,25 @@
 
 The policy, on every rank in lock-step:
 
-    admit    while fewer than ``max_batch`` sequences decode and requests wait, the next
-             request's own tokens are prefilled onto the prefix cache, rank 0 samples its
-             first token from the prefill's logits, and the sequence's tail moves into a
-             slot of the batch (the prefix cache is back at the prefix);
+    join     while fewer than ``max_batch`` sequences decode or join, the next request
+             queues to join;
+    admit    the joining requests' prompts, in turn: a short one (PROMPT_ROWS tokens at
+             most) as rows of the next step where the step takes them (the native
+             batched step: each row sees the prefix and the rows before it), several
+             short ones in one step, PROMPT_ROWS rows in all while others decode; a longer
+             one prefilled by the engine onto the prefix cache (a slice at a time between
+             the running sequences' steps where ``prefill_slice`` says), its tail then
+             moved into a slot of the batch (the prefix cache back at the prefix). Rank 0
+             samples its first token from its last row's logits;
     step     one batched decode step feeds every running sequence its last token; rank 0
              samples each one's next token with that sequence's own settings;
     retire   a sequence that stopped (EOS, a stop string, ``max_tokens``) leaves at once
-             and its slot is free for the next request, at the next admission.
+             and its slot is free for the next request.
 
-Requests are admitted in order, so with ``max_batch`` 1 the work is the sequential loop's.
-The server (``join`` and ``advance``) gives each request a cache of its own (its resident
-conversation, copied into the slot whole and kept) and prefills a joining request a slice
-at a time between the running sequences' steps.
-Rank 0 broadcasts every decision (a token, whether it stopped, or a sampling failure),
-so all ranks admit, step and retire the same sequences.
+Requests are admitted in order. The server gives each request a cache of its own (its
+resident conversation: copied into the slot whole and kept, a prompt fed as rows written
+back to it). Rank 0 broadcasts every decision (a token, whether it stopped, or a sampling
+failure), so all ranks admit, step and retire the same sequences.
 
 Random sampling draws from MLX's one random stream, in the order the rows are sampled:
 a seeded job's text is the same run to run for the same jobs and ``max_batch``, but not
@@ -34,6 +38,12 @@ import numpy as np
 from ..config import SamplingConfig
 from .generation import Generation, Answer, failure_text, rank0_sampler
 
+# A joining request's prompt of at most this many tokens is fed as rows of the running
+# sequences' next step where the step takes them (the native batched step), the first
+# joining prompts together up to this many rows; a longer one is prefilled on its own
+# (the engine's prefill, in slices between the steps).
+PROMPT_ROWS = 64
+
 
 @dataclass
 class Request:
@@ -47,6 +57,7 @@ class Request:
     source: object = None  # a ShardedKVCache of its own, kept whole (the server's entry)
     write: object = None
     cancelled: object = None
+    as_rows: bool = False  # its prompt was fed as rows of a step (the scheduler's record)
 
 
 @dataclass
@@ -58,6 +69,7 @@ class BatchStats:
     step_s: float = 0.0
     tokens: int = 0
     sizes: Counter = field(default_factory=Counter)
+    prompts_as_rows: int = 0  # requests whose prompts were fed as rows of a step
     tail_tokens: int = 0  # the most entries this rank's slots held at once
     tail_bytes: int = 0  # the most bytes this rank's slots took at once
 
@@ -106,11 +118,10 @@ class Scheduler:
     def run(self, requests: list[Request]):
         """Answer every request (each ``finished`` once); returns the BatchStats."""
         waiting = list(reversed(requests))
-        while waiting or self.running:
-            while waiting and len(self.running) < self.max_batch:
-                self.admit(waiting.pop())
-            if self.running:
-                self.step()
+        while waiting or self.running or self.joining:
+            while waiting and self.free > 0:
+                self.join(waiting.pop())
+            self.advance()
         return self.stats
 
     @property
@@ -118,40 +129,63 @@ class Scheduler:
         """Sequences that may join before the batch is full."""
         return self.max_batch - len(self.running) - len(self.joining)
 
-    def admit(self, request: Request):
-        """Prefill the request's tokens and sample its first; it decodes from the next
-        ``step`` on (or has ended already: ``finished`` called)."""
-        progress = self.prefill_progress(request.key) if self.prefill_progress else None
-        start = time.perf_counter()
-        logits, _ = self.engine.prefill(self._cache_of(request), request.ids,
-                                        progress=progress)
-        self._prefilled(request, logits, time.perf_counter() - start)
-
     def join(self, request: Request):
-        """``admit`` in slices: ``advance`` prefills the request's prompt
-        ``prefill_slice`` tokens at a time between the running sequences' steps, so that
-        their streams go on; requests join in turn."""
+        """Queue ``request``: ``advance`` feeds it to the batch, in turn (its prompt as
+        rows of a step, or prefilled ``prefill_slice`` tokens at a time between the
+        running sequences' steps), and samples its first token."""
         self.joining.append(_Joining(request))
 
     def advance(self):
-        """One slice of the first joining request's prefill (all that is left where no
-        sequence decodes), then one step of the running sequences."""
-        if self.joining:
-            joining, slice_ = self.joining[0], self.prefill_slice
-            ids = joining.request.ids
-            size = len(ids) - joining.done
-            if self.running and slice_ > 0:
-                size = min(size, slice_)
-            start = time.perf_counter()
-            logits, _ = self.engine.prefill(self._cache_of(joining.request),
-                                            ids[joining.done:joining.done + size])
-            joining.prefill_s += time.perf_counter() - start
-            joining.done += size
-            if joining.done == len(ids):
-                self.joining.pop(0)
-                self._prefilled(joining.request, logits, joining.prefill_s)
+        """One step of the running sequences, with the short prompts of the first joining
+        requests as rows of it where the step takes them (``PROMPT_ROWS``); else one
+        slice of the first joining request's prefill (all that is left where no
+        sequence decodes), then the step."""
+        prompts = self._prompts_as_rows()
+        if prompts or not self.joining:
+            if self.running or prompts:
+                self.step(prompts)
+            return
+        joining, slice_ = self.joining[0], self.prefill_slice
+        ids = joining.request.ids
+        size = len(ids) - joining.done
+        if self.running and slice_ > 0:
+            size = min(size, slice_)
+        whole = size == len(ids)  # (a progress display follows a whole prompt's prefill)
+        progress = self.prefill_progress(joining.request.key) \
+            if whole and self.prefill_progress else None
+        start = time.perf_counter()
+        logits, _ = self.engine.prefill(self._cache_of(joining.request),
+                                        ids[joining.done:joining.done + size], progress=progress)
+        joining.prefill_s += time.perf_counter() - start
+        joining.done += size
+        if joining.done == len(ids):
+            self.joining.pop(0)
+            self._prefilled(joining.request, logits, joining.prefill_s)
         if self.running:
             self.step()
+
+    def _prompts_as_rows(self) -> list[Request]:
+        """The first joining requests whose prompts the next step takes as rows (the
+        native step's; each of PROMPT_ROWS tokens at most, as many in all while others
+        decode), each admitted into the batch now."""
+        if not getattr(self.decoder, "takes_prompts", False):
+            return []
+        taken, rows = [], 0
+        budget = PROMPT_ROWS if self.running else PROMPT_ROWS * self.max_batch
+        while self.joining:
+            request = self.joining[0].request
+            size = len(request.ids)
+            if not 0 < size <= min(PROMPT_ROWS, budget - rows) or \
+                    request.sampling.max_tokens == 0:
+                break
+            self.joining.pop(0)
+            request.as_rows = True
+            self.stats.prompts_as_rows += 1
+            self.decoder.admit(request.key, size + request.sampling.max_tokens, request.source,
+                               prompt=request.source is not None)
+            taken.append(request)
+            rows += size
+        return taken
 
     def _cache_of(self, request: Request):
         return self.cache if request.source is None else request.source
@@ -159,35 +193,53 @@ class Scheduler:
     def _prefilled(self, request: Request, logits, prefill_s: float):
         """After a request's prefill: its first token sampled, and it joins the batch
         (or ends there)."""
-        is_root = self.comm.rank == 0
-        options = request.sampling
-        sample = rank0_sampler(options, is_root)
-        answer = Answer(self.tokenizer, options, request.write, request.cancelled) \
-            if is_root else None
-        running = _Running(request, -1, 0, prefill_s, time.perf_counter(), answer, sample)
-        if options.max_tokens == 0:
+        running = self._new_running(request, prefill_s)
+        if request.sampling.max_tokens == 0:
             self._end(running, stopped=False, error=None, admitted=False)
             return
-        token, stopped, error = self._decide([(running, logits)])[0]
-        running.token, running.produced = token, 1
-        if error is not None or stopped or options.max_tokens == 1:
-            self._end(running, stopped, error, admitted=False)
-            return
-        self.decoder.admit(request.key, options.max_tokens, request.source)
-        self.running[request.key] = running
+        self._started(running, *self._decide([(running, logits)])[0], admitted=False)
 
-    def step(self):
-        """One batched decode step of every running sequence; those that end leave."""
+    def _new_running(self, request: Request, prefill_s: float) -> _Running:
+        is_root = self.comm.rank == 0
+        options = request.sampling
+        answer = Answer(self.tokenizer, options, request.write, request.cancelled) \
+            if is_root else None
+        return _Running(request, -1, 0, prefill_s, time.perf_counter(), answer,
+                        rank0_sampler(options, is_root))
+
+    def _started(self, running: _Running, token: int, stopped: bool, error: str | None,
+                 admitted: bool):
+        """A sequence's first token decided: it decodes from the next step on (admitted
+        into the batch now, unless its prompt's rows did), or ends here."""
+        request = running.request
+        running.token, running.produced = token, 1
+        if admitted:
+            self.running[request.key] = running
+        if error is not None or stopped or request.sampling.max_tokens == 1:
+            self._end(running, stopped, error, admitted=admitted)
+            return
+        if not admitted:
+            self.decoder.admit(request.key, request.sampling.max_tokens, request.source)
+            self.running[request.key] = running
+
+    def step(self, prompts: list[Request] = ()):
+        """One batched decode step of every running sequence (and the rows of
+        ``prompts``, admitted: each one's first token sampled from its last row); those
+        that end leave."""
         keys = list(self.running)
         start = time.perf_counter()
-        logits = self.decoder.step(keys, [self.running[k].token for k in keys],
-                                   self.engine.layer_hook("decode"))
+        logits = self._step_rows(keys, prompts)
         rows = [(self.running[k], None if logits is None else logits[b])
                 for b, k in enumerate(keys)]
-        decisions = self._decide(rows)
-        self.stats.step_s += time.perf_counter() - start
-        self.stats.steps += 1
-        self.stats.sizes[len(keys)] += 1
+        took = time.perf_counter() - start
+        started = [(self._new_running(request, took),
+                    None if logits is None else logits[len(keys) + i])
+                   for i, request in enumerate(prompts)]
+        decisions = self._decide(rows + started)
+        if keys:
+            self.stats.step_s += time.perf_counter() - start
+            self.stats.steps += 1
+            self.stats.sizes[len(keys)] += 1
         self.stats.tail_tokens = max(self.stats.tail_tokens, self.decoder.tail_tokens)
         self.stats.tail_bytes = max(self.stats.tail_bytes, self.decoder.tail_bytes)
         for (running, _), (token, stopped, error) in zip(rows, decisions):
@@ -197,6 +249,27 @@ class Scheduler:
             if error is not None or stopped or running.produced == \
                     running.request.sampling.max_tokens:
                 self._end(running, stopped, error, admitted=True)
+        for (running, _), decision in zip(started, decisions[len(rows):]):
+            self._started(running, *decision, admitted=True)
+
+    def _step_rows(self, keys: list, prompts: list[Request]):
+        """The step: the running sequences' last tokens, then each prompt's tokens (its
+        rows written back to its resident entry after); the logits of the running rows
+        and of each prompt's last row."""
+        hook = self.engine.layer_hook("decode")
+        tokens = [self.running[k].token for k in keys]
+        if not prompts:
+            return self.decoder.step(keys, tokens, hook)
+        wanted, row_keys = list(range(len(keys))), list(keys)
+        for request in prompts:
+            row_keys += [request.key] * len(request.ids)
+            tokens += [int(t) for t in request.ids]
+            wanted.append(len(row_keys) - 1)
+        logits = self.decoder.step(row_keys, tokens, hook, wanted)
+        for request in prompts:
+            if request.source is not None:
+                self.decoder.write_back(request.key, request.source, request.ids)
+        return logits
 
     def _decide(self, rows) -> list[tuple[int, bool, str | None]]:
         """Rank 0 samples each row's next token; every rank gets (token, stopped,

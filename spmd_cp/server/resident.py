@@ -69,8 +69,9 @@ class ResidentCaches:
         self.max_entries = max(1, max_entries)
         self.entries = []
         self.rooms = []  # rank 0: each entry's K/V room in tokens on the roomiest rank
-        # Entries a joining request is still being prefilled into (serve --max-batch:
-        # in slices between steps): no other request continues, copies or evicts them.
+        # Entries of requests still joining (serve --max-batch: being prefilled in
+        # slices between steps, or queued for the next step's rows): no other request
+        # continues or evicts them; one may copy the tokens they hold so far (a fork).
         self.held: set[int] = set()  # their id()s
 
     @property
@@ -100,8 +101,6 @@ class ResidentCaches:
         """(index of the entry sharing the longest prefix with ``ids``, its length)."""
         best, reused = None, 0
         for index, cache in enumerate(self.entries):
-            if id(cache) in self.held:
-                continue
             length = common_prefix_length(cache.token_ids, ids)
             if length > reused:
                 best, reused = index, length
@@ -118,8 +117,10 @@ class ResidentCaches:
         tokens; ``continued``: the room of the entry continued in place, else 0); its
         error stands when no entry is left to evict."""
         index, reused = self.best_match(ids)
-        fork = index is not None and \
-            self.entries[index].num_tokens - reused > IN_PLACE_SLACK and self.max_entries > 1
+        if index is not None and id(self.entries[index]) in self.held and self.max_entries == 1:
+            index, reused = None, 0  # a held entry is only ever copied from
+        fork = index is not None and (id(self.entries[index]) in self.held or (
+            self.entries[index].num_tokens - reused > IN_PLACE_SLACK and self.max_entries > 1))
         in_place = index is not None and not fork
         held = [i for i, cache in enumerate(self.entries) if id(cache) in self.held]
         others = [i for i in range(len(self.entries))

@@ -112,11 +112,13 @@ def serve_loop(comm, engine, loaded, root, caches):
 
 def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
     """Every rank: requests decoded together (engine/scheduler.py), until rank 0 says
-    stop. Each step rank 0 hands over the next request that joins, if a slot is free; a
-    joining request's prompt is prefilled into its resident entry (as in one-at-a-time
-    serving) PREFILL_SLICE tokens between two steps of the running ones, then copied into
-    its slot of the batch, where its answer's keys and values go. The entry keeps the
-    prompt: a follow-up reuses it and prefills the answer again."""
+    stop. Before each step rank 0 hands over every queued request while slots are free.
+    A joining request's short prompt is fed as rows of the next step (the native step,
+    engine/scheduler.PROMPT_ROWS) and written back to its resident entry; a longer one is
+    prefilled into its resident entry (as in one-at-a-time serving) PREFILL_SLICE tokens
+    between two steps of the running ones. Either way the request's entries are copied
+    into its slot of the batch, where its answer's keys and values go. The entry keeps
+    the prompt: a follow-up reuses it and prefills the answer again."""
     from ..engine.scheduler import Request, Scheduler
     from ..runtime.resident import reset_resident_peak
 
@@ -129,8 +131,9 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
             return
         work.error = error
         if result is not None:
-            spmd.log.info("request: %d prompt tokens (%d from the resident cache), %d "
+            spmd.log.info("request: %d prompt tokens (%d from the resident cache%s), %d "
                           "generated, %s; %d running", len(work.ids), work.reused,
+                          ", the rest as rows of a step" if request.as_rows else "",
                           len(result.tokens), result.finish_reason, len(scheduler.running))
         root.ended(request.key, result, work, caches, memory)
 
@@ -139,20 +142,26 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
     if root is not None:
         root.slot_scale = slot_scale(engine, scheduler.decoder)
     while True:
-        busy = scheduler.running or scheduler.joining
-        with nullcontext() if busy else idle(comm):
-            joining = spmd.on_root(comm, lambda: root.next_works(caches, scheduler.free))
-        if joining is None:
-            return
-        if joining and not busy:
-            reset_resident_peak()  # /health's resident_peak_bytes: this batch's
-        for work in joining:
-            works[work.key] = work
-            pending = root.running[work.key] if root is not None else None
-            scheduler.join(Request(
-                work.key, work.ids[work.reused:], work.sampling,
-                source=caches.take(work.plan), write=pending.emit if pending else None,
-                cancelled=pending.cancelled.is_set if pending else None))
+        # Every queued request joins now while slots are free, one at a time: each
+        # one's plan of the resident caches is made after the last one's was applied.
+        while True:
+            busy = scheduler.running or scheduler.joining
+            with nullcontext() if busy else idle(comm):
+                joining = spmd.on_root(comm, lambda: root.next_works(caches, scheduler.free))
+            if joining is None:
+                return
+            if joining and not busy:
+                reset_resident_peak()  # /health's resident_peak_bytes: this batch's
+            for work in joining:
+                works[work.key] = work
+                pending = root.running[work.key] if root is not None else None
+                scheduler.join(Request(
+                    work.key, work.ids[work.reused:], work.sampling,
+                    source=caches.take(work.plan), write=pending.emit if pending else None,
+                    cancelled=pending.cancelled.is_set if pending else None))
+                caches.held.add(id(scheduler.joining[-1].request.source))
+            if not joining or scheduler.free <= 0:
+                break
         scheduler.advance()
         caches.held = {id(entry.request.source) for entry in scheduler.joining}
 

@@ -93,8 +93,9 @@ class TailKV(TailSlots):
         super().release()
         self.buffers = {}
 
-    def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
-        self.write(index, slot, 0, keys, values)
+    def take(self, index: int, slot: int, keys: mx.array, values: mx.array, start: int,
+             stop: int):
+        self.write(index, slot, 0, keys[:, start:stop], values[:, start:stop])
 
     def settle(self):
         mx.eval(list(self.buffers.values()))  # copied now, not when first read

@@ -31,6 +31,7 @@ order, to float32 rounding): tests/test_native_decode.py, test_batch.py, test_ge
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -47,7 +48,8 @@ from ..cache.cache import ShardedKVCache
 from .native_decode import ROPE_BLOCK, NativeDecoder
 from .native_batched_split import SplitLayout
 from .native_views import float32_view
-from .prefix_batch import PrefixBatch, TailSlots
+from .native_tails import NativeTails, append_rows
+from .prefix_batch import PrefixBatch
 
 # A step runs in the split layout (where the plan's step is split) while the replicated
 # layout would give each rank fewer rows than this: its products of so few rows read every
@@ -65,47 +67,11 @@ def replicated_layers(engine) -> NativeDecoder:
     return NativeDecoder(engine.model, engine.cp, persistent=False)
 
 
-class NativeTails(TailSlots):
-    """The native step's tails: per layer float32 keys and values (S, NKV, C, d), each
-    entry rounded as the prefix's cache stores one."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-        self.keys: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
-
-    def grown(self, old_slots: int, old_capacity: int):
-        """The buffers at the reserved size, entries kept (their addresses change:
-        callers read them after)."""
-        shape = (*self.positions.shape[:1], self.kv_heads, self.positions.shape[1],
-                 self.head_dim)
-        for buffers in (self.keys, self.values):
-            for index in range(self.layers):
-                grown = np.zeros(shape, np.float32)
-                if index < len(buffers):
-                    grown[:old_slots, :, :old_capacity] = buffers[index]
-                    buffers[index] = grown
-                else:
-                    buffers.append(grown)
-
-    def release(self):
-        super().release()
-        self.keys, self.values = [], []
-
-    def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
-        for into, new in ((self.keys, keys), (self.values, values)):
-            into[index][slot, :, :new.shape[1]] = np.asarray(new.astype(mx.float32))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
-
-
 class NativeBatchedDecoder(PrefixBatch):
     """Batched steps (PrefixBatch's admit, step, retire) over the native step's layers."""
 
     kind = "native"
+    takes_prompts = True  # a key's prompt may take rows of a step (step, write_back)
 
     def __init__(self, engine, prefix: ShardedKVCache, prefix_tokens: int):
         native = replicated_layers(engine)
@@ -123,37 +89,61 @@ class NativeBatchedDecoder(PrefixBatch):
             if engine.decoder.split is not None else None
 
     # -- one step ----------------------------------------------------------------------
-    def step(self, keys: list, tokens: list[int], on_layer=None):
-        """Feed ``tokens[b]`` to sequence ``keys[b]``; the next logits (B, V) on rank 0
-        (None elsewhere)."""
+    def step(self, keys: list, tokens: list[int], on_layer=None, logits_rows=None):
+        """Feed ``tokens[b]`` to sequence ``keys[b]``; the logits (R, V) of rows
+        ``logits_rows`` (all rows where None) on rank 0, None elsewhere. A key may
+        take several rows, in order: its prompt's tokens, each row seeing the rows
+        before it (a prompt's rows: engine/scheduler.py)."""
         sequences = [self.sequences[key] for key in keys]
-        owners = [self._place(sequence) for sequence in sequences]
+        positions, owners = self._place_rows(sequences)
         rows = len(keys)
         split = RowSplit.of(rows, self.comm.size)
         layout = self.split_layout if self.split_layout is not None and \
             max(split.counts) < SPLIT_BELOW_ROWS else None
         mine = slice(0, rows) if layout is not None else split.rows(self.comm.rank)
-        positions = np.array([s.position for s in sequences], np.int64)
         with self.comm.bounded("decode step"):
-            logits = self._forward(sequences, owners, np.array(tokens, np.int64)[mine],
-                                   positions, split, on_layer, layout)
-        for sequence, owner in zip(sequences, owners):
+            return self._forward(sequences, owners, np.array(tokens, np.int64)[mine],
+                                 positions, split, on_layer, layout, logits_rows)
+
+    def _place_rows(self, sequences) -> tuple[np.ndarray, list[int]]:
+        """Each row's position and the rank that stores its entry, the sequences moved
+        on past them (a sequence's rows in order, as one row a step would be)."""
+        positions, owners = np.zeros(len(sequences), np.int64), []
+        for b, sequence in enumerate(sequences):
+            owner = self._place(sequence)
+            positions[b] = sequence.position
+            owners.append(owner)
             sequence.position += 1
             sequence.tail_sizes[owner] += 1
-        return logits
+            if sequence.placed is not None:
+                sequence.placed.append(owner)
+        return positions, owners
 
-    def _store_rows(self, sequences, owners) -> np.ndarray:
-        """Per row the tail row its new entry takes here (-1: another rank's), recorded."""
-        tails = self.tails
-        tails.reserve(len(tails.lengths), max(tails.lengths[s.slot] + 1 for s in sequences))
+    def write_back(self, key, cache: ShardedKVCache, token_ids: np.ndarray):
+        """The rows ``key`` took since ``admit`` with a source (its prompt's tokens,
+        ``token_ids``) appended to ``cache``, that source (the server's resident entry):
+        its next request continues from there."""
+        sequence = self.sequences[key]
+        placed, sequence.placed = sequence.placed, None
+        append_rows(self.tails, sequence.slot, placed, cache, token_ids)
+        cache.decode_steps, cache.decode_owner = sequence.decode_steps, sequence.decode_owner
+
+    def _store_rows(self, sequences, owners, positions) -> tuple[np.ndarray, np.ndarray]:
+        """Per row the tail row its new entry takes here (-1: another rank's), recorded,
+        and the entries of its slot here that it sees (its own and those before it)."""
+        tails, counts = self.tails, Counter(s.slot for s in sequences)
+        tails.reserve(len(tails.lengths), max(tails.lengths[slot] + count
+                                              for slot, count in counts.items()))
         stores = np.full(len(sequences), -1, np.int32)
+        seen = np.zeros(len(sequences), np.int32)
         for b, (sequence, owner) in enumerate(zip(sequences, owners)):
             if owner == self.comm.rank:
                 row = tails.lengths[sequence.slot]
                 stores[b] = row
-                tails.positions[sequence.slot, row] = sequence.position
+                tails.positions[sequence.slot, row] = positions[b]
                 tails.lengths[sequence.slot] += 1
-        return stores
+            seen[b] = tails.lengths[sequence.slot]
+        return stores, seen
 
     def _rotations(self, positions: np.ndarray) -> list:
         """Per layer a ctypes array of each row's RoPE matrix address, from one block of
@@ -174,7 +164,7 @@ class NativeBatchedDecoder(PrefixBatch):
         kind = ctypes.c_void_p * len(positions)
         return [kind(*(base + int(o) for o in offsets_)) for base in self._rope_bases]
 
-    def _firsts(self, sequences, positions) -> tuple[dict, dict]:
+    def _firsts(self, sequences, positions, seen) -> tuple[dict, dict]:
         """Per sliding window: each row's first prefix key here and first tail entry here
         that its query sees (int32 arrays)."""
         prefix, tail = {}, {}
@@ -182,8 +172,8 @@ class NativeBatchedDecoder(PrefixBatch):
             prefix[window] = np.array([window_start(self.prefix.positions, int(p), window)
                                        for p in positions], np.int32)
             tail[window] = np.array([
-                window_start(self.tails.positions[s.slot, :self.tails.lengths[s.slot]],
-                             int(p), window) for s, p in zip(sequences, positions)], np.int32)
+                window_start(self.tails.positions[s.slot, :n], int(p), window)
+                for s, p, n in zip(sequences, positions, seen)], np.int32)
         return prefix, tail
 
     def _buffers(self, rows: int, mine: int) -> dict:
@@ -216,9 +206,9 @@ class NativeBatchedDecoder(PrefixBatch):
         return self._scratch.ctypes.data
 
     def _forward(self, sequences, owners, my_tokens, positions, split: RowSplit, on_layer,
-                 layout=None):
+                 layout=None, logits_rows=None):
         """The step's layers and head (see the module doc; ``layout``: the split layout's,
-        native_batched_split.py): the logits on rank 0."""
+        native_batched_split.py): the logits of ``logits_rows`` on rank 0."""
         native, comm = self.native, self.comm
         rows, mine = split.total, my_tokens.size
         buffers = self._buffers(rows, mine) if layout is None else layout.buffers(rows)
@@ -234,9 +224,9 @@ class NativeBatchedDecoder(PrefixBatch):
                 added = layout.layer(step, index, layer_kv, added)
         if layout is not None:
             comm.bytes_sent += len(native.layers) * layout.layer_bytes(rows)
-            return layout.head(step.buffers, rows, added)
+            return layout.head(step.buffers, rows, added, logits_rows)
         comm.bytes_sent += len(native.layers) * self._layer_bytes(rows, mine)
-        return self._head(step.buffers, rows, mine, split, added)
+        return self._head(step.buffers, rows, mine, split, added, logits_rows)
 
     def _layer_bytes(self, rows: int, mine: int) -> int:
         """What a layer's collectives hand to other ranks (Comm's counting)."""
@@ -245,9 +235,8 @@ class NativeBatchedDecoder(PrefixBatch):
     def _step_for(self, sequences, owners, positions, split: RowSplit, buffers: dict
                   ) -> "_Step":
         """What every layer of the step reads, the new entries' tail rows reserved."""
-        stores = self._store_rows(sequences, owners)
-        tail_lengths = np.array([self.tails.lengths[s.slot] for s in sequences], np.int32)
-        prefix_firsts, tail_firsts = self._firsts(sequences, positions)
+        stores, tail_lengths = self._store_rows(sequences, owners, positions)
+        prefix_firsts, tail_firsts = self._firsts(sequences, positions, tail_lengths)
         return _Step(split, self.comm.rank, buffers, self._scratch_for(split.total),
                      self._rotations(positions), stores,
                      np.array([s.slot for s in sequences], np.int32), tail_lengths,
@@ -309,7 +298,7 @@ class NativeBatchedDecoder(PrefixBatch):
             if native.embed_scale is not None:
                 np.multiply(h, native.embed_scale, out=h)
 
-    def _head(self, b: dict, rows: int, mine: int, split: RowSplit, added):
+    def _head(self, b: dict, rows: int, mine: int, split: RowSplit, added, logits_rows=None):
         """Every row's logits on rank 0: the final norm of this rank's rows, every rank's
         normed rows gathered, times this rank's rows of the vocabulary, gathered."""
         native, lib, comm = self.native, self.library, self.comm
@@ -324,13 +313,20 @@ class NativeBatchedDecoder(PrefixBatch):
             comm.bytes_sent += (comm.size - 1) * local.nbytes
         else:
             normed[...] = local
-        return self.vocab_logits(b, rows)
+        return self.vocab_logits(b, rows, logits_rows)
 
-    def vocab_logits(self, b: dict, rows: int):
-        """Every row (normed: b["normed"]) times this rank's rows of the vocabulary,
-        gathered: the logits (rows, V) on rank 0, None elsewhere."""
+    def vocab_logits(self, b: dict, rows: int, logits_rows=None):
+        """Rows ``logits_rows`` (all where None) of the normed rows (b["normed"]) times
+        this rank's rows of the vocabulary, gathered: the logits on rank 0, None
+        elsewhere."""
         native, lib, comm = self.native, self.library, self.comm
-        normed, logits = b["normed"][:rows], b["logits"]
+        normed = b["normed"][:rows]
+        if logits_rows is not None:  # a prompt's rows but its last: no logits wanted
+            if not logits_rows:
+                return None
+            rows = len(logits_rows)
+            normed = np.ascontiguousarray(normed[logits_rows])
+        logits = b["logits"][:rows]
         lib.spmd_cp_batch_product(ctypes.byref(native.head), rows, normed.ctypes.data,
                                   logits.ctypes.data, native.head.rows)
         if comm.size == 1:

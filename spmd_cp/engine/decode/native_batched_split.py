@@ -113,10 +113,10 @@ class SplitLayout:
         own = rows * (self.my_qkv + batch.partial + self.my_o)
         return ((size - 1) * own + 2 * (size - 1) * rows * self.native.dim // size) * 4
 
-    def head(self, b: dict, rows: int, added):
+    def head(self, b: dict, rows: int, added, logits_rows=None):
         """Every row's logits on rank 0: every rank holds every row's hidden state."""
         native = self.native
         self.batch.library.spmd_cp_batch_final_norm(
             rows, native.dim, b["h"].ctypes.data, added, native.norm.ctypes.data,
             native.norm_eps, b["normed"].ctypes.data)
-        return self.batch.vocab_logits(b, rows)
+        return self.batch.vocab_logits(b, rows, logits_rows)

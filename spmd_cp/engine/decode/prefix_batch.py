@@ -27,6 +27,7 @@ class Sequence:
     tail_sizes: list[int]  # every rank's tail entries
     decode_steps: int  # the placement rule's state (ShardedKVCache's, per sequence)
     decode_owner: int
+    placed: list[int] | None = None  # from admit on, each row's storing rank (prompt_rows)
 
 
 class TailSlots:
@@ -43,7 +44,9 @@ class TailSlots:
         old_slots, old_capacity = self.positions.shape
         if slots <= old_slots and capacity <= old_capacity:
             return
-        slots = max(slots, old_slots)
+        # slots double (a server's requests join one by one: each growth copies every
+        # slot's buffers); capacity grows as asked (admit reserves a whole answer's room)
+        slots = max(slots, 2 * old_slots) if slots > old_slots else old_slots
         capacity = -(-max(capacity, old_capacity) // TAIL_STEP) * TAIL_STEP
         positions = np.full((slots, capacity), NO_POSITION, np.int64)
         positions[:old_slots, :old_capacity] = self.positions
@@ -54,8 +57,10 @@ class TailSlots:
     def grown(self, old_slots: int, old_capacity: int):
         """After ``reserve`` grew the positions from (old_slots, old_capacity)."""
 
-    def take(self, index: int, slot: int, keys: mx.array, values: mx.array):
-        """A sequence's entries (NKV, n, d) into the start of ``slot``, layer ``index``."""
+    def take(self, index: int, slot: int, keys: mx.array, values: mx.array, start: int,
+             stop: int):
+        """A sequence's entries, [start, stop) of a cache layer's buffers ``keys`` and
+        ``values`` (NKV, C, d), into the start of ``slot``, layer ``index``."""
         raise NotImplementedError
 
     def settle(self):
@@ -85,12 +90,15 @@ class PrefixBatch:
         self.tails = tails
         self.sequences: dict = {}
 
-    def admit(self, key, room: int, source: ShardedKVCache | None = None):
+    def admit(self, key, room: int, source: ShardedKVCache | None = None,
+              prompt: bool = False):
         """Move the tokens the engine just prefilled after the prefix into a free slot
         (the prefix cache is truncated back to the prefix), with room for ``room`` more
         entries (its answer's; the slot grows past it where it must). ``source``: a cache
         of the sequence's own (the server's resident conversation, beginning with the
         prefix) whose entries after the prefix are copied instead, the cache kept whole.
+        ``prompt``: the sequence's prompt comes next as rows of steps, not prefilled yet
+        (the native step's ``write_back`` then appends it to ``source``).
         """
         cache = self.prefix if source is None else source
         slot = min(set(range(len(self.tails.lengths) + 1))
@@ -100,16 +108,17 @@ class PrefixBatch:
         local = kept[cache.cp_rank]
         entries = cache.positions.size - local  # each layer's last (a window's dropped some)
         self.tails.reserve(slot + 1, entries + room)
+        if entries:  # every layer's buffers computed at once (a fork copies them lazily)
+            mx.eval([b for layer in cache.layers for b in (layer.keys, layer.values)
+                     if b is not None])
         for index, layer in enumerate(cache.layers):
             if entries:
-                keys, values = layer.fetch()
-                start = layer.offset - entries
-                self.tails.take(index, slot, keys[:, start:layer.offset],
-                                values[:, start:layer.offset])
+                self.tails.take(index, slot, layer.keys, layer.values,
+                                layer.offset - entries, layer.offset)
         self.tails.positions[slot, :entries] = cache.positions[local:]
         self.tails.lengths[slot] = entries
         self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
-                                       cache.decode_owner)
+                                       cache.decode_owner, [] if prompt else None)
         self.tails.settle()  # before the next prefill reuses the cache rows past the prefix
         if source is None:
             cache.truncate(self.prefix_tokens)
