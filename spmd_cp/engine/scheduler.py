@@ -18,9 +18,10 @@ The policy, on every rank in lock-step:
              and its slot is free for the next request.
 
 Requests are admitted in order. The server gives each request a cache of its own (its
-resident conversation: copied into the slot whole and kept, a prompt fed as rows written
-back to it). Rank 0 broadcasts every decision (a token, whether it stopped, or a sampling
-failure), so all ranks admit, step and retire the same sequences.
+resident conversation: copied into the slot whole and kept; where the native step runs,
+a prompt fed as rows is written back to it, and the answer's entries when it ends).
+Rank 0 broadcasts every decision (a token, whether it stopped, or a sampling failure),
+so all ranks admit, step and retire the same sequences.
 
 Random sampling draws from MLX's one random stream, in the order the rows are sampled:
 a seeded job's text is the same run to run for the same jobs and ``max_batch``, but not
@@ -90,6 +91,7 @@ class _Running:
     started: float  # when its decode began (perf_counter)
     answer: Answer | None  # rank 0's
     sample: object
+    fed: list[int] = field(default_factory=list)  # the tokens its decode steps fed
 
 
 class Scheduler:
@@ -182,7 +184,7 @@ class Scheduler:
             request.as_rows = True
             self.stats.prompts_as_rows += 1
             self.decoder.admit(request.key, size + request.sampling.max_tokens, request.source,
-                               prompt=request.source is not None)
+                               record=self._writes_back(request))
             taken.append(request)
             rows += size
         return taken
@@ -219,8 +221,22 @@ class Scheduler:
             self._end(running, stopped, error, admitted=admitted)
             return
         if not admitted:
-            self.decoder.admit(request.key, request.sampling.max_tokens, request.source)
+            self.decoder.admit(request.key, request.sampling.max_tokens, request.source,
+                               record=self._writes_back(request))
             self.running[request.key] = running
+
+    def sources_in_use(self) -> set[int]:
+        """The id()s of the requests' own caches that joining requests are still fed
+        into or running ones write back to (a server's resident entries: no other
+        request may continue one in place or evict it meanwhile)."""
+        return {id(j.request.source) for j in self.joining if j.request.source is not None} \
+            | {id(r.request.source) for r in self.running.values()
+               if self._writes_back(r.request)}
+
+    def _writes_back(self, request: Request) -> bool:
+        """Whether the request's rows go back to its own cache (a server's resident entry:
+        its next request continues after its answer) where the step can write them."""
+        return request.source is not None and getattr(self.decoder, "takes_prompts", False)
 
     def step(self, prompts: list[Request] = ()):
         """One batched decode step of every running sequence (and the rows of
@@ -243,6 +259,7 @@ class Scheduler:
         self.stats.tail_tokens = max(self.stats.tail_tokens, self.decoder.tail_tokens)
         self.stats.tail_bytes = max(self.stats.tail_bytes, self.decoder.tail_bytes)
         for (running, _), (token, stopped, error) in zip(rows, decisions):
+            running.fed.append(running.token)
             if error is None:
                 self.stats.tokens += 1
                 running.token, running.produced = token, running.produced + 1
@@ -267,7 +284,7 @@ class Scheduler:
             wanted.append(len(row_keys) - 1)
         logits = self.decoder.step(row_keys, tokens, hook, wanted)
         for request in prompts:
-            if request.source is not None:
+            if self._writes_back(request):
                 self.decoder.write_back(request.key, request.source, request.ids)
         return logits
 
@@ -288,6 +305,8 @@ class Scheduler:
     def _end(self, running: _Running, stopped: bool, error: str | None, admitted: bool):
         key = running.request.key
         if admitted:
+            if running.fed and self._writes_back(running.request):
+                self.decoder.write_back(key, running.request.source, np.array(running.fed))
             self.decoder.retire(key)
             del self.running[key]
         elif running.request.source is None:

@@ -70,8 +70,9 @@ class ResidentCaches:
         self.entries = []
         self.rooms = []  # rank 0: each entry's K/V room in tokens on the roomiest rank
         # Entries of requests still joining (serve --max-batch: being prefilled in
-        # slices between steps, or queued for the next step's rows): no other request
-        # continues or evicts them; one may copy the tokens they hold so far (a fork).
+        # slices between steps, or queued for the next step's rows) or running ones
+        # whose answers go back to them: no other request continues or evicts them;
+        # one may copy the tokens they hold so far (a fork).
         self.held: set[int] = set()  # their id()s
 
     @property

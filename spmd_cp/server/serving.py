@@ -117,8 +117,9 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
     engine/scheduler.PROMPT_ROWS) and written back to its resident entry; a longer one is
     prefilled into its resident entry (as in one-at-a-time serving) PREFILL_SLICE tokens
     between two steps of the running ones. Either way the request's entries are copied
-    into its slot of the batch, where its answer's keys and values go. The entry keeps
-    the prompt: a follow-up reuses it and prefills the answer again."""
+    into its slot of the batch, where its answer's keys and values go; where the native
+    step runs they go back to the entry when the request ends, so that a follow-up
+    reuses the whole conversation (MLX's batched step: the prompt alone)."""
     from ..engine.scheduler import Request, Scheduler
     from ..runtime.resident import reset_resident_peak
 
@@ -159,11 +160,11 @@ def serve_batched(comm, engine, loaded, root, caches, max_batch: int):
                     work.key, work.ids[work.reused:], work.sampling,
                     source=caches.take(work.plan), write=pending.emit if pending else None,
                     cancelled=pending.cancelled.is_set if pending else None))
-                caches.held.add(id(scheduler.joining[-1].request.source))
+                caches.held = scheduler.sources_in_use()
             if not joining or scheduler.free <= 0:
                 break
         scheduler.advance()
-        caches.held = {id(entry.request.source) for entry in scheduler.joining}
+        caches.held = scheduler.sources_in_use()
 
 
 def slot_scale(engine, decoder) -> float:

@@ -181,7 +181,7 @@ class FfnBatchedDecoder:
     def __init__(self, server: FfnServer):
         self.server = server
 
-    def admit(self, key, room: int, source=None):
+    def admit(self, key, room: int, source=None, record: bool = False):
         pass
 
     def retire(self, key):

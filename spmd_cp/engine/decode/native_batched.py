@@ -120,11 +120,14 @@ class NativeBatchedDecoder(PrefixBatch):
         return positions, owners
 
     def write_back(self, key, cache: ShardedKVCache, token_ids: np.ndarray):
-        """The rows ``key`` took since ``admit`` with a source (its prompt's tokens,
-        ``token_ids``) appended to ``cache``, that source (the server's resident entry):
-        its next request continues from there."""
+        """The rows ``key`` took since it was admitted to record them (or since the last
+        write_back): their tokens ``token_ids`` (its prompt's, its answer's) appended to
+        ``cache``, its source (the server's resident entry): its next request continues
+        from there."""
         sequence = self.sequences[key]
-        placed, sequence.placed = sequence.placed, None
+        placed, sequence.placed = sequence.placed, []
+        if len(placed) != len(token_ids) or cache.num_tokens + len(placed) != sequence.position:
+            raise ValueError("a write-back of rows the sequence did not take")
         append_rows(self.tails, sequence.slot, placed, cache, token_ids)
         cache.decode_steps, cache.decode_owner = sequence.decode_steps, sequence.decode_owner
 

@@ -27,7 +27,8 @@ class Sequence:
     tail_sizes: list[int]  # every rank's tail entries
     decode_steps: int  # the placement rule's state (ShardedKVCache's, per sequence)
     decode_owner: int
-    placed: list[int] | None = None  # from admit on, each row's storing rank (prompt_rows)
+    # each row's storing rank since admit or the last write_back (where ``record``ed)
+    placed: list[int] | None = None
 
 
 class TailSlots:
@@ -91,14 +92,14 @@ class PrefixBatch:
         self.sequences: dict = {}
 
     def admit(self, key, room: int, source: ShardedKVCache | None = None,
-              prompt: bool = False):
+              record: bool = False):
         """Move the tokens the engine just prefilled after the prefix into a free slot
         (the prefix cache is truncated back to the prefix), with room for ``room`` more
         entries (its answer's; the slot grows past it where it must). ``source``: a cache
         of the sequence's own (the server's resident conversation, beginning with the
         prefix) whose entries after the prefix are copied instead, the cache kept whole.
-        ``prompt``: the sequence's prompt comes next as rows of steps, not prefilled yet
-        (the native step's ``write_back`` then appends it to ``source``).
+        ``record``: the rows it takes from here on are recorded for the native step's
+        ``write_back`` into ``source`` (its prompt's rows, its answer's).
         """
         cache = self.prefix if source is None else source
         slot = min(set(range(len(self.tails.lengths) + 1))
@@ -118,7 +119,7 @@ class PrefixBatch:
         self.tails.positions[slot, :entries] = cache.positions[local:]
         self.tails.lengths[slot] = entries
         self.sequences[key] = Sequence(slot, cache.num_tokens, tail_sizes, cache.decode_steps,
-                                       cache.decode_owner, [] if prompt else None)
+                                       cache.decode_owner, [] if record else None)
         self.tails.settle()  # before the next prefill reuses the cache rows past the prefix
         if source is None:
             cache.truncate(self.prefix_tokens)
