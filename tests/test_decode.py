@@ -237,6 +237,29 @@ def test_a_cache_filled_in_one_step_holds_contiguous_rows():
             assert np.array_equal(np.asarray(buffer[:, :n]), want)
 
 
+def test_rows_written_in_place_equal_the_same_rows_appended_by_mlx():
+    """append_float32 (a native step's rows written back to a server's resident cache,
+    through numpy views of the buffers) against update_and_fetch (MLX's update), for
+    each cache dtype, across a growth step, after an append by MLX: equal entries."""
+    from spmd_cp.engine.cache.cache import LayerKV
+
+    rng = np.random.default_rng(5)
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        by_mlx, in_place = LayerKV(dtype), LayerKV(dtype)
+        for n in (3, LayerKV.step, 5):  # the second crosses a growth step
+            # values the cache's dtype holds exactly, as the native step's rows are
+            k, v = (mx.array(rng.standard_normal((2, n, 64)), dtype).astype(mx.float32)
+                    for _ in range(2))
+            by_mlx.update_and_fetch(k, v)
+            if n == 3:  # the first append by MLX on both: in place continues it
+                in_place.update_and_fetch(k, v)
+            else:
+                in_place.append_float32(np.asarray(k), np.asarray(v))
+        assert in_place.offset == by_mlx.offset == 3 + LayerKV.step + 5
+        for ours, theirs in zip(in_place.fetch(), by_mlx.fetch()):
+            assert ours.dtype == dtype and mx.array_equal(ours, theirs).item(), dtype
+
+
 def test_cache_restored_from_its_state_decodes_like_the_original(tiny_models):
     """state()/from_state() (what prompt caches save and load) keep the K/V, positions,
     token ids and decode placement: the next decode step gives the same logits; and a

@@ -83,6 +83,25 @@ class LayerKV:
             self.keys = mx.concatenate([self.keys[:, : self.offset], new_k], axis=1)
             self.values = mx.concatenate([self.values[:, : self.offset], new_v], axis=1)
 
+    def append_float32(self, keys: np.ndarray, values: np.ndarray):
+        """Append (NKV, n, d) float32 keys/values that the cache's dtype holds exactly
+        (a native step's entries, rounded as this cache stores them), written into the
+        buffers in place through numpy views: no MLX op (an update a layer copied a
+        whole buffer)."""
+        n = keys.shape[1]
+        dtype = self.dtype or mx.float32
+        self._make_room(n, keys.shape[0], keys.shape[2], dtype, dtype)
+        mx.eval(self.keys, self.values)
+        self.buffers_version = next(_BUFFER_VERSIONS)
+        for buffer, new in ((self.keys, keys), (self.values, values)):
+            if buffer.dtype == mx.bfloat16:  # its upper half: exact for bfloat16 values
+                view, new = np.asarray(buffer.view(mx.uint16)), \
+                    (np.ascontiguousarray(new, np.float32).view(np.uint32) >> 16)
+            else:
+                view = np.asarray(buffer)
+            view[:, self.offset:self.offset + n] = new
+        self.offset += n
+
     def reserve_row(self, kv_heads: int, head_dim: int) -> int:
         """The row of one more entry, which the caller writes into the buffers in place
         once evaluated (engine/decode/native_decode.py); it counts from now on."""

@@ -75,5 +75,5 @@ def append_rows(tails: NativeTails, slot: int, placed: list[int], cache: Sharded
     if not mine:
         return
     for index, layer in enumerate(cache.layers):
-        layer.update_and_fetch(mx.array(tails.keys[index][slot, :, end - mine:end]),
-                               mx.array(tails.values[index][slot, :, end - mine:end]))
+        layer.append_float32(tails.keys[index][slot, :, end - mine:end],
+                             tails.values[index][slot, :, end - mine:end])
