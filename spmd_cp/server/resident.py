@@ -111,7 +111,8 @@ class ResidentCaches:
         """Rank 0: how ``ids`` use the entries. ``entry``: the one sharing the longest
         prefix (None: none shares any); ``fork``: copy that prefix into a new entry
         rather than cut the entry down (it would lose more than IN_PLACE_SLACK tokens: an
-        earlier conversation that only begins like this one); ``reused``: the tokens
+        earlier conversation that only begins like this one; or it is ``held``, with
+        ``max_entries`` 1 not used at all); ``reused``: the tokens
         kept; ``evict``: entries dropped, least recently used first, to stay within
         ``max_entries`` and memory. ``fits(kept, continued, reused)`` raises ApiError
         while the request does not fit beside the entries kept (``kept``: their room in
