@@ -193,7 +193,7 @@ def _lockstep(engine: Engine, cache, logits, sample, max_tokens: int, stop, read
         message = None
         if comm.rank == 0:
             try:
-                token = int(sample(logits))
+                token = host_token(sample, logits)
                 message = (token, stop(token))
             except Exception as error:  # noqa: BLE001 - rank 0's alone: tell every rank
                 message = (None, failure_text(error))
@@ -206,6 +206,17 @@ def _lockstep(engine: Engine, cache, logits, sample, max_tokens: int, stop, read
         if step == 0:
             ready()
         logits = engine.decode_step(cache, token)
+
+
+def host_token(sample, logits) -> int:
+    """``sample(logits)`` as an int on rank 0 now. A greedy sampler's token of float32
+    logits on the CPU is numpy's argmax (the first largest, as mx.argmax picks it): MLX's,
+    one graph and evaluation a call, took 1.4-2.8 ms for a batched step's 8 rows of
+    SmolLM2's 49,152 logits while every other rank waited, numpy's 0.05-0.14 ms (by hand)."""
+    if getattr(sample, "greedy", False) and (isinstance(logits, np.ndarray) or (
+            logits.dtype == mx.float32 and mx.default_device() == mx.cpu)):
+        return int(np.argmax(np.asarray(logits)))
+    return int(sample(logits if not isinstance(logits, np.ndarray) else mx.array(logits)))
 
 
 def _guarded(sample):
@@ -314,6 +325,7 @@ def rank0_sampler(options: SamplingConfig, is_root: bool):
         sample = _guarded(token_sampler(options))
         if is_root and options.seed is not None:
             mx.random.seed(options.seed)
+        sample.greedy = options.temp == 0  # host_token may take numpy's argmax
         return sample
     except (ValueError, TypeError, OverflowError) as error:
         return _failing(GenerationFailed(failure_text(error)))

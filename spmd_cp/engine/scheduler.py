@@ -34,10 +34,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 from ..config import SamplingConfig
-from .generation import Generation, Answer, failure_text, rank0_sampler
+from .generation import Generation, Answer, failure_text, host_token, rank0_sampler
 
 # A joining request's prompt of at most this many tokens is fed as rows of the running
 # sequences' next step where the step takes them (the native batched step), the first
@@ -247,7 +248,7 @@ class Scheduler:
         that end leave."""
         keys = list(self.running)
         start = time.perf_counter()
-        logits = self._step_rows(keys, prompts)
+        logits = _host_rows(self._step_rows(keys, prompts))
         rows = [(self.running[k], None if logits is None else logits[b])
                 for b, k in enumerate(keys)]
         took = time.perf_counter() - start
@@ -299,7 +300,7 @@ class Scheduler:
             decisions = []
             for running, logits in rows:
                 try:
-                    token = int(running.sample(logits))
+                    token = host_token(running.sample, logits)
                     decisions.append((token, running.answer.finished(token), None))
                 except Exception as error:  # noqa: BLE001 - this sequence's alone
                     decisions.append((-1, False, failure_text(error)))
@@ -326,3 +327,11 @@ class Scheduler:
             finish = "cancelled" if answer.was_cancelled else finish
         self.finished(running.request, Generation(tokens, text, finish, running.prefill_s,
                                                   decode_s), None)
+
+
+def _host_rows(logits):
+    """A step's float32 logits (rank 0's) as a numpy view, so that greedy rows take
+    numpy's argmax (generation.host_token); any other as they are."""
+    if isinstance(logits, mx.array) and logits.dtype == mx.float32:
+        return np.asarray(logits)
+    return logits
