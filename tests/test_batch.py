@@ -311,15 +311,21 @@ def test_greedy_answers_equal_generate_one_by_one(killed_then_resumed, workdir, 
 
 
 def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, workdir):
-    """``--max-batch 2`` on five jobs after one document (2 ranks): a job joins the batch
+    """``--max-batch 2`` on six jobs after one document (2 ranks): a job joins the batch
     as another leaves, and each greedy answer is the resumed run's (``--max-batch auto``:
     its three jobs together, d3's equal to ``generate``'s alone, the test above), both
-    over the native steps' float16 cache;
+    over the native steps' float16 cache; a question longer than PROMPT_ROWS tokens is
+    prefilled on its own, not fed as rows, and answers as ``generate`` does;
     ``ignore_eos`` decodes exactly max_tokens tokens; the summary counts the batched
     steps."""
+    from spmd_cp.engine.scheduler import PROMPT_ROWS
+
+    long_question = "Answer in one word. " * 12 + QUESTIONS["d2"]
     extra = [{"id": "d4", "prefix_file": "doc.txt", "prompt": "Describe the town.",
               "max_tokens": 12, "ignore_eos": True},
-             {"id": "d5", "prefix_file": "doc.txt", "prompt": QUESTIONS["d1"], "max_tokens": 1}]
+             {"id": "d5", "prefix_file": "doc.txt", "prompt": QUESTIONS["d1"], "max_tokens": 1},
+             {"id": "d6", "prefix_file": "doc.txt", "prompt": long_question,
+              "max_tokens": MAX_TOKENS}]
     jobs = [{**job, "max_tokens": MAX_TOKENS} for job in JOBS if "prefix_file" in job]
     path = write_jobs(workdir / "together.jsonl", jobs + extra)
     out = workdir / "together-out.jsonl"
@@ -336,9 +342,16 @@ def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, wo
     assert by_id["d5"]["token_ids"] == alone["d1"]["token_ids"][:1]
     assert by_id["d4"]["tokens"] == 12 and by_id["d4"]["finish_reason"] == "length"
     assert [r["id"] for r in map(json.loads, out.read_text().splitlines())] == \
-        ["d1", "d2", "d3", "d4", "d5"]
-    assert summary["max_batch"] == 2 and summary["answered"] == 5
+        ["d1", "d2", "d3", "d4", "d5", "d6"]
+    assert summary["max_batch"] == 2 and summary["answered"] == 6
     assert summary["batch_sizes"].get("2", 0) > 0 and summary["decode_tok_s"] > 0
+    assert summary["prompts_as_rows"] == 5  # all but d6
+    assert by_id["d6"]["prompt_tokens_prefilled"] > PROMPT_ROWS
+    prompt_file = workdir / "d6-joined.txt"
+    prompt_file.write_text(DOCUMENT.strip() + "\n\n" + long_question + "\n")
+    alone_d6 = run_cli(2, ["generate", "--max-tokens", str(MAX_TOKENS), "--json",
+                           "--prompt-file", str(prompt_file)]).last_json()
+    assert by_id["d6"]["token_ids"] == alone_d6["token_ids"]
 
 
 def test_gpu_path_batches_by_default_and_equals_its_jobs_alone(workdir):
