@@ -179,14 +179,18 @@ class NativeBatchedDecoder(PrefixBatch):
                 for s, p, n in zip(sequences, positions, seen)], np.int32)
         return prefix, tail
 
-    def _buffers(self, rows: int, mine: int) -> dict:
-        """The step's vectors for ``rows`` rows, ``mine`` of them this rank's (made once
-        for each batch size: a step overwrites all it reads)."""
+    def _buffers(self, rows: int, mine: int, logits_rows=None) -> dict:
+        """The step's vectors for ``rows`` rows, ``mine`` of them this rank's: a decode
+        step's made once for each batch size (a step overwrites all it reads); a step with
+        a prompt's rows (``logits_rows`` given) gets its own, dropped after it (their
+        counts vary without bound, and each would keep a vocabulary of logits a row)."""
+        if logits_rows is not None:
+            return self._new_buffers(rows, mine, len(logits_rows))
         if (rows, mine) not in self._step_buffers:
-            self._step_buffers[rows, mine] = self._new_buffers(rows, mine)
+            self._step_buffers[rows, mine] = self._new_buffers(rows, mine, rows)
         return self._step_buffers[rows, mine]
 
-    def _new_buffers(self, rows: int, mine: int) -> dict:
+    def _new_buffers(self, rows: int, mine: int, logit_rows: int) -> dict:
         native, f32 = self.native, (lambda *shape: np.zeros(shape, np.float32))
         dim, hidden = native.dim, max(layer.gate.rows for layer in native.layers)
         return {"h": f32(mine, dim), "normed": f32(max(rows, 1), dim),
@@ -196,7 +200,7 @@ class NativeBatchedDecoder(PrefixBatch):
                 "attention": f32(mine, native.heads * native.head_dim),
                 "o_part": f32(mine, dim), "mlp_part": f32(mine, dim),
                 "mlp_scratch": f32(mine, dim + 2 * hidden),
-                "logits": f32(rows, native.head.rows)}
+                "logits": f32(logit_rows, native.head.rows)}
 
     def _scratch_for(self, rows: int) -> int:
         """The attention's scratch (spmd_cp_batch_scratch), grown by doubling."""
@@ -214,7 +218,8 @@ class NativeBatchedDecoder(PrefixBatch):
         native_batched_split.py): the logits of ``logits_rows`` on rank 0."""
         native, comm = self.native, self.comm
         rows, mine = split.total, my_tokens.size
-        buffers = self._buffers(rows, mine) if layout is None else layout.buffers(rows)
+        buffers = self._buffers(rows, mine, logits_rows) if layout is None else \
+            layout.buffers(rows, logits_rows)
         step = self._step_for(sequences, owners, positions, split, buffers)
         self._embed(my_tokens, step.buffers["h"])
         added = None

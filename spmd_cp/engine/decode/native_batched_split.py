@@ -46,24 +46,31 @@ class SplitLayout:
         self.hidden = max(layer.gate.rows for layer in native.layers)
         self._by_rows: dict[int, dict] = {}
 
-    def buffers(self, rows: int) -> dict:
-        """The step's vectors for ``rows`` rows (made once for each batch size)."""
+    def buffers(self, rows: int, logits_rows=None) -> dict:
+        """The step's vectors for ``rows`` rows: made once for each batch size, but a
+        step with a prompt's rows (``logits_rows`` given) gets its own (the replicated
+        layout's rule, native_batched's ``_buffers``)."""
+        if logits_rows is not None:
+            return self._new_buffers(rows, len(logits_rows))
         if rows not in self._by_rows:
-            native, batch, size = self.native, self.batch, self.batch.comm.size
-            f32 = functools.partial(np.zeros, dtype=np.float32)
-            dim, width = native.dim, batch.width
-            self._by_rows[rows] = {
-                "h": f32((rows, dim)), "normed": f32((rows, dim)),
-                "qkv_local": f32((rows, self.my_qkv)), "qkv_ranks": f32(rows * width),
-                "qkv": f32((rows, width)), "partials": f32((rows, batch.partial)),
-                "gathered": f32((size, rows, batch.partial)),
-                "attention": f32((rows, native.heads * native.head_dim)),
-                "o_mine": f32((rows, self.my_o)),
-                "o_ranks": f32(rows * dim), "o_part": f32((rows, dim)),
-                "mlp_scratch": f32((rows, dim + 2 * self.hidden)),
-                "mlp_local": f32((rows, dim)), "mlp_part": f32((rows, dim)),
-                "logits": f32((rows, native.head.rows))}
+            self._by_rows[rows] = self._new_buffers(rows, rows)
         return self._by_rows[rows]
+
+    def _new_buffers(self, rows: int, logit_rows: int) -> dict:
+        native, batch, size = self.native, self.batch, self.batch.comm.size
+        f32 = functools.partial(np.zeros, dtype=np.float32)
+        dim, width = native.dim, batch.width
+        return {
+            "h": f32((rows, dim)), "normed": f32((rows, dim)),
+            "qkv_local": f32((rows, self.my_qkv)), "qkv_ranks": f32(rows * width),
+            "qkv": f32((rows, width)), "partials": f32((rows, batch.partial)),
+            "gathered": f32((size, rows, batch.partial)),
+            "attention": f32((rows, native.heads * native.head_dim)),
+            "o_mine": f32((rows, self.my_o)),
+            "o_ranks": f32(rows * dim), "o_part": f32((rows, dim)),
+            "mlp_scratch": f32((rows, dim + 2 * self.hidden)),
+            "mlp_local": f32((rows, dim)), "mlp_part": f32((rows, dim)),
+            "logits": f32((logit_rows, native.head.rows))}
 
     def layer(self, step, index: int, layer_kv, added) -> int:
         """One layer of the step (see the module doc); the address of its MLP's output."""
