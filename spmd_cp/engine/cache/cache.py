@@ -271,6 +271,21 @@ class ShardedKVCache:
             self.rank_positions[rank] = self._positions[rank].extend(positions)
             self.num_tokens += int(positions.size)
 
+    def append_placed(self, owners: np.ndarray, token_ids: np.ndarray, keys: list,
+                      values: list, placement: tuple[int, int]):
+        """Append tokens a decode step placed elsewhere (a native batched step's rows):
+        ``owners`` each one's storing rank in position order, from ``num_tokens`` on;
+        ``keys``/``values`` per layer this rank's entries of them (NKV, n, d), float32
+        that this cache's dtype holds exactly (LayerKV.append_float32); ``placement``
+        the decode placement rule's state after them (decode_steps, decode_owner)."""
+        positions = self.num_tokens + np.arange(owners.size, dtype=np.int64)
+        self.add_positions([positions[owners == rank] for rank in range(self.cp_size)],
+                           token_ids)
+        if np.any(owners == self.cp_rank):
+            for layer, layer_keys, layer_values in zip(self.layers, keys, values):
+                layer.append_float32(layer_keys, layer_values)
+        self.decode_steps, self.decode_owner = placement
+
     def place_decode_token(self, interleave: int) -> int:
         """The rank that caches the next decode token (counted as placed).
 

@@ -48,7 +48,7 @@ from ..cache.cache import ShardedKVCache
 from .native_decode import ROPE_BLOCK, NativeDecoder
 from .native_batched_split import SplitLayout
 from .native_views import float32_view
-from .native_tails import NativeTails, append_rows
+from .native_tails import NativeTails
 from .prefix_batch import PrefixBatch
 
 # A step runs in the split layout (where the plan's step is split) while the replicated
@@ -125,11 +125,13 @@ class NativeBatchedDecoder(PrefixBatch):
         ``cache``, its source (the server's resident entry): its next request continues
         from there."""
         sequence = self.sequences[key]
-        placed, sequence.placed = sequence.placed, []
-        if len(placed) != len(token_ids) or cache.num_tokens + len(placed) != sequence.position:
+        owners, sequence.placed = np.array(sequence.placed, np.int64), []
+        if owners.size != len(token_ids) or cache.num_tokens + owners.size != sequence.position:
             raise ValueError("a write-back of rows the sequence did not take")
-        append_rows(self.tails, sequence.slot, placed, cache, token_ids)
-        cache.decode_steps, cache.decode_owner = sequence.decode_steps, sequence.decode_owner
+        keys, values = self.tails.last_entries(
+            sequence.slot, int(np.count_nonzero(owners == self.comm.rank)))
+        cache.append_placed(owners, token_ids, keys, values,
+                            (sequence.decode_steps, sequence.decode_owner))
 
     def _store_rows(self, sequences, owners, positions) -> tuple[np.ndarray, np.ndarray]:
         """Per row the tail row its new entry takes here (-1: another rank's), recorded,

@@ -1,20 +1,22 @@
 """The native batched step's tails (native_batched.py): each slot's entries after the
-prefix that this rank holds, float32 numpy buffers the C step reads and writes in place,
-and their way back into a sharded cache (a server's resident entry after its prompt's
-rows)."""
+prefix that this rank holds, float32 numpy buffers the C step reads and writes in place."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from ..cache.cache import ShardedKVCache
 from .prefix_batch import TailSlots
 
 
 class NativeTails(TailSlots):
     """The native step's tails: per layer float32 keys and values (S, NKV, C, d), each
     entry rounded as the prefix's cache stores one."""
+
+    # Slots double as they grow: a server's requests join one by one, and each growth
+    # copies every slot's buffers and touches new pages (60-80 ms at 8 slots of 128
+    # entries for SmolLM2 at N = 2, by hand).
+    slot_growth = 2
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int):
         super().__init__()
@@ -45,6 +47,13 @@ class NativeTails(TailSlots):
         for into, buffer in ((self.keys, keys), (self.values, values)):
             into[index][slot, :, :stop - start] = _entries(buffer, start, stop)
 
+    def last_entries(self, slot: int, count: int) -> tuple[list, list]:
+        """Slot ``slot``'s last ``count`` entries here, per layer (NKV, count, d) views of
+        the keys and of the values."""
+        end = self.lengths[slot]
+        return ([k[slot, :, end - count:end] for k in self.keys],
+                [v[slot, :, end - count:end] for v in self.values])
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
@@ -56,24 +65,4 @@ def _entries(buffer: mx.array, start: int, stop: int) -> np.ndarray:
     exactly to float32 by the assignment that takes it."""
     if buffer.dtype == mx.bfloat16:
         return np.asarray(buffer[:, start:stop].astype(mx.float32))
-    mx.eval(buffer)
     return np.asarray(buffer)[:, start:stop]
-
-
-def append_rows(tails: NativeTails, slot: int, placed: list[int], cache: ShardedKVCache,
-                token_ids: np.ndarray):
-    """Slot ``slot``'s last ``len(placed)`` rows (``placed``: each one's storing rank, in
-    position order; this rank's entries are the last of its tail) appended to ``cache``
-    at its next positions, every rank's positions recorded. The tail holds each entry
-    rounded as the cache stores one: the cache gets the values the step attended to."""
-    owners = np.array(placed, np.int64)
-    positions = cache.num_tokens + np.arange(owners.size, dtype=np.int64)
-    cache.add_positions([positions[owners == rank] for rank in range(cache.cp_size)],
-                        token_ids)
-    mine = int(np.count_nonzero(owners == cache.cp_rank))
-    end = tails.lengths[slot]
-    if not mine:
-        return
-    for index, layer in enumerate(cache.layers):
-        layer.append_float32(tails.keys[index][slot, :, end - mine:end],
-                             tails.values[index][slot, :, end - mine:end])

@@ -36,6 +36,8 @@ class TailSlots:
     position of every entry, (S, C), NO_POSITION where a row is free, and each slot's
     entry count. The keys and values are the subclass's (``take``, ``nbytes``)."""
 
+    slot_growth = 1  # slots a growth makes, times those held (at least those asked)
+
     def __init__(self):
         self.positions = np.zeros((0, 0), np.int64)
         self.lengths: list[int] = []  # each slot's entries here
@@ -45,9 +47,8 @@ class TailSlots:
         old_slots, old_capacity = self.positions.shape
         if slots <= old_slots and capacity <= old_capacity:
             return
-        # slots double (a server's requests join one by one: each growth copies every
-        # slot's buffers); capacity grows as asked (admit reserves a whole answer's room)
-        slots = max(slots, 2 * old_slots) if slots > old_slots else old_slots
+        # capacity grows as asked (admit reserves a whole answer's room)
+        slots = max(slots, self.slot_growth * old_slots) if slots > old_slots else old_slots
         capacity = -(-max(capacity, old_capacity) // TAIL_STEP) * TAIL_STEP
         positions = np.full((slots, capacity), NO_POSITION, np.int64)
         positions[:old_slots, :old_capacity] = self.positions
