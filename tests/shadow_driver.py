@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from gguf_files import random_tensor  # noqa: E402
 from spmd_cp.kernels.gemv_forward import lend_pool  # noqa: E402
+from spmd_cp.models.packed_load import released_columns  # noqa: E402
 from spmd_cp.models.quantized_shadows import (  # noqa: E402
     BLOCK_TYPES, SHADOWS, Blocks, Packed, available)
 
@@ -199,6 +200,10 @@ if "affine 576" in MATRICES:
 
 
 
+def reference_columns(x: mx.array, values: np.ndarray) -> np.ndarray:
+    return np.array(x, np.float64) @ values.astype(np.float64).T
+
+
 def released_cases(cases: dict) -> dict:
     """Matrices whose float32 memory is handed back (a packed-only load): their memory
     reads as zeros after, yet a prefill's many rows (tiles dequantized for the BLAS), one
@@ -232,6 +237,15 @@ def released_cases(cases: dict) -> dict:
             mx.eval(copy)
         checks[f"{name} filled copy"] = bool(np.array_equal(np.array(copy), values[:, :64]))
         checks[f"{name} released again"] = not np.asarray(weights).reshape(-1)[2048:-2048].any()
+        # Columns on block boundaries as a name of their own over the packed columns (the
+        # split decode step's down): no values, its row's product the packed kernel's
+        block = 256 if name in ("Q4_K", "Q6_K", "IQ4_XS") else 32
+        columns = released_columns(weights, block, 2 * block)
+        checks[f"{name} columns hold no values"] = columns is not None and \
+            not np.asarray(columns).reshape(-1)[2048:-2048].any()
+        cases[f"{name} released columns row"] = measured(
+            lambda: many[:1, block:2 * block] @ columns.T, reference_columns(
+                many[:1, block:2 * block], values[:, block:2 * block]))
     return checks
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,6 +44,7 @@ from ...runtime.comm import Comm
 from ..weights.expert_slices import expert_bytes, expert_slice, expert_width, experts_obstacle
 from ..layer_parts import LayerParts, describe_feed_forward
 from ..model import CPModel, vocabulary_projection
+from ...models.packed_load import released_columns
 from ...models.quantized_shadows import SHADOWS
 from ..weights.vocab_parallel import VocabParallelHead
 from ..weights.weight_slices import WeightMatrix, apply_all, column_slice, split_ranges, stack_rows
@@ -155,7 +156,10 @@ class LayerSlice:
         pieces = column_slice(plan.qkv, *plan.qkv_ranges[rank], join=False)
         join_qkv = copy_rows or _joined_bytes(pieces) > 0
         parts = stack_rows(pieces) if join_qkv else pieces
-        self.qkv_parts = [m.evaluated(copy=join_qkv) for m in parts]
+        # A packed-only matrix's memory holds its values again while rows are copied
+        # from it (models/packed_load.py)
+        with SHADOWS.filled([m.weight for m in plan.qkv] if join_qkv else []):
+            self.qkv_parts = [m.evaluated(copy=join_qkv) for m in parts]
         if join_qkv and len(self.qkv_parts) == 1:
             SHADOWS.register_stacked(self.qkv_parts[0].weight, [m.weight for m in pieces])
         self.o_sizes = [b - a for a, b in plan.o_ranges]
@@ -171,11 +175,27 @@ class LayerSlice:
         self.mixture, self.own_experts = None, 0
         self.gate = plan.gate.rows(a, b).evaluated(copy=copy_rows)
         self.up = plan.up.rows(a, b).evaluated(copy=copy_rows)
-        self.down = plan.down.columns(a, b, keep_bias=rank == 0).materialized()
-        SHADOWS.register_columns(self.down.weight, plan.down.weight, a, b)
+        self.down = self._down_columns(plan.down, a, b, keep_bias=rank == 0)
         self.own.append(self.down)
         if copy_rows:
             self.own += [self.gate, self.up]
+
+    @staticmethod
+    def _down_columns(down: WeightMatrix, a: int, b: int, keep_bias: bool) -> WeightMatrix:
+        """Inputs [a, b) of down in memory of their own: a packed-only matrix's as a
+        released name over its packed columns, any other's copied (and registered with
+        the packed columns where it has a packed form)."""
+        columns = down.columns(a, b, keep_bias)
+        name = released_columns(down.weight, a, b) if columns.quant is None else None
+        if name is not None:
+            bias = None if columns.bias is None else mx.contiguous(columns.bias)
+            copy = replace(columns, weight=name, bias=bias)
+            mx.eval(copy.arrays)
+            return copy
+        with SHADOWS.filled([down.weight]):
+            copy = columns.materialized()
+        SHADOWS.register_columns(copy.weight, down.weight, a, b)
+        return copy
 
     def qkv(self, x: mx.array):
         qkv = apply_all(self.qkv_parts, x)  # this rank's outputs of [Wq; Wk; Wv]
@@ -271,14 +291,6 @@ def describe_weights(layer, model: CPModel) -> str:
     return str(parts.qkv[0].weight.dtype).replace("mlx.core.", "")
 
 
-def copied_matrices(layer) -> list[mx.array]:
-    """The weights ``LayerSlice`` may copy parts of: q/k/v (joined rows) and down (its
-    columns). A mixture's experts are cut by expert_slices from float32 weights."""
-    parts = LayerParts.of(layer)
-    modules = [*parts.qkv, parts.down]
-    return [m["weight"] for m in modules if isinstance(m, nn.Module) and "weight" in m]
-
-
 class TensorParallelDecoder:
     """Decode steps with every matmul split across the ranks of ``comm``."""
 
@@ -294,12 +306,8 @@ class TensorParallelDecoder:
         for layer, form in zip(model.layers, model.forms):
             if not self.layers:
                 cut_from = describe_weights(layer, model)
-            # A packed-only matrix's memory holds its values again while its slices
-            # are copied (models/packed_load.py), one layer at a time: the copies are
-            # cut from q/k/v and down (the other slices are views).
-            with SHADOWS.filled(copied_matrices(layer)):
-                self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded,
-                                              sandwich=form.sandwich))
+            self.layers.append(LayerSlice(layer, self.collectives, copy_rows=sharded,
+                                          sandwich=form.sandwich))
             self.modules.append(LayerShell(layer) if sharded else layer)
         if isinstance(model.lm_head, VocabParallelHead):  # already split by vocabulary rows
             self.head, self.vocab_sizes = model.lm_head.project, model.lm_head.widths
