@@ -97,7 +97,11 @@ def released_columns(source: mx.array, start: int, stop: int) -> mx.array | None
     if packed is None:
         return None
     name = _released_name((source.shape[0], stop - start))
-    return name if SHADOWS.register(name, packed, check=_first_rows(packed)) else None
+    if not SHADOWS.register(name, packed, check=_first_rows(packed)):
+        return None
+    if not SHADOWS.is_released(name):  # its memory holds no values: products read packed
+        SHADOWS.release(name)
+    return name
 
 
 def _first_rows(packed: Packed | Blocks) -> np.ndarray:
