@@ -329,23 +329,26 @@ class Shadows:
                 self.register(copy[start:start + rows], packed)
             start += rows
 
-    def timed_reads(self, matrices: list, comm) -> tuple[int, float]:
+    def timed_reads(self, matrices: list, comm, sample_bytes: int) -> tuple[int, float]:
         """(float32 bytes, seconds) of the products of those of ``matrices`` that have a
         shadow, one row each, as a decode step makes them: every rank at once after a
-        barrier, the best of two rounds. Collective (every rank calls it), and the same
-        answer on every rank, so that all decide alike: the fewest bytes any rank reads
-        packed and the longest time (comm: runtime.comm.Comm)."""
+        barrier, the best of two rounds over the first ones that make up ``sample_bytes``
+        of float32 (or all), scaled to all. Collective, the same answer on every rank so
+        that all decide alike: the fewest bytes any rank reads packed, the longest time."""
         mine = [m for m in matrices if m.dtype == mx.float32 and m.ndim == 2 and
                 self.packed_of(m) is not None]
-        rows = {m.shape[1]: mx.ones((1, m.shape[1]), mx.float32) for m in mine}
+        starts = np.cumsum([0] + [m.nbytes for m in mine])  # each one's float32 offset
+        sample = [m for m, start in zip(mine, starts) if start < sample_bytes]
+        rows = {m.shape[1]: mx.ones((1, m.shape[1]), mx.float32) for m in sample}
         mx.eval(list(rows.values()))
         best = float("inf") if mine else 0.0
         comm.barrier()
         for _ in range(2 if mine else 0):
             start = time.perf_counter()
-            mx.eval([rows[m.shape[1]] @ m.T for m in mine])
+            mx.eval([rows[m.shape[1]] @ m.T for m in sample])
             best = min(best, time.perf_counter() - start)
-        answers = comm.allgather_object((sum(m.nbytes for m in mine), best))
+        scaled = best * starts[-1] / max(starts[len(sample)], 1)
+        answers = comm.allgather_object((int(starts[-1]), scaled))
         return min(b for b, _ in answers), max(s for _, s in answers)
 
 
