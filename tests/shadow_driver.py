@@ -258,11 +258,25 @@ if os.environ.get("SHADOW_DRIVER_RELEASE") == "misuse":
     raise SystemExit(0)
 released = released_cases(cases) if os.environ.get("SHADOW_DRIVER_PART") != "blocks" else {}
 
+
+def timed_sample() -> dict:
+    """decode_plan's timing of packed reads over a sample (``timed_reads``): the bytes of
+    every matrix with a shadow, the products of the sample's alone (two rounds)."""
+    from mpi4py import MPI
+
+    from spmd_cp.runtime.comm import Comm
+
+    matrices = [m for m in MATRICES.values() if SHADOWS.packed_of(m) is not None]
+    before = SHADOWS.products()
+    total, seconds = SHADOWS.timed_reads(matrices, Comm(MPI.COMM_SELF), matrices[0].nbytes)
+    return {"all bytes": total == sum(m.nbytes for m in matrices), "seconds": seconds,
+            "products": SHADOWS.products() - before, "matrices": len(matrices)}
+
 # Whether the block kernels run as vector code here (a plain C build: not)
 block_vectors = bool(ctypes.CDLL(None).spmd_cp_block_shadow_vectors())
 print("RESULT " + json.dumps({"available": available(), "block_vectors": block_vectors,
                               "pool_threads": pool_threads,
                               "registered": registered,
                               "refusals": refusals, "refused": SHADOWS.refused,
-                              "released": released,
+                              "released": released, "timed sample": timed_sample(),
                               "cases": cases}), flush=True)

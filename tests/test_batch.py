@@ -316,13 +316,13 @@ def test_jobs_decoded_together_equal_their_answers_alone(killed_then_resumed, wo
     its three jobs together, d3's equal to ``generate``'s alone, the test above), both
     over the native steps' float16 cache; a question longer than PROMPT_ROWS tokens is
     prefilled on its own, not fed as rows, and answers as ``generate`` does;
-    ``ignore_eos`` decodes exactly max_tokens tokens; the summary counts the batched
-    steps."""
+    ``ignore_eos`` decodes exactly max_tokens tokens (a sampled job's rows among the
+    greedy ones); the summary counts the batched steps."""
     from spmd_cp.engine.scheduler import PROMPT_ROWS
 
     long_question = "Answer in one word. " * 12 + QUESTIONS["d2"]
     extra = [{"id": "d4", "prefix_file": "doc.txt", "prompt": "Describe the town.",
-              "max_tokens": 12, "ignore_eos": True},
+              "max_tokens": 12, "ignore_eos": True, "temperature": 0.8},
              {"id": "d5", "prefix_file": "doc.txt", "prompt": QUESTIONS["d1"], "max_tokens": 1},
              {"id": "d6", "prefix_file": "doc.txt", "prompt": long_question,
               "max_tokens": MAX_TOKENS}]

@@ -45,7 +45,8 @@ def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
     decode step's: the packed rows read once for all, on the caller's thread and on the
     decode step's pool). 33 rows, a matrix one float32 step off its packed form, a second
     registration of the same memory and 2-bit weights stay with the BLAS. Then GGUF's
-    block types (``check_block_cases``)."""
+    block types (``check_block_cases``). The decode plan's
+    timing of packed reads runs its sample's products alone and counts every matrix's bytes."""
     on = run_driver(tmp_path)
     assert on["available"] and on["block_vectors"] and all(on["registered"].values()), on
     assert on["pool_threads"] >= 1, on
@@ -56,6 +57,10 @@ def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
     assert not any(on["refusals"].values())
     assert on["cases"]["mixed stacked"]["served"] == 1, on["cases"]["mixed stacked"]
     check_released(on)
+    # decode_plan's timing: the first matrix alone timed (two rounds), scaled to all
+    sample = on["timed sample"]
+    assert sample["all bytes"] and sample["seconds"] > 0 and sample["products"] == 2, sample
+    assert sample["matrices"] > 1, sample
     assert on["refused"] == {DIFFERS: 1 + len(BLOCK_TYPES),
                              "its memory is registered already": 1,
                              "a bit width, group size or row width the kernel does not read": 1}

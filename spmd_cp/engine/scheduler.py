@@ -248,30 +248,28 @@ class Scheduler:
         that end leave."""
         keys = list(self.running)
         start = time.perf_counter()
-        logits = _host_rows(self._step_rows(keys, prompts))
-        rows = [(self.running[k], None if logits is None else logits[b])
-                for b, k in enumerate(keys)]
+        logits = self._step_rows(keys, prompts)
+        host = _host_rows(logits)
+        running = [self.running[k] for k in keys]
         took = time.perf_counter() - start
-        started = [(self._new_running(request, took),
-                    None if logits is None else logits[len(keys) + i])
-                   for i, request in enumerate(prompts)]
-        decisions = self._decide(rows + started)
+        started = [self._new_running(request, took) for request in prompts]
+        decisions = self._decide([(r, _row(logits, host, b, r.sample))
+                                  for b, r in enumerate(running + started)])
         if keys:
             self.stats.step_s += time.perf_counter() - start
             self.stats.steps += 1
             self.stats.sizes[len(keys)] += 1
         self.stats.tail_tokens = max(self.stats.tail_tokens, self.decoder.tail_tokens)
         self.stats.tail_bytes = max(self.stats.tail_bytes, self.decoder.tail_bytes)
-        for (running, _), (token, stopped, error) in zip(rows, decisions):
-            running.fed.append(running.token)
+        for one, (token, stopped, error) in zip(running, decisions):
+            one.fed.append(one.token)
             if error is None:
                 self.stats.tokens += 1
-                running.token, running.produced = token, running.produced + 1
-            if error is not None or stopped or running.produced == \
-                    running.request.sampling.max_tokens:
-                self._end(running, stopped, error, admitted=True)
-        for (running, _), decision in zip(started, decisions[len(rows):]):
-            self._started(running, *decision, admitted=True)
+                one.token, one.produced = token, one.produced + 1
+            if error is not None or stopped or one.produced == one.request.sampling.max_tokens:
+                self._end(one, stopped, error, admitted=True)
+        for one, decision in zip(started, decisions[len(running):]):
+            self._started(one, *decision, admitted=True)
 
     def _step_rows(self, keys: list, prompts: list[Request]):
         """The step: the running sequences' last tokens, then each prompt's tokens (its
@@ -330,8 +328,17 @@ class Scheduler:
 
 
 def _host_rows(logits):
-    """A step's float32 logits (rank 0's) as a numpy view, so that greedy rows take
-    numpy's argmax (generation.host_token); any other as they are."""
-    if isinstance(logits, mx.array) and logits.dtype == mx.float32:
+    """A step's float32 logits on the CPU (rank 0's) as one numpy view, whose greedy rows
+    take numpy's argmax (generation.host_token); None for any other."""
+    if isinstance(logits, mx.array) and logits.dtype == mx.float32 and \
+            mx.default_device() == mx.cpu:
         return np.asarray(logits)
-    return logits
+    return None
+
+
+def _row(logits, host, b: int, sample):
+    """Row ``b`` of a step's logits for ``sample``: the numpy view's for a greedy sampler
+    where there is one, else MLX's (a sampler's own ops, no copy made for it)."""
+    if logits is None:
+        return None
+    return host[b] if host is not None and getattr(sample, "greedy", False) else logits[b]

@@ -63,9 +63,8 @@ def _tensor(files, mapped: np.memmap, name: str) -> dict:
         rows, cols = info.shape
         row_bytes = gguf_types.byte_shape(info.shape, info.kind)[-1]
         data = mapped[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
-        check = gguf_types.to_float32(np.asarray(data[:CHECKED_ROWS]), info.kind,
-                                      (min(rows, CHECKED_ROWS), cols))
-        return {name: _registered(key, Blocks(data, info.kind, cols), check,
+        blocks = Blocks(data, info.kind, cols)
+        return {name: _registered(key, blocks, _first_rows(blocks),
                                   lambda: mx.array(gguf_types.to_float32(
                                       np.asarray(data), info.kind, info.shape)))}
     part = files.read(name)
@@ -81,8 +80,7 @@ def _tensor(files, mapped: np.memmap, name: str) -> dict:
         mx.eval(weight)
         return {name: weight}
     packed = Packed.of(*triple, bits, GROUP_SIZE)
-    check = dequantize_float32(*(t[:CHECKED_ROWS] for t in triple), bits)
-    return {name: _registered(key, packed, np.array(check), dequantized)}
+    return {name: _registered(key, packed, _first_rows(packed), dequantized)}
 
 
 def released_columns(source: mx.array, start: int, stop: int) -> mx.array | None:

@@ -40,8 +40,9 @@ def note_released(nbytes: int):
     the tasks in flight, polling its allocator's lock. A model whose float32 names
     outgrow the RAM (Llama-3.1-8B's shapes: 30 GB of names on a 24 GB machine) ran every
     prefill that way: 3.2 tok/s for 133 tokens at N = 2, a third of the time in that
-    polling; 7.5 tok/s with the limit raised by the released bytes (2-core AMD EPYC,
-    benchmarks/big_packed_model.py). The headroom for real buffers is what it was."""
+    polling; 7.5 tok/s with the limit raised by the released bytes (2-core AMD EPYC, by
+    hand: the generate command benchmarks/big_packed_model.py runs). The headroom for
+    real buffers is what it was."""
     global _released_bytes
     _released_bytes += nbytes
     mx.set_memory_limit(mx.get_memory_limit() + nbytes)

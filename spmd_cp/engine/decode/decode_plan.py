@@ -50,8 +50,9 @@ log = logging.getLogger("spmd_cp")
 # split one holds copied column slices besides the weights.
 SPLIT_MARGIN = 0.25
 # Packed reads are timed over the first split matrices (layer order) that make up this
-# much float32 and scaled to all: an 8B Q4_K_M model's 30 GB took 2.3 s of its decode
-# setup at N = 2 timed whole (2-core AMD EPYC); a smaller model is timed whole.
+# much float32 and scaled to all: timed whole, an 8B Q4_K_M model's 30 GB made `auto`'s
+# decode setup 2.3 s longer than `--decode-tp on`'s at N = 2 (2-core AMD EPYC, by
+# hand); a smaller model is timed whole.
 READ_SAMPLE_BYTES = 4 << 30
 
 # --kv-dtype auto: a half-precision cache where the native decode step reads it (its

@@ -186,7 +186,7 @@ class LayerSlice:
         released name over its packed columns, any other's copied (and registered with
         the packed columns where it has a packed form)."""
         columns = down.columns(a, b, keep_bias)
-        name = released_columns(down.weight, a, b) if columns.quant is None else None
+        name = released_columns(down.weight, a, b)
         if name is not None:
             bias = None if columns.bias is None else mx.contiguous(columns.bias)
             copy = replace(columns, weight=name, bias=bias)
