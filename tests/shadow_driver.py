@@ -272,6 +272,29 @@ def timed_sample() -> dict:
     return {"all bytes": total == sum(m.nbytes for m in matrices), "seconds": seconds,
             "products": SHADOWS.products() - before, "matrices": len(matrices)}
 
+def two_rows() -> dict:
+    """Batched products with the affine rows two at a time (the AVX-512VL kernels, where
+    the CPU has them) against one at a time: whether both give the same bits, whether
+    the shadows served both, and whether the two-row kernels ran here."""
+    switch = ctypes.CDLL(None).spmd_cp_forward_two_rows
+    equal, here = {}, bool(switch(1))
+    # rows of x that outgrow the first-level cache (where rows are paired): 8 rows of 4-bit
+    # weights, 3 (the even / odd sums), 8 ending in half a block, 8 rows of 8-bit weights
+    for name, (rows, cols, bits, m) in {"4-bit": (66, 1536, 4, 8), "4-bit 3 rows": (66, 4096, 4, 3),
+                                        "4-bit half block": (66, 1568, 4, 8),
+                                        "8-bit": (66, 1536, 8, 8)}.items():
+        weights, packed = packed_matrix(rows, cols, bits, 32)
+        assert SHADOWS.register(weights, packed)
+        x = random_rows(m, cols)
+        before, got = SHADOWS.products(), []
+        for allowed in (1, 0):
+            switch(allowed)
+            got.append(np.array(x @ weights.T))
+        equal[name] = bool(np.array_equal(*got)) and SHADOWS.products() - before == 2
+    switch(1)
+    return {"here": here, "equal": equal}
+
+
 # Whether the block kernels run as vector code here (a plain C build: not)
 block_vectors = bool(ctypes.CDLL(None).spmd_cp_block_shadow_vectors())
 print("RESULT " + json.dumps({"available": available(), "block_vectors": block_vectors,
@@ -279,4 +302,6 @@ print("RESULT " + json.dumps({"available": available(), "block_vectors": block_v
                               "registered": registered,
                               "refusals": refusals, "refused": SHADOWS.refused,
                               "released": released, "timed sample": timed_sample(),
+                              "two rows": two_rows() if os.environ.get(
+                                  "SHADOW_DRIVER_PART") != "blocks" else None,
                               "cases": cases}), flush=True)

@@ -46,7 +46,9 @@ def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
     decode step's pool). 33 rows, a matrix one float32 step off its packed form, a second
     registration of the same memory and 2-bit weights stay with the BLAS. Then GGUF's
     block types (``check_block_cases``). The decode plan's
-    timing of packed reads runs its sample's products alone and counts every matrix's bytes."""
+    timing of packed reads runs its sample's products alone and counts every matrix's bytes.
+    Batched products that take the rows two at a time (AVX-512VL) give the one-row
+    kernels' bits."""
     on = run_driver(tmp_path)
     assert on["available"] and on["block_vectors"] and all(on["registered"].values()), on
     assert on["pool_threads"] >= 1, on
@@ -61,6 +63,8 @@ def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
     sample = on["timed sample"]
     assert sample["all bytes"] and sample["seconds"] > 0 and sample["products"] == 2, sample
     assert sample["matrices"] > 1, sample
+    # two weight rows at a time (where the CPU has AVX-512VL) or not: the same bits
+    assert on["two rows"]["equal"] and all(on["two rows"]["equal"].values()), on["two rows"]
     assert on["refused"] == {DIFFERS: 1 + len(BLOCK_TYPES),
                              "its memory is registered already": 1,
                              "a bit width, group size or row width the kernel does not read": 1}

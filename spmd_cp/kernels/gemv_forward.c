@@ -192,6 +192,7 @@ static long long shadow_products; /* products served, for tests and traces */
 
 #ifdef HAVE_X86_VECTORS
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX512VL_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
 /* Loops of a constant count, unrolled so that their arrays of vectors stay in registers
  * (GCC's -O2 keeps them in memory otherwise). */
 #define UNROLLED _Pragma("GCC unroll 16")
@@ -435,47 +436,62 @@ AVX2_TARGET static inline __m128 four_sums(__m256 a, __m256 b, __m256 c, __m256 
   return _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1));
 }
 
-/* Row `row`'s dot products with m <= 8 vectors in lane order, interleaved eight floats
- * at a time (interleaved_lanes: the i-th vector's v-th eight at lanes + (v m + i) 8),
- * into out[i]: each block dequantized once in registers for all m (a batched decode
- * step's rows), one accumulator a vector. A body per m (the dispatch below): with m a
- * constant every operand is one pointer plus a constant, no tests and no offsets
- * reloaded from the stack. */
-#define SHADOW_DOTM(NAME, BITS, FUSED)                                                 \
-  AVX2_TARGET static inline __attribute__((always_inline)) void NAME##_body(          \
+/* Rows row .. row + ROWS - 1's dot products with m <= 8 vectors in lane order,
+ * interleaved eight floats at a time (interleaved_lanes: the i-th vector's v-th eight at
+ * lanes + (v m + i) 8), into out[8 r + i]: each block dequantized once in registers for
+ * all m (a batched decode step's rows), one accumulator a row and vector. A body per m
+ * (the dispatch below): with m a constant every operand is one pointer plus a constant,
+ * no tests and no offsets reloaded from the stack. Each row's sums are the one-row
+ * kernel's, in its order: two rows at once give the same values bit for bit. */
+#define SHADOW_DOTM(NAME, BITS, FUSED, ROWS, TARGET)                                   \
+  TARGET static inline __attribute__((always_inline)) void NAME##_body(               \
       const shadow *sh, int row, const float *lanes, int m, float *out) {             \
-    SHADOW_ROW_START(BITS, FUSED);                                                     \
+    SHADOW_START(BITS, FUSED);                                                         \
+    row_view view[ROWS];                                                               \
+    UNROLLED for (int r = 0; r < ROWS; r++) view[r] = view_row(sh, row + r);           \
     /* Up to four vectors: two accumulators each (even and odd shifts: SHADOW_DOT2's \
      * sums), so that an FMA seldom waits for the one before it on its accumulator    \
      * (4-bit rows in cache, a C harness on the 2-core AMD EPYC, 2026-12-07: 1.66x at \
      * m = 2, 1.24x at m = 4; more accumulators spill AVX2's 16 registers). */         \
     enum { PAIRED = 4 };                                                               \
-    __m256 acc[8], odd[PAIRED];                                                        \
-    UNROLLED for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                 \
-    UNROLLED for (int i = 0; i < PAIRED; i++) odd[i] = _mm256_setzero_ps();            \
+    __m256 acc[ROWS][8], odd[ROWS][PAIRED];                                            \
+    UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
+      UNROLLED for (int i = 0; i < 8; i++) acc[r][i] = _mm256_setzero_ps();            \
+      UNROLLED for (int i = 0; i < PAIRED; i++) odd[r][i] = _mm256_setzero_ps();       \
+    }                                                                                  \
     for (int b = 0; b < blocks; b++, lanes += BLOCK * m) {                             \
-      __m256i words = block_words(p, b, whole);                                        \
       int first = first_group(sh, b, BLOCK);                                           \
-      __m256 scale = per_lane(scales, kind, first, two, groups);                       \
-      __m256 bias = per_lane(biases, kind, first, two, groups);                        \
+      __m256i words[ROWS];                                                             \
+      __m256 scale[ROWS], bias[ROWS];                                                  \
+      UNROLLED for (int r = 0; r < ROWS; r++) {                                        \
+        words[r] = block_words(view[r].p, b, whole);                                   \
+        scale[r] = per_lane(view[r].scales, kind, first, two, groups);                 \
+        bias[r] = per_lane(view[r].biases, kind, first, two, groups);                  \
+      }                                                                                \
       UNROLLED for (int s = 0; s < PER_WORD; s++) {                                    \
-        __m256 w = SHADOW_WEIGHTS(s);                                                  \
+        __m256 w[ROWS];                                                                \
+        UNROLLED for (int r = 0; r < ROWS; r++)                                        \
+          w[r] = SHADOW_WEIGHTS_OF(words[r], s, scale[r], bias[r]);                    \
         UNROLLED for (int i = 0; i < 8; i++) {                                         \
           if (i >= m) continue;                                                        \
           __m256 x = _mm256_loadu_ps(lanes + (s * m + i) * 8);                         \
-          if (m <= PAIRED && s % 2 == 1)                                               \
-            odd[i % PAIRED] = _mm256_fmadd_ps(w, x, odd[i % PAIRED]);                  \
-          else                                                                         \
-            acc[i] = _mm256_fmadd_ps(w, x, acc[i]);                                    \
+          UNROLLED for (int r = 0; r < ROWS; r++) {                                    \
+            if (m <= PAIRED && s % 2 == 1)                                             \
+              odd[r][i % PAIRED] = _mm256_fmadd_ps(w[r], x, odd[r][i % PAIRED]);       \
+            else                                                                       \
+              acc[r][i] = _mm256_fmadd_ps(w[r], x, acc[r][i]);                         \
+          }                                                                            \
         }                                                                              \
       }                                                                                \
     }                                                                                  \
-    UNROLLED for (int i = 0; i < 8; i++)                                               \
-      if (i < m)                                                                       \
-        out[i] = horizontal_sum(m <= PAIRED ? _mm256_add_ps(acc[i], odd[i % PAIRED]) : acc[i]); \
+    UNROLLED for (int r = 0; r < ROWS; r++)                                            \
+      UNROLLED for (int i = 0; i < 8; i++)                                             \
+        if (i < m)                                                                     \
+          out[8 * r + i] = horizontal_sum(                                             \
+              m <= PAIRED ? _mm256_add_ps(acc[r][i], odd[r][i % PAIRED]) : acc[r][i]); \
   }                                                                                    \
-  AVX2_TARGET static void NAME(const shadow *sh, int row, const float *lanes, int m,  \
-                               float *out) {                                           \
+  TARGET static void NAME(const shadow *sh, int row, const float *lanes, int m,       \
+                          float *out) {                                                \
     switch (m) {                                                                       \
       case 1: NAME##_body(sh, row, lanes, 1, out); return;                             \
       case 2: NAME##_body(sh, row, lanes, 2, out); return;                             \
@@ -500,14 +516,30 @@ SHADOW_ROW(row4_unfused, 4, 0)
 SHADOW_ROW(row4_fused, 4, 1)
 SHADOW_ROW(row8_unfused, 8, 0)
 SHADOW_ROW(row8_fused, 8, 1)
-SHADOW_DOTM(dotm4_unfused, 4, 0)
-SHADOW_DOTM(dotm4_fused, 4, 1)
-SHADOW_DOTM(dotm8_unfused, 8, 0)
-SHADOW_DOTM(dotm8_fused, 8, 1)
+SHADOW_DOTM(dotm4_unfused, 4, 0, 1, AVX2_TARGET)
+SHADOW_DOTM(dotm4_fused, 4, 1, 1, AVX2_TARGET)
+SHADOW_DOTM(dotm8_unfused, 8, 0, 1, AVX2_TARGET)
+SHADOW_DOTM(dotm8_fused, 8, 1, 1, AVX2_TARGET)
+/* Two rows at once where AVX-512VL gives 32 vector registers (two rows' accumulators
+ * for eight vectors and their operands): each x vector loaded once for both rows, which
+ * pays where one row's vectors of x outgrow the first-level cache. On the 2-core AMD
+ * EPYC (a C harness around these kernels, matrices larger than the third-level cache,
+ * m = 8, 2026-12-07): 4-bit rows of 1536 columns 23.0 -> 27.7 GFMA/s, of 4096 columns
+ * 22.4 -> 28.7, 8-bit rows of 4096 columns 18.5 -> 28.9; 576 columns (x in that
+ * cache) 38.5 -> 36.9, 576 columns at m = 4 31.1 -> 32.4. */
+SHADOW_DOTM(dotm2_4_unfused, 4, 0, 2, AVX512VL_TARGET)
+SHADOW_DOTM(dotm2_4_fused, 4, 1, 2, AVX512VL_TARGET)
+SHADOW_DOTM(dotm2_8_unfused, 8, 0, 2, AVX512VL_TARGET)
+SHADOW_DOTM(dotm2_8_fused, 8, 1, 2, AVX512VL_TARGET)
 
 typedef void (*shadow_dotm_fn)(const shadow *, int, const float *, int, float *);
 
-static shadow_dotm_fn dotm_for(const shadow *s) {
+/* The kernel for `rows` (1 or 2) rows at once of shadow s. */
+static shadow_dotm_fn dotm_for(const shadow *s, int rows) {
+  if (rows == 2) {
+    if (s->bits == 4) return s->fused ? dotm2_4_fused : dotm2_4_unfused;
+    return s->fused ? dotm2_8_fused : dotm2_8_unfused;
+  }
   if (s->bits == 4) return s->fused ? dotm4_fused : dotm4_unfused;
   return s->fused ? dotm8_fused : dotm8_unfused;
 }
@@ -742,6 +774,12 @@ static const few_rows_fn few_rows_avx2[STREAM_ROWS + 1] = {
 static int avx2_here(void) {
   static int answer = -1;
   if (answer < 0) answer = vectors_usable();
+  return answer;
+}
+
+static int avx512vl_here(void) {
+  static int answer = -1;
+  if (answer < 0) answer = avx2_here() && cpu_has_avx512vl();
   return answer;
 }
 #endif
@@ -1261,7 +1299,7 @@ static int shadow_product(int index, int first_row, int n, float alpha, const fl
  * parts run on the decode step's pool where it is lent (a busy pool runs the product on
  * its caller alone).
  */
-enum { BATCH_ROWS = 32, BATCH_TILE = 16 };
+enum { BATCH_ROWS = 32, BATCH_TILE = 16, PAIR_X_BYTES = 32 << 10 };
 
 typedef struct {
   int index, first_row;      /* the matrix's registry entry and the first row used */
@@ -1273,6 +1311,7 @@ typedef struct {
                               * of eight interleaved (interleaved_lanes), or NULL */
   size_t lane_stride[2];     /* a row's padded lanes: run q of eight starts at q x 8 x this */
   int parts;
+  int pairs;                 /* affine rows go two at a time (AVX-512VL kernels) */
 } batch_job;
 
 /* c's entry (q, j) = alpha value + beta c. */
@@ -1291,20 +1330,25 @@ static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
   for (int j = j0; j < j1; j++, row++) {
     if (row == s->rows) row = 0, s++; /* a matrix registered in pieces */
 #ifdef HAVE_X86_VECTORS
+    const float *lanes = s->format == NULL ? job->lanes[s->bits == 8] : NULL;
+    /* two rows at once where both are this piece's and this part's */
+    int rows = lanes != NULL && job->pairs && j + 1 < j1 && row + 1 < s->rows ? 2 : 1;
     /* Fetched ahead as shadow_product does: the hardware alone streamed a 4-bit
      * matrix at 3.1 GB/s here, 24.9 GFMA/s at m = 4 against 34.0 fetched ahead (the
      * same harness, 65536 x 1536). */
-    if (row + PREFETCH_ROWS < s->rows && j + PREFETCH_ROWS < j1)
-      prefetch_row(s, row + PREFETCH_ROWS);
-    const float *lanes = s->format == NULL ? job->lanes[s->bits == 8] : NULL;
+    for (int r = 0; r < rows; r++)
+      if (row + r + PREFETCH_ROWS < s->rows && j + r + PREFETCH_ROWS < j1)
+        prefetch_row(s, row + r + PREFETCH_ROWS);
     if (lanes != NULL) {
       size_t stride = job->lane_stride[s->bits == 8];
-      float values[8];
+      float values[2 * 8];
       for (int q = 0; q < job->m; q += 8) {
         int count = job->m - q < 8 ? job->m - q : 8;
-        dotm_for(s)(s, row, lanes + (size_t)q * stride, count, values);
-        for (int i = 0; i < count; i++) put(job, q + i, j, values[i]);
+        dotm_for(s, rows)(s, row, lanes + (size_t)q * stride, count, values);
+        for (int r = 0; r < rows; r++)
+          for (int i = 0; i < count; i++) put(job, q + i, j + r, values[8 * r + i]);
       }
+      j += rows - 1, row += rows - 1;
       continue;
     }
 #endif
@@ -1332,9 +1376,36 @@ typedef void (*run_parallel_fn)(task_fn task, void *args);
 static run_parallel_fn run_parallel;
 static int pool_threads = 1;
 
+/* Whether batched products take affine rows two at a time where the CPU has the
+ * kernels for it (spmd_cp_forward_two_rows: tests compare both ways). */
+static int two_rows_allowed = 1;
+
+/* Two-row kernels allowed (`allowed` 1) or not (0); answers whether they run here. */
+int spmd_cp_forward_two_rows(int allowed) {
+  two_rows_allowed = allowed != 0;
+#ifdef HAVE_X86_VECTORS
+  return two_rows_allowed && avx512vl_here();
+#else
+  return 0;
+#endif
+}
+
 void spmd_cp_forward_use_pool(run_parallel_fn run, int threads) {
   pool_threads = run == NULL || threads < 1 ? 1 : threads;
   __atomic_store_n(&run_parallel, run, __ATOMIC_RELEASE);
+}
+
+/* The bit widths (4 | 8) of the affine pieces that hold rows [first_row, first_row + n)
+ * of shadow `index` on (a matrix registered in pieces may mix them). */
+static int affine_widths(int index, int first_row, int n) {
+  const shadow *s = &shadows[index];
+  int row = first_row, widths = 0;
+  while (row >= s->rows) row -= s->rows, s++;
+  for (int left = n; left > 0; row = 0, s++) {
+    if (s->format == NULL) widths |= s->bits;
+    left -= s->rows - row;
+  }
+  return widths;
 }
 
 /* c (m x n, ldc) = alpha A (m x k, rows lda apart) B' + beta c, B' the n rows from row
@@ -1357,20 +1428,27 @@ static int batched_product(int index, int first_row, int m, int n, int k, float 
     buffers = grown, buffers_floats = wanted;
   }
   batch_job job = {index, first_row, m, n, k, lda, ldc, alpha, beta, a, c, buffers,
-                   {NULL, NULL}, {stride4, stride8}, parts};
+                   {NULL, NULL}, {stride4, stride8}, parts, 0};
 #ifdef HAVE_X86_VECTORS
-  if (avx2_here()) { /* A's rows in both kernels' lane orders, once a product, each
-                       * run of eight rows interleaved (interleaved_lanes) */
+  if (avx2_here()) { /* A's rows in the lane order of each kernel the rows use, once
+                       * a product, each run of eight rows interleaved (interleaved_lanes) */
     float *lanes4 = buffers + (size_t)parts * k, *lanes8 = lanes4 + (size_t)m * stride4;
     float *row = lanes8 + (size_t)m * stride8;
+    int widths = affine_widths(index, first_row, n);
     for (int q = 0; q < m; q += 8) {
       int count = m - q < 8 ? m - q : 8;
-      interleaved_lanes(a + (size_t)q * lda, lda, count, k, 8, row,
-                        lanes4 + (size_t)q * stride4);
-      interleaved_lanes(a + (size_t)q * lda, lda, count, k, 4, row,
-                        lanes8 + (size_t)q * stride8);
+      if (widths & 4)
+        interleaved_lanes(a + (size_t)q * lda, lda, count, k, 8, row,
+                          lanes4 + (size_t)q * stride4);
+      if (widths & 8)
+        interleaved_lanes(a + (size_t)q * lda, lda, count, k, 4, row,
+                          lanes8 + (size_t)q * stride8);
     }
-    job.lanes[0] = lanes4, job.lanes[1] = lanes8;
+    job.lanes[0] = widths & 4 ? lanes4 : NULL, job.lanes[1] = widths & 8 ? lanes8 : NULL;
+    /* rows two at a time where one row's vectors of x outgrow the first-level cache
+     * (within it 0.96-1.04x: the harness of dotm2's note) */
+    job.pairs = two_rows_allowed && avx512vl_here() &&
+                (size_t)(m < 8 ? m : 8) * k * sizeof(float) > PAIR_X_BYTES;
   }
 #endif
   if (run == NULL) batch_part(&job, 0, 1);
