@@ -272,6 +272,7 @@ def timed_sample() -> dict:
     return {"all bytes": total == sum(m.nbytes for m in matrices), "seconds": seconds,
             "products": SHADOWS.products() - before, "matrices": len(matrices)}
 
+
 def two_rows() -> dict:
     """Batched products with the affine rows two at a time (the AVX-512VL kernels, where
     the CPU has them) against one at a time: whether both give the same bits, whether

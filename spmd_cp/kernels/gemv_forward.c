@@ -1395,6 +1395,7 @@ void spmd_cp_forward_use_pool(run_parallel_fn run, int threads) {
   __atomic_store_n(&run_parallel, run, __ATOMIC_RELEASE);
 }
 
+#ifdef HAVE_X86_VECTORS
 /* The bit widths (4 | 8) of the affine pieces that hold rows [first_row, first_row + n)
  * of shadow `index` on (a matrix registered in pieces may mix them). */
 static int affine_widths(int index, int first_row, int n) {
@@ -1407,6 +1408,7 @@ static int affine_widths(int index, int first_row, int n) {
   }
   return widths;
 }
+#endif
 
 /* c (m x n, ldc) = alpha A (m x k, rows lda apart) B' + beta c, B' the n rows from row
  * first_row of shadow `index` on: 0 where there is no memory for the buffers (nothing
