@@ -296,6 +296,25 @@ def two_rows() -> dict:
     return {"here": here, "equal": equal}
 
 
+def wide_blocks() -> dict:
+    """One row's products of the block types that have 512-bit kernels (AVX-512F, where
+    the CPU has it) with them and without (the 256-bit kernels), each against float64
+    numpy; whether the shadows served both and whether the wide kernels ran here."""
+    switch = ctypes.CDLL(None).spmd_cp_forward_wide_blocks
+    here, results = bool(switch(1)), {}
+    # Q5_0 in an odd count of blocks (the kernel takes them two at a time), a Q4_K and a
+    # Q6_K row of three blocks
+    for kind, cols in (("Q5_0", 608), ("Q4_K", 768), ("Q6_K", 768)):
+        weights, blocks = block_matrix(kind, 40, cols)
+        assert SHADOWS.register(weights, blocks)
+        x = row(cols)
+        for allowed, name in ((1, "wide"), (0, "narrow")):
+            switch(allowed)
+            results[f"{kind} {name}"] = times_transposed(x, weights)
+    switch(1)
+    return {"here": here, "cases": results}
+
+
 # Whether the block kernels run as vector code here (a plain C build: not)
 block_vectors = bool(ctypes.CDLL(None).spmd_cp_block_shadow_vectors())
 print("RESULT " + json.dumps({"available": available(), "block_vectors": block_vectors,
@@ -305,4 +324,5 @@ print("RESULT " + json.dumps({"available": available(), "block_vectors": block_v
                               "released": released, "timed sample": timed_sample(),
                               "two rows": two_rows() if os.environ.get(
                                   "SHADOW_DRIVER_PART") != "blocks" else None,
+                              "wide blocks": wide_blocks(),
                               "cases": cases}), flush=True)

@@ -69,6 +69,25 @@ def test_shadow_products_equal_numpy_and_refusals_leave_the_blas(tmp_path):
                              "its memory is registered already": 1,
                              "a bit width, group size or row width the kernel does not read": 1}
     check_block_cases(on)
+    check_wide_blocks(on["wide blocks"], avx512f_here())
+
+
+def avx512f_here() -> bool:
+    """Whether this CPU reports AVX-512F (/proc/cpuinfo's flags; False where none)."""
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def check_wide_blocks(wide: dict, expected: bool):
+    """The 512-bit block kernels run exactly where the CPU has AVX-512F, and with them and
+    without each product is served and within float32 rounding of float64 numpy's."""
+    assert wide["here"] is expected, wide
+    for kind in ("Q5_0", "Q4_K", "Q6_K"):
+        for name in ("wide", "narrow"):
+            case = wide["cases"][f"{kind} {name}"]
+            assert case["served"] == 1 and case["error"] < 1e-6, (kind, name, case)
 
 
 def check_released(result: dict):
@@ -133,6 +152,7 @@ def test_block_shadows_in_plain_c(tmp_path):
     assert result["available"] and not result["block_vectors"], result
     assert result["refused"] == {DIFFERS: len(BLOCK_TYPES)}, result["refused"]
     check_block_cases(result)
+    check_wide_blocks(result["wide blocks"], False)
 
 
 def packed_bytes(model: str) -> int:

@@ -3,7 +3,8 @@
  * F16C (float16 <-> float32 conversions). GCC's __builtin_cpu_supports knows "f16c";
  * clang's (14) does not, so F16C is read from CPUID leaf 1 (ECX bit 29) with <cpuid.h>,
  * which both compilers ship. Asked once per library. AVX-512VL (32 vector registers
- * for the same 256-bit code) where a kernel has a two-row form.
+ * for the same 256-bit code) where a kernel has a two-row form; AVX-512F where it has
+ * a 512-bit form.
  */
 #ifndef SPMD_CP_CPU_FEATURES_H
 #define SPMD_CP_CPU_FEATURES_H
@@ -24,6 +25,12 @@ static inline int cpu_has_avx2_fma(int with_f16c) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          (!with_f16c || cpu_has_f16c());
+}
+
+/* AVX-512F: 512-bit vectors (the GGUF block types' row kernels). */
+static inline int cpu_has_avx512f(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
 }
 
 /* AVX-512F and VL: 32 vector registers for 256-bit code (the two-row kernels). */

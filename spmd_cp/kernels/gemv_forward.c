@@ -1182,14 +1182,37 @@ static inline void prefetch_row(const shadow *s, int row) {
 }
 #endif
 
+/* Whether block rows take the 512-bit kernels where the CPU and the type have them
+ * (spmd_cp_forward_wide_blocks: tests compare both ways). */
+static int wide_blocks_allowed = 1;
+
+static int wide_blocks_here(void) {
+#ifdef HAVE_X86_VECTORS
+  static int answer = -1;
+  if (answer < 0) answer = avx2_here() && cpu_has_avx512f();
+  return wide_blocks_allowed && answer;
+#else
+  return 0;
+#endif
+}
+
+/* The 512-bit block kernels allowed (`allowed` 1) or not (0); answers whether they run
+ * here. */
+int spmd_cp_forward_wide_blocks(int allowed) {
+  wide_blocks_allowed = allowed != 0;
+  return wide_blocks_here();
+}
+
 #ifdef HAVE_X86_VECTORS
 /* c[j] = alpha (row first_row + j of block shadow s) . x + beta c[j], j < rows: each
- * row's blocks dequantized in registers, their products with x summed in four
- * accumulators of eight lanes (the type's block_dot_fn, gguf_blocks.h). */
+ * row's blocks dequantized in registers, their products with x summed by the type's
+ * 512-bit row kernel where it has one and the CPU runs it, else in four accumulators
+ * of eight lanes (the type's block_dot_fn, gguf_blocks.h). */
 AVX2_TARGET static void block_rows_avx2(const shadow *s, int first_row, int rows, float alpha,
                                         const float *x, float beta, float *c) {
   const block_format *f = s->format;
   block_dot_fn dot = (block_dot_fn)f->dot;
+  block_row_fn wide = wide_blocks_here() ? (block_row_fn)f->row512 : NULL;
   int count = s->cols / f->values;
   size_t row_bytes = (size_t)count * f->bytes;
   for (int j = 0; j < rows; j++) {
@@ -1198,11 +1221,16 @@ AVX2_TARGET static void block_rows_avx2(const shadow *s, int first_row, int rows
       const char *ahead = (const char *)p + PREFETCH_ROWS * s->packed_step;
       for (size_t at = 0; at < row_bytes; at += CACHE_LINE) prefetch(ahead + at);
     }
-    __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    dot(p, count, x, sum);
-    float value = horizontal_sum(_mm256_add_ps(_mm256_add_ps(sum[0], sum[1]),
-                                               _mm256_add_ps(sum[2], sum[3])));
+    float value;
+    if (wide != NULL) {
+      value = wide(p, count, x);
+    } else {
+      __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      dot(p, count, x, sum);
+      value = horizontal_sum(_mm256_add_ps(_mm256_add_ps(sum[0], sum[1]),
+                                           _mm256_add_ps(sum[2], sum[3])));
+    }
     c[j] = beta == 0.0f ? alpha * value : alpha * value + beta * c[j];
   }
 }
