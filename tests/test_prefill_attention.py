@@ -28,10 +28,20 @@ def test_prefill_attention_kernel_equals_numpy_and_mlx_tiles(cc, tmp_path):
     queries that see no key, heads 16 and 24 wide, a group of eight query heads: within
     float32 rounding of numpy's float64 and of MLX's tiles, on one thread and on three;
     a query that sees nothing is exactly 0 with an lse of -inf; --no-fast-exp keeps MLX's
-    tiles. Built by each compiler, and as the plain C alone (no vector code)."""
+    tiles. The same for the prefill MLP's GELU gate (engine/activation.py). Built by each
+    compiler, and as the plain C alone (no vector code)."""
     compiler = plain_c_compiler(tmp_path) if cc == "plain-c" else compiler_or_skip(cc)
     results = run_result_script(TESTS / "prefill_attention_probe.py", tmp_path, CC=compiler)
     assert results.pop("no_fast_exp_uses_c") is False  # MLX's tiles, as asked
+    # the prefill MLP's GELU gate: the C kernel's, within float32 rounding of numpy and
+    # of mlx-lm's, on one thread and three; a decode step's few rows and --no-fast-exp:
+    # mlx-lm's expression itself
+    for threads in (1, 3):
+        gelu = results.pop(f"gelu/{threads}")
+        assert gelu["native"] and max(gelu["numpy"], gelu["mlx"]) < 1e-6, (threads, gelu)
+        assert not gelu["equals_mlx"] and gelu["few_rows_equal_mlx"], (threads, gelu)
+    plain = results.pop("no_fast_exp_gelu")
+    assert not plain["native"] and plain["equals_mlx"], plain
     assert len(results) == 12, sorted(results)
     for name, result in results.items():
         assert result["unseen_exact"], (name, result)

@@ -32,8 +32,8 @@ def mlp_classes(form: str) -> tuple:
 
 # mlx-lm's MLPs that compute down(swiglu(gate(x), up(x))) with separate gate and up
 # matrices, Phi-3's, whose gate|up is one matrix, and those that compute
-# down(gelu_approx(gate(x)) * up(x)) (Gemma 3's: the layer loop runs them as mlx-lm's
-# modules, the decode steps through their matrices).
+# down(gelu_approx(gate(x)) * up(x)) (Gemma 3's). The layer loop and the decode steps
+# run each through its matrices.
 SWIGLU_MLPS = mlp_classes("swiglu")
 FUSED_SWIGLU_MLPS = mlp_classes("fused_swiglu")
 GELU_MLPS = mlp_classes("gelu")
@@ -87,8 +87,7 @@ class LayerParts:
     of gate|up, ``down`` the MLP's output projection, ``activation`` what the gate goes
     through before it multiplies up ("silu": SwiGLU; "gelu_approx": Gemma 3's); all None
     where the feed-forward is not a dense MLP (a mixture of experts). The layer loop runs
-    a SwiGLU MLP through these matrices, anything else as mlx-lm's module
-    ``feed_forward``."""
+    a dense MLP through these matrices, a mixture as mlx-lm's module ``feed_forward``."""
 
     attn: nn.Module
     qkv: tuple

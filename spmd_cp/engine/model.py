@@ -1,10 +1,9 @@
 """The forward pass over mlx-lm's own modules, with context-parallel attention.
 
-mlx-lm's layer ``__call__`` assumes the whole sequence (or a contiguous cache offset)
-is local. Under CP a rank holds scattered global positions and attention needs the
-other ranks, so this module re-threads the same submodules (norms, projections, RoPE,
-MLP, embedding, head) through one loop in which attention is a function handed in.
-Everything except attention is position-wise and runs unchanged on the local rows.
+mlx-lm's layer ``__call__`` assumes the whole sequence is local. Under CP a rank holds
+scattered global positions and attention needs the other ranks, so this module re-threads
+the same submodules (norms, projections, RoPE, MLP, embedding, head) through one loop in
+which attention is a function handed in; the rest runs unchanged on the local rows.
 
 The loop is written once. Who computes the projections and the MLP is a per-layer
 strategy: ``ReplicatedLayer`` (mlx-lm's modules on this rank's rows) or tp_decode's
@@ -28,6 +27,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.gemma3_text import clip_residual
 
 from ..attention.exp import swiglu
+from .activation import gelu_gate
 from ..models.quantized_shadows import embedding_rows
 from ..models.shape import ModelShape
 from .cache.cache import ShardedKVCache
@@ -195,13 +195,14 @@ class ReplicatedLayer:
 
     def _mlp(self, x: mx.array) -> mx.array:
         parts = self.parts
-        if not parts.is_swiglu:  # a mixture of experts (or Gemma's MLP): mlx-lm's module
+        if parts.gate_up is None:  # a mixture of experts: mlx-lm's module
             return parts.feed_forward(x)
         if len(parts.gate_up) == 2:
             gate, up = (linear(m, x) for m in parts.gate_up)
         else:
             gate, up = mx.split(linear(parts.gate_up[0], x), 2, axis=-1)
-        return linear(parts.down, swiglu(gate, up))
+        gated = gelu_gate if parts.activation == "gelu_approx" else swiglu
+        return linear(parts.down, gated(gate, up))
 
 
 class SandwichLayer(ReplicatedLayer):

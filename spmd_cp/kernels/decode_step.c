@@ -596,6 +596,35 @@ void spmd_cp_decode_mlp(const layer *l, float *h, const float *added, float *scr
   if (l->mlp_out_norm != NULL) rms_norm(part, l->mlp_out_norm, l->mlp_out_eps, l->dim, part);
 }
 
+/* act = activation(gate) * up over n values (`activation`: ACT_SILU or ACT_GELU_TANH),
+ * in parts of whole vectors on the pool: a prefill's MLP rows (engine/activation.py),
+ * where MLX's graph runs the elementwise maths one value at a time on one thread. */
+typedef struct {
+  int activation;
+  const float *gate, *up;
+  long n;
+  float *act;
+} gated_job;
+
+static void gated_part(void *args, int part, int parts) {
+  const gated_job *job = args;
+  long per = (job->n + parts - 1) / parts;
+  per = (per + 7) / 8 * 8; /* parts of whole vectors */
+  long first = per * part, last = first + per < job->n ? first + per : job->n;
+  if (first >= last) return;
+  int count = (int)(last - first);
+  if (job->activation == ACT_GELU_TANH)
+    geglu(job->gate + first, job->up + first, count, job->act + first);
+  else
+    swiglu(job->gate + first, job->up + first, count, job->act + first);
+}
+
+void spmd_cp_decode_activation(int activation, const float *gate, const float *up, long n,
+                               float *act) {
+  gated_job job = {activation, gate, up, n, act};
+  run_parallel(gated_part, &job);
+}
+
 /* x = RMSNorm(x) in place: the split step's MLP output where the layer norms it, once
  * the ranks' partial sums are summed. */
 void spmd_cp_decode_norm(const float *weight, float eps, int n, float *x) {

@@ -113,6 +113,7 @@ def library():
         "spmd_cp_decode_merge": [integer, integer, integer, real, pointer, pointer],
         "spmd_cp_decode_output": [pointer] * 3,
         "spmd_cp_decode_norm": [pointer, real, integer, pointer],
+        "spmd_cp_decode_activation": [integer, pointer, pointer, ctypes.c_long, pointer],
         "spmd_cp_decode_mlp": [pointer] * 5,
         "spmd_cp_decode_head": [pointer, integer, pointer, pointer, pointer, real, pointer,
                                 pointer],
