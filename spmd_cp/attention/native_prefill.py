@@ -16,12 +16,10 @@ compute it.
 
 from __future__ import annotations
 
-import functools
 
 import mlx.core as mx
 import numpy as np
 
-from ..blas.libraries import rank_threads
 from ..kernels import decode_step
 from .exp import polynomial_exp_wanted
 
@@ -30,21 +28,12 @@ from .exp import polynomial_exp_wanted
 MIN_QUERIES = 16
 
 
-@functools.lru_cache(maxsize=1)
-def _library():
-    """The loaded library with its pool started (the rank's threads), or None."""
-    library, _ = decode_step.library()
-    if library is not None:
-        library.spmd_cp_decode_set_threads(rank_threads())
-    return library
-
-
 def usable(q: mx.array) -> bool:
     """Whether ``native_attention`` computes this block: enough queries, the arrays in
     CPU memory (MLX's default device), the polynomial exp allowed (``--no-fast-exp``
     keeps MLX's ops: its exp, its sums' order), the library built."""
     return (q.shape[1] >= MIN_QUERIES and mx.default_device() == mx.cpu
-            and polynomial_exp_wanted() and _library() is not None)
+            and polynomial_exp_wanted() and decode_step.pooled_library() is not None)
 
 
 def _heads_apart(x) -> np.ndarray:
@@ -73,7 +62,7 @@ def native_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float
     positions = [np.ascontiguousarray(p, np.int64) for p in (q_pos, k_pos)]
     out = np.empty((num_heads, tq, d), np.float32)
     lse = np.empty((num_heads, tq), np.float32)
-    failed = _library().spmd_cp_prefill_attend(
+    failed = decode_step.pooled_library().spmd_cp_prefill_attend(
         *(a.ctypes.data for a in arrays + positions), num_heads, num_kv, tq, tk, d, step,
         float(scale), int(window or 0), out.ctypes.data, lse.ctypes.data)
     if failed:

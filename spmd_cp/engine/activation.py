@@ -13,14 +13,12 @@ attention); elsewhere mlx-lm's expression.
 
 from __future__ import annotations
 
-import functools
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..attention.exp import polynomial_exp_wanted
-from ..blas.libraries import rank_threads
 from ..kernels import decode_step
 
 # Fewer rows than this keep mlx-lm's expression: the C kernel evaluates its inputs, which
@@ -29,18 +27,9 @@ from ..kernels import decode_step
 MIN_ROWS = 64
 
 
-@functools.lru_cache(maxsize=1)
-def _library():
-    """The loaded library with its pool started (the rank's threads), or None."""
-    library, _ = decode_step.library()
-    if library is not None:
-        library.spmd_cp_decode_set_threads(rank_threads())
-    return library
-
-
 def _native(gate: mx.array) -> bool:
     return (gate.dtype == mx.float32 and mx.default_device() == mx.cpu
-            and polynomial_exp_wanted() and _library() is not None)
+            and polynomial_exp_wanted() and decode_step.pooled_library() is not None)
 
 
 def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
@@ -48,9 +37,10 @@ def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
     rows = gate.size // gate.shape[-1] if gate.ndim else 0
     if rows < MIN_ROWS or gate.shape != up.shape or not _native(gate):
         return nn.gelu_approx(gate) * up
-    gates, ups = (np.ascontiguousarray(x) for x in (gate, up))  # evaluates them
+    mx.eval(gate, up)
+    gates, ups = (np.ascontiguousarray(x) for x in (gate, up))
     out = np.empty_like(gates)
-    _library().spmd_cp_decode_activation(decode_step.ACTIVATIONS["gelu_approx"],
-                                         gates.ctypes.data, ups.ctypes.data, gates.size,
-                                         out.ctypes.data)
+    decode_step.pooled_library().spmd_cp_decode_activation(
+        decode_step.ACTIVATIONS["gelu_approx"], gates.ctypes.data, ups.ctypes.data,
+        gates.size, out.ctypes.data)
     return mx.array(out)

@@ -444,26 +444,35 @@ BLOCKS_INLINE void q5_k_run(const uint8_t *b, int count, int store, float *out, 
 }
 BLOCK_ENTRIES(q5_k)
 
+/* A Q6_K block's d times each 16 values' signed scale, eight at once. */
+BLOCKS_INLINE void q6_k_scales(const uint8_t *b, float *dl) {
+  __m256 d = _mm256_set1_ps(half_of(b + 208));
+  BLOCKS_UNROLLED for (int k = 0; k < 16; k += 8)
+    _mm256_storeu_ps(dl + k, _mm256_mul_ps(d, floats8(b + 192 + k, 1)));
+}
+
+/* A Q6_K block's run c = 4h + 2s + u (values 128h + 64s + 32u .. + 31) as 32 signed
+ * integers q - 32. */
+BLOCKS_INLINE __m256i q6_k_values32(const uint8_t *b, int h, int s, int u) {
+  __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+  __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * u));
+  __m256i q = _mm256_or_si256(FIELD32(low, 4 * s, 0x0f),
+                              _mm256_slli_epi16(FIELD32(high, 2 * (2 * s + u), 3), 4));
+  return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+}
+
 BLOCKS_INLINE void q6_k_run(const uint8_t *b, int count, int store, float *out, const float *x,
                             __m256 *sum) {
   for (; count--; b += 210, out += store ? 256 : 0, x += 256) {
-    float dl[16]; /* d times each 16 values' signed scale, eight at once */
-    __m256 d = _mm256_set1_ps(half_of(b + 208));
-    BLOCKS_UNROLLED for (int k = 0; k < 16; k += 8)
-      _mm256_storeu_ps(dl + k, _mm256_mul_ps(d, floats8(b + 192 + k, 1)));
-    BLOCKS_UNROLLED for (int h = 0; h < 2; h++) {
-      __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-      BLOCKS_UNROLLED for (int u = 0; u < 2; u++) {
-        __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * u));
-        BLOCKS_UNROLLED for (int s = 0; s < 2; s++) { /* values 128h + 64s + 32u .. + 31 */
+    float dl[16];
+    q6_k_scales(b, dl);
+    BLOCKS_UNROLLED for (int h = 0; h < 2; h++)
+      BLOCKS_UNROLLED for (int u = 0; u < 2; u++)
+        BLOCKS_UNROLLED for (int s = 0; s < 2; s++) {
           int c = 4 * h + 2 * s + u;
-          __m256i q = _mm256_or_si256(FIELD32(low, 4 * s, 0x0f),
-                                      _mm256_slli_epi16(FIELD32(high, 2 * (2 * s + u), 3), 4));
-          emit32(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), 1, dl[2 * c], dl[2 * c + 1], 0, 0,
-                 0, store, out + (store ? 32 * c : 0), x + 32 * c, sum);
+          emit32(q6_k_values32(b, h, s, u), 1, dl[2 * c], dl[2 * c + 1], 0, 0, 0, store,
+                 out + (store ? 32 * c : 0), x + 32 * c, sum);
         }
-      }
-    }
   }
 }
 BLOCK_ENTRIES(q6_k)
@@ -556,23 +565,18 @@ WIDE_INLINE void emit32_wide(__m256i q, float first, float second, const float *
 WIDE_TARGET static float q6_k_row512(const uint8_t *b, int count, const float *x) {
   __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (; count--; b += 210, x += 256) {
-    float dl[16]; /* d times each 16 values' signed scale */
+    float dl[16]; /* q6_k_scales's, sixteen at once: read back a lane at a time (from
+                   * memory; made eight at a time GCC keeps them in registers and
+                   * shuffles each out, 10% slower) */
     __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
     _mm512_storeu_ps(dl, _mm512_mul_ps(_mm512_set1_ps(half_of(b + 208)),
                                        _mm512_cvtepi32_ps(scales)));
-    BLOCKS_UNROLLED for (int h = 0; h < 2; h++) {
-      __m256i high = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-      BLOCKS_UNROLLED for (int u = 0; u < 2; u++) {
-        __m256i low = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * u));
-        BLOCKS_UNROLLED for (int s = 0; s < 2; s++) { /* values 128h + 64s + 32u .. + 31 */
+    BLOCKS_UNROLLED for (int h = 0; h < 2; h++)
+      BLOCKS_UNROLLED for (int u = 0; u < 2; u++)
+        BLOCKS_UNROLLED for (int s = 0; s < 2; s++) {
           int c = 4 * h + 2 * s + u;
-          __m256i q = _mm256_or_si256(FIELD32(low, 4 * s, 0x0f),
-                                      _mm256_slli_epi16(FIELD32(high, 2 * (2 * s + u), 3), 4));
-          emit32_wide(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), dl[2 * c], dl[2 * c + 1],
-                      x + 32 * c, sum);
+          emit32_wide(q6_k_values32(b, h, s, u), dl[2 * c], dl[2 * c + 1], x + 32 * c, sum);
         }
-      }
-    }
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
 }
