@@ -26,7 +26,6 @@ import numpy as np  # noqa: E402
 from spmd_cp.attention import block, native_prefill  # noqa: E402
 from spmd_cp.attention.exp import use_polynomial_exp  # noqa: E402
 from spmd_cp.engine import activation  # noqa: E402
-from spmd_cp.kernels import decode_step  # noqa: E402
 
 rng = np.random.default_rng(3)
 CASES = {  # name: (heads, kv heads, d, query positions, key positions, window)
@@ -64,7 +63,7 @@ def mlx_tiles(q, k, v, q_pos, k_pos, scale, window):
         native_prefill.usable = usable
 
 
-library = decode_step.pooled_library()
+library = native_prefill.pooled_library()
 assert library is not None, "no library"
 results = {}
 for threads in (1, 3):

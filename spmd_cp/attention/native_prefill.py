@@ -16,10 +16,12 @@ compute it.
 
 from __future__ import annotations
 
+import functools
 
 import mlx.core as mx
 import numpy as np
 
+from ..blas.libraries import rank_threads
 from ..kernels import decode_step
 from .exp import polynomial_exp_wanted
 
@@ -28,12 +30,23 @@ from .exp import polynomial_exp_wanted
 MIN_QUERIES = 16
 
 
+@functools.lru_cache(maxsize=1)
+def pooled_library():
+    """The loaded library with its pool of threads started (the rank's threads), or None:
+    for the prefill's kernels, which run outside a decode step (this module's attention,
+    engine/activation.py's MLP gate)."""
+    library, _ = decode_step.library()
+    if library is not None:
+        library.spmd_cp_decode_set_threads(rank_threads())
+    return library
+
+
 def usable(q: mx.array) -> bool:
     """Whether ``native_attention`` computes this block: enough queries, the arrays in
     CPU memory (MLX's default device), the polynomial exp allowed (``--no-fast-exp``
     keeps MLX's ops: its exp, its sums' order), the library built."""
     return (q.shape[1] >= MIN_QUERIES and mx.default_device() == mx.cpu
-            and polynomial_exp_wanted() and decode_step.pooled_library() is not None)
+            and polynomial_exp_wanted() and pooled_library() is not None)
 
 
 def _heads_apart(x) -> np.ndarray:
@@ -62,7 +75,7 @@ def native_attention(q, k, v, q_pos: np.ndarray, k_pos: np.ndarray, scale: float
     positions = [np.ascontiguousarray(p, np.int64) for p in (q_pos, k_pos)]
     out = np.empty((num_heads, tq, d), np.float32)
     lse = np.empty((num_heads, tq), np.float32)
-    failed = decode_step.pooled_library().spmd_cp_prefill_attend(
+    failed = pooled_library().spmd_cp_prefill_attend(
         *(a.ctypes.data for a in arrays + positions), num_heads, num_kv, tq, tk, d, step,
         float(scale), int(window or 0), out.ctypes.data, lse.ctypes.data)
     if failed:

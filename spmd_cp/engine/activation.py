@@ -13,12 +13,12 @@ attention); elsewhere mlx-lm's expression.
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..attention.exp import polynomial_exp_wanted
+from ..attention.native_prefill import pooled_library
 from ..kernels import decode_step
 
 # Fewer rows than this keep mlx-lm's expression: the C kernel evaluates its inputs, which
@@ -29,7 +29,7 @@ MIN_ROWS = 64
 
 def _native(gate: mx.array) -> bool:
     return (gate.dtype == mx.float32 and mx.default_device() == mx.cpu
-            and polynomial_exp_wanted() and decode_step.pooled_library() is not None)
+            and polynomial_exp_wanted() and pooled_library() is not None)
 
 
 def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
@@ -40,7 +40,7 @@ def gelu_gate(gate: mx.array, up: mx.array) -> mx.array:
     mx.eval(gate, up)
     gates, ups = (np.ascontiguousarray(x) for x in (gate, up))
     out = np.empty_like(gates)
-    decode_step.pooled_library().spmd_cp_decode_activation(
+    pooled_library().spmd_cp_decode_activation(
         decode_step.ACTIVATIONS["gelu_approx"], gates.ctypes.data, ups.ctypes.data,
         gates.size, out.ctypes.data)
     return mx.array(out)

@@ -7,8 +7,7 @@ once, ``spmd_cp_decode_set_threads``); this module only builds and loads the lib
 (runtime/native.py, like the sgemv forward), declares the functions' argument types, and
 mirrors decode_step.c's ``matrix`` and ``layer`` structs. The library resolves
 ``cblas_sgemm`` in the process's global scope (the forward or the BLAS that the re-exec
-preloads, blas/reexec.py); where there is none it is not used. Standard library only
-(and, for the pool's size, blas/libraries.py).
+preloads, blas/reexec.py); where there is none it is not used. Standard library only.
 """
 
 from __future__ import annotations
@@ -85,19 +84,6 @@ def layout_mismatch(loaded) -> str:
                 return (f"decode_step.c and decode_step.py disagree: {what} is {in_c} "
                         f"in C, {offset} in ctypes")
     return ""
-
-
-@functools.lru_cache(maxsize=1)
-def pooled_library():
-    """The loaded library with its pool of threads started (the rank's threads, as many as
-    the BLAS may use), or None: for the prefill's kernels, which run outside a decode
-    step (attention/native_prefill.py, engine/activation.py)."""
-    from ..blas.libraries import rank_threads
-
-    loaded, _ = library()
-    if loaded is not None:
-        loaded.spmd_cp_decode_set_threads(rank_threads())
-    return loaded
 
 
 @functools.lru_cache(maxsize=1)
