@@ -51,9 +51,13 @@ def machine() -> dict:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                          if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        cpu = fields.get("model name", cpu)
+        if "cpu family" in fields:  # a guest's model name may hide which generation it is
+            cpu += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    except OSError:
         pass
     versions = {}
     for name in ("mlx", "mlx-lm", "mpi4py", "mpich", "numpy"):

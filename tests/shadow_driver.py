@@ -150,7 +150,7 @@ def block_cases(cases: dict, registered: dict) -> dict:
     and alpha and beta."""
     refusals, matrices = {}, {}
     for kind in BLOCK_TYPES:
-        values = 32 if kind in ("Q5_0", "Q5_1", "IQ4_NL") else 256
+        values = 256 if kind.endswith("_K") or kind == "IQ4_XS" else 32
         rows, cols = 96, 768 if values == 256 else 576
         weights, blocks = block_matrix(kind, rows, cols)
         changed = np.array(blocks.data)
@@ -190,8 +190,8 @@ if os.environ.get("SHADOW_DRIVER_PART") != "blocks":
 pool_threads = lend_pool(2)
 refusals.update(block_cases(cases, registered))
 if "affine 576" in MATRICES:
-    # q/k/v rows of a Q5_0 and a Q8_0 model copied into one (a Gemma's, split): block
-    # and affine shadows read across in one product.
+    # q/k/v rows of block and affine matrices copied into one (a split step's joined
+    # q/k/v): block and affine shadows read across in one product.
     sources = [MATRICES["Q5_0"][:30], MATRICES["affine 576"], MATRICES["IQ4_NL"][50:]]
     stacked = mx.concatenate(sources)
     mx.eval(stacked)
@@ -298,19 +298,22 @@ def two_rows() -> dict:
 
 def wide_blocks() -> dict:
     """One row's products of the block types that have 512-bit kernels (AVX-512F, where
-    the CPU has it) with them and without (the 256-bit kernels), each against float64
-    numpy; whether the shadows served both and whether the wide kernels ran here."""
+    the CPU has it) with them and without (the 256-bit kernels), and 11 rows' (a batched
+    step's: the 32-value types' many-rows kernel, eight rows and then three), each against
+    float64 numpy; whether the shadows served them and whether the wide kernels ran here."""
     switch = ctypes.CDLL(None).spmd_cp_forward_wide_blocks
     here, results = bool(switch(1)), {}
-    # Q5_0 in an odd count of blocks (the kernel takes them two at a time), a Q4_K and a
-    # Q6_K row of three blocks
-    for kind, cols in (("Q5_0", 608), ("Q4_K", 768), ("Q6_K", 768)):
+    # the 32-value types in an odd count of blocks (their kernels take two at a time), a
+    # Q4_K and a Q6_K row of three blocks
+    for kind, cols in (("Q4_0", 608), ("Q4_1", 608), ("Q5_0", 608), ("Q8_0", 608),
+                       ("Q4_K", 768), ("Q6_K", 768)):
         weights, blocks = block_matrix(kind, 40, cols)
         assert SHADOWS.register(weights, blocks)
-        x = row(cols)
+        x, rows = row(cols), random_rows(11, cols)
         for allowed, name in ((1, "wide"), (0, "narrow")):
             switch(allowed)
             results[f"{kind} {name}"] = times_transposed(x, weights)
+            results[f"{kind} {name} rows"] = times_transposed(rows, weights)
     switch(1)
     return {"here": here, "cases": results}
 

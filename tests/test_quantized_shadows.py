@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -24,7 +23,9 @@ needs_shadow_kernel = pytest.mark.skipif(
     reason="the shadow kernel needs an x86 CPU with AVX2, FMA and F16C (Linux)")
 SHADOW_CASES = ["q4g32", "q8g32", "q4g64", "q8g64", "columns bfloat16", "other", "third",
                 "rows", "columns 64:352", "columns 32:96", "stacked", "alpha beta"]
-BLOCK_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# GGUF types held as the file's blocks (Q4_0 / Q4_1 / Q8_0 too, which MLX reads as triples)
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS")
 DIFFERS = "its packed form does not reproduce the float32 weights"
 
 
@@ -84,8 +85,8 @@ def check_wide_blocks(wide: dict, expected: bool):
     """The 512-bit block kernels run exactly where the CPU has AVX-512F, and with them and
     without each product is served and within float32 rounding of float64 numpy's."""
     assert wide["here"] is expected, wide
-    for kind in ("Q5_0", "Q4_K", "Q6_K"):
-        for name in ("wide", "narrow"):
+    for kind in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
+        for name in ("wide", "narrow", "wide rows", "narrow rows"):
             case = wide["cases"][f"{kind} {name}"]
             assert case["served"] == 1 and case["error"] < 1e-6, (kind, name, case)
 
@@ -155,21 +156,15 @@ def test_block_shadows_in_plain_c(tmp_path):
     check_wide_blocks(result["wide blocks"], False)
 
 
-def packed_bytes(model: str) -> int:
-    """Bytes of the file's quantized matrices as shadows hold them: the packed words and
-    the float16 scales and biases (counted here from the arrays mx.load returns)."""
-    tensors = mx.load(model)
-    return sum(t.nbytes + 2 * tensors[name[:-len(".weight")] + ".scales"].nbytes
-               for name, t in tensors.items()
-               if name.endswith(".weight") and name[:-len(".weight")] + ".scales" in tensors)
+def packed_and_float32_bytes(model: str) -> tuple[int, int]:
+    """Bytes of a GGUF's quantized matrices as shadows hold them (as the file stores them)
+    and as float32, from the gguf package's reader."""
+    import gguf
 
-
-def released_bytes(model: str) -> int:
-    """Float32 bytes of the file's quantized matrices (groups of 32 weights)."""
-    tensors = mx.load(model)
-    matrices = {name[:-len(".scales")] for name in tensors if name.endswith(".scales")}
-    return sum(tensors[f"{m}.scales"].size * 32 * 4 for m in matrices
-               if tensors[f"{m}.weight"].ndim == 2)
+    matrices = [t for t in gguf.GGUFReader(model).tensors
+                if len(t.shape) == 2 and t.tensor_type.name in BLOCK_TYPES]
+    return (sum(int(t.n_bytes) for t in matrices),
+            sum(4 * int(t.n_elements) for t in matrices))
 
 
 @needs_openblas
@@ -193,14 +188,14 @@ def test_generate_reads_packed_weights_and_gives_the_float32_paths_tokens(
     off = run_cli(ranks, args + ["--no-quantized-decode"], env=env)
     got, want = on.last_json(), off.last_json()
     assert got["token_ids"] == want["token_ids"] and len(got["token_ids"]) == 24
-    expected = packed_bytes(embedded_model)
-    assert "quantized decode: 211 matrices read packed (98 MB)" in on.stderr, on.stderr
+    packed, float32 = packed_and_float32_bytes(embedded_model)
+    assert "quantized decode: 211 matrices read packed (96 MB)" in on.stderr, on.stderr
     assert "matrices read packed" not in off.stderr
     if ranks == 2:
         assert "quantized decode: 241 matrices read packed" in on.stderr, on.stderr
     # packed only: the packed forms held, the float32 matrices they stand for released
     # (on two ranks the split step's copies of column slices are released too)
-    expected -= released_bytes(embedded_model)
+    expected = packed - float32
     saved = [a - b for a, b in zip(got["model_bytes"], want["model_bytes"])]
     assert saved == [expected] if ranks == 1 else all(s < expected for s in saved), saved
     forecast = got["memory_forecast"]["weights_bytes"] - want["memory_forecast"]["weights_bytes"]
@@ -265,13 +260,11 @@ def block_types_file(tmp_path_factory) -> str:
 def test_generate_reads_gguf_blocks_and_gives_the_float32_paths_tokens(block_types_file,
                                                                        tmp_path):
     """Greedy generate at N = 2 with the split decode step on a random model of every
-    block type: its 13 block-quantized matrices read packed (10 as the file's blocks,
+    block type: its 13 block-quantized matrices read packed (the file's blocks,
     memory-mapped), the split step's down column copies (cut at 256, on block
     boundaries) too, and the same tokens as the float32 path. The matrices are held
     packed only, their float32 copies released, as model_bytes and the memory forecast
     count (the split step's down copies released too)."""
-    import gguf
-
     args = ["generate", "--model", block_types_file, "--prompt", "The quick brown fox",
             "--max-tokens", "12", "--json", "--no-chat-template", "--decode-tp", "on"]
     env = {"SPMD_CP_CACHE": str(tmp_path / "cache")}
@@ -282,17 +275,10 @@ def test_generate_reads_gguf_blocks_and_gives_the_float32_paths_tokens(block_typ
     assert "matrices read packed" not in off.stderr
     got, want = on.last_json(), off.last_json()
     assert got["token_ids"] == want["token_ids"]
-    # the file's blocks as stored; Q4_0 / Q4_1 / Q8_0 as MLX's words and float16
-    # scales and biases (4 bytes a group of 32)
-    as_mlx = {"Q4_0": 16 + 4, "Q4_1": 16 + 4, "Q8_0": 32 + 4}
-    # less the float32 matrices they stand for, released (the split step's copies too)
-    expected = 0
-    for tensor in gguf.GGUFReader(block_types_file).tensors:
-        kind = tensor.tensor_type.name
-        if len(tensor.shape) == 2 and kind in BLOCK_TYPES:
-            expected += int(tensor.n_bytes) - 4 * int(tensor.n_elements)
-        elif len(tensor.shape) == 2 and kind in as_mlx:
-            expected += int(tensor.n_elements) // 32 * as_mlx[kind] - 4 * int(tensor.n_elements)
+    # the packed forms, less the float32 matrices they stand for, released (the split
+    # step's copies too)
+    packed, float32 = packed_and_float32_bytes(block_types_file)
+    expected = packed - float32
     saved = [a - b for a, b in zip(got["model_bytes"], want["model_bytes"])]
     assert all(s < expected for s in saved), (saved, expected)
     forecast = got["memory_forecast"]["weights_bytes"] - want["memory_forecast"]["weights_bytes"]

@@ -1320,8 +1320,9 @@ static int shadow_product(int index, int first_row, int n, float alpha, const fl
  * a short prefill) times a matrix held packed, given as rows (x times W transposed).
  * Each part of the pool takes whole tiles of BATCH_TILE weight rows; an affine row's
  * blocks are dequantized in registers once for eight rows of x at a time (the dotm
- * kernels, each run of eight rows interleaved in their lane order), a GGUF block type's row into the part's buffer (in
- * cache) exactly as the products read it, then times every row of x by the
+ * kernels, each run of eight rows interleaved in their lane order), as are a 32-value
+ * GGUF block type's with AVX-512F; any other block type's row goes into the part's
+ * buffer (in cache) exactly as the products read it, then times every row of x by the
  * few-columns kernel: the packed matrix is read once from memory for all m rows, where
  * released_product would write and read it whole as float32 and hand it to sgemm. The
  * parts run on the decode step's pool where it is lent (a busy pool runs the product on
@@ -1349,8 +1350,9 @@ static inline void put(const batch_job *job, int q, int j, float value) {
 }
 
 /* Rows [j0, j1) of the product: an affine row by the fused kernel (its blocks
- * dequantized in registers once for up to eight rows of A), any other dequantized into
- * the part's buffer and multiplied by the few-columns kernel. */
+ * dequantized in registers once for up to eight rows of A), a row of a 32-value GGUF
+ * block type likewise where the CPU has AVX-512F (gguf_blocks.h's many512 kernels), any
+ * other dequantized into the part's buffer and multiplied by the few-columns kernel. */
 static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
   const shadow *s = &shadows[job->index];
   int row = job->first_row + j0;
@@ -1377,6 +1379,20 @@ static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
           for (int i = 0; i < count; i++) put(job, q + i, j + r, values[8 * r + i]);
       }
       j += rows - 1, row += rows - 1;
+      continue;
+    }
+#endif
+#ifdef HAVE_X86_VECTORS
+    block_many_fn many = s->format != NULL && wide_blocks_here()
+                             ? (block_many_fn)s->format->many512 : NULL;
+    if (many != NULL) { /* a 32-value block type: its weights made once in registers */
+      const uint8_t *p = s->packed + (size_t)row * s->packed_step;
+      float values[MANY_ROWS];
+      for (int q = 0; q < job->m; q += MANY_ROWS) {
+        int count = job->m - q < MANY_ROWS ? job->m - q : MANY_ROWS;
+        many(p, s->cols / 32, job->a + (size_t)q * job->lda, job->lda, count, values);
+        for (int i = 0; i < count; i++) put(job, q + i, j, values[i]);
+      }
       continue;
     }
 #endif

@@ -1,7 +1,7 @@
 /*
- * GGUF's block types that have no MLX form (Q5_0, Q5_1, the K-quants Q2_K to Q6_K,
- * IQ4_NL, IQ4_XS), dequantized from the file's own block bytes: for decode's quantized
- * shadows (gemv_forward.c), which read a matrix's blocks in place of its float32 copy.
+ * GGUF's block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to Q6_K, IQ4_NL,
+ * IQ4_XS), dequantized from the file's own block bytes: for decode's quantized shadows
+ * (gemv_forward.c), which read a matrix's blocks in place of its float32 copy.
  *
  * Each type has:
  *   - the reference dequantizer (`*_reference`, `count` consecutive blocks into floats):
@@ -18,14 +18,19 @@
  *     time): either
  *     written out (`*_avx2`, registration's second check) or multiplied by x into four
  *     accumulators (`*_dot`, the kernel), the same instructions either way.
- *   - with AVX-512F, for Q5_0, Q4_K and Q6_K (llama.cpp's Q4_K_M layout), one row's
- *     product at 512 bits (`*_row512`), the kernel where the CPU has it.
+ *   - with AVX-512F, for Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K (llama.cpp's Q4_K_M
+ *     layout and its 4- and 8-bit files), one row's product at 512 bits (`*_row512`),
+ *     the kernel where the CPU has it; for the 32-value ones also several rows of x at
+ *     once (`*_many512`, a batched decode step's products).
  * The fused multiply-add gives the reference's value: in every type here the product is
  * exact in float32 (an 11-bit float16 significand times integers of at most 13 bits
  * together), so the reference's only rounding is its last addition, and the fused
  * operation's one rounding is that one. Registration checks it anyway.
  *
  * Layouts (ggml-common.h; "e" a value's index in its block):
+ *   Q4_0  d, qs[16]                   w = d (nibble - 8)
+ *   Q4_1  d, m, qs[16]                w = d nibble + m
+ *   Q8_0  d, qs[32] (int8)            w = d q
  *   Q5_0  d, qh[4], qs[16]            q = nibble | bit e of qh << 4, w = d (q - 16)
  *   Q5_1  d, m, qh[4], qs[16]         w = d q + m
  *   Q2_K  scales[16], qs[64], d, dmin w = (d (sc & 15)) q - dmin (sc >> 4), 16 a scale
@@ -64,7 +69,8 @@
 #endif
 
 /* GGML's type ids (ggml.h) of the types below. */
-enum { GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12,
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+       GGML_Q2_K = 10, GGML_Q3_K = 11, GGML_Q4_K = 12,
        GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_NL = 20, GGML_IQ4_XS = 23 };
 enum { BLOCK_VALUES_MAX = 256 };
 
@@ -119,6 +125,25 @@ static inline int iq4xs_scale(const uint8_t *b, int k) {
 
 typedef void (*block_fn)(const uint8_t *blocks, int count, float *out);
 
+REFERENCE_ARITHMETIC static void q4_0_reference(const uint8_t *b, int count, float *out) {
+  for (; count--; b += 18, out += 32) {
+    float d = half_at(b);
+    for (int e = 0; e < 32; e++)
+      out[e] = d * (float)(((b[2 + e % 16] >> (e < 16 ? 0 : 4)) & 0x0f) - 8);
+  }
+}
+
+REFERENCE_ARITHMETIC static void q4_1_reference(const uint8_t *b, int count, float *out) {
+  NO_CONTRACTION
+  for (; count--; b += 20, out += 32) {
+    float d = half_at(b), m = half_at(b + 2);
+    for (int e = 0; e < 32; e++) {
+      float scaled = d * (float)((b[4 + e % 16] >> (e < 16 ? 0 : 4)) & 0x0f);
+      out[e] = scaled + m;
+    }
+  }
+}
+
 REFERENCE_ARITHMETIC static void q5_0_reference(const uint8_t *b, int count, float *out) {
   for (; count--; b += 22, out += 32) {
     float d = half_at(b);
@@ -140,6 +165,13 @@ REFERENCE_ARITHMETIC static void q5_1_reference(const uint8_t *b, int count, flo
       float scaled = d * (float)q;
       out[e] = scaled + m;
     }
+  }
+}
+
+REFERENCE_ARITHMETIC static void q8_0_reference(const uint8_t *b, int count, float *out) {
+  for (; count--; b += 34, out += 32) {
+    float d = half_at(b);
+    for (int e = 0; e < 32; e++) out[e] = d * (float)(int8_t)b[2 + e];
   }
 }
 
@@ -311,6 +343,25 @@ BLOCKS_INLINE __m256 floats8(const void *p, int is_signed) {
     NAME##_run(b, count, 0, NULL, x, sum);                                                  \
   }
 
+BLOCKS_INLINE void q4_0_run(const uint8_t *b, int count, int store, float *out, const float *x,
+                            __m256 *sum) {
+  for (; count--; b += 18, out += store ? 32 : 0, x += 32) {
+    float d = half_of(b);
+    emit32(_mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8)), 1, d, d, 0, 0, 0, store,
+           out, x, sum);
+  }
+}
+BLOCK_ENTRIES(q4_0)
+
+BLOCKS_INLINE void q4_1_run(const uint8_t *b, int count, int store, float *out, const float *x,
+                            __m256 *sum) {
+  for (; count--; b += 20, out += store ? 32 : 0, x += 32) {
+    float d = half_of(b), m = half_of(b + 2);
+    emit32(nibbles16(b + 4), 0, d, d, m, m, 1, store, out, x, sum);
+  }
+}
+BLOCK_ENTRIES(q4_1)
+
 BLOCKS_INLINE void q5_0_run(const uint8_t *b, int count, int store, float *out, const float *x,
                             __m256 *sum) {
   for (; count--; b += 22, out += store ? 32 : 0, x += 32) {
@@ -330,6 +381,22 @@ BLOCKS_INLINE void q5_1_run(const uint8_t *b, int count, int store, float *out, 
   }
 }
 BLOCK_ENTRIES(q5_1)
+
+/* Each eight bytes widened from memory (no shuffles: the bytes are the integers). */
+BLOCKS_INLINE void q8_0_run(const uint8_t *b, int count, int store, float *out, const float *x,
+                            __m256 *sum) {
+  for (; count--; b += 34, out += store ? 32 : 0, x += 32) {
+    __m256 d = _mm256_set1_ps(half_of(b));
+    BLOCKS_UNROLLED for (int part = 0; part < 4; part++) {
+      __m256 w = _mm256_mul_ps(floats8(b + 2 + 8 * part, 1), d);
+      if (store)
+        _mm256_storeu_ps(out + 8 * part, w);
+      else
+        sum[part] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + 8 * part), sum[part]);
+    }
+  }
+}
+BLOCK_ENTRIES(q8_0)
 
 BLOCKS_INLINE void q2_k_run(const uint8_t *b, int count, int store, float *out, const float *x,
                             __m256 *sum) {
@@ -509,12 +576,13 @@ typedef void (*block_dot_fn)(const uint8_t *blocks, int count, const float *x, _
 
 /*
  * One row's product at 512 bits (AVX-512F) for the types of llama.cpp's Q4_K_M layout
- * (Q5_0, Q4_K, Q6_K: most of such a file's weights): 16 integers widened a vector from
- * memory or from 16 bytes made as above, one conversion, one multiply-add each, so a
- * weight costs about half the instructions of the 256-bit kernel (Gemma 3 270M's layers'
- * products 1.15x (Q4_K) to 1.46x (Q5_0) on a Zen 4, one thread, a C harness). Q5_0's
- * top bit is a mask register (16 minus where it is clear) and its scale multiplies each
- * block's sum of products; Q4_K and Q6_K make each weight as the 256-bit kernels do.
+ * (Q5_0, Q4_K, Q6_K, Q8_0: most of such a file's weights) and of its 4-bit files (Q4_0,
+ * Q4_1): 16 integers widened a vector from memory or from 16 bytes made as above, one
+ * conversion, one multiply-add each, so a weight costs about half the instructions of
+ * the 256-bit kernel (Gemma 3 270M's layers' products 1.15x (Q4_K) to 1.46x (Q5_0) on a
+ * Zen 4, one thread, a C harness; Q4_1 2.1x on a Zen 5). Q4_0's, Q5_0's and Q8_0's scale
+ * multiplies each block's sum of products (Q5_0's top bit a mask register: 16 minus
+ * where it is clear); Q4_1, Q4_K and Q6_K make each weight as the 256-bit kernels do.
  * Two accumulators of 16 lanes: the sums' order differs from the 256-bit kernels', the
  * values agree to float32 rounding.
  */
@@ -529,16 +597,22 @@ WIDE_INLINE __m512 half16(const uint8_t *p) {
   return _mm512_cvtph_ps(_mm256_set1_epi16(h));
 }
 
-/* A Q5_0 block's 32 integers (q - 16) times x, summed into 16 lanes. */
-WIDE_INLINE __m512 q5_0_products16(const uint8_t *b, const float *x) {
+/* A Q5_0 block's 32 integers (q - 16) as floats, values 0-15 and 16-31. */
+WIDE_INLINE void q5_0_integers(const uint8_t *b, __m512 *q) {
   const __m512i low = _mm512_set1_epi32(0x0f), sixteen = _mm512_set1_epi32(16);
   uint32_t top = u32_at(b + 2);
   __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6)));
   __m512i first = _mm512_and_si512(bytes, low), second = _mm512_srli_epi32(bytes, 4);
   first = _mm512_mask_sub_epi32(first, (__mmask16)~top, first, sixteen);
   second = _mm512_mask_sub_epi32(second, (__mmask16)~(top >> 16), second, sixteen);
-  __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(first), _mm512_loadu_ps(x));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_loadu_ps(x + 16), sum);
+  q[0] = _mm512_cvtepi32_ps(first), q[1] = _mm512_cvtepi32_ps(second);
+}
+
+/* A Q5_0 block's 32 integers times x, summed into 16 lanes. */
+WIDE_INLINE __m512 q5_0_products16(const uint8_t *b, const float *x) {
+  __m512 q[2];
+  q5_0_integers(b, q);
+  return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
 }
 
 WIDE_TARGET static float q5_0_row512(const uint8_t *b, int count, const float *x) {
@@ -548,6 +622,74 @@ WIDE_TARGET static float q5_0_row512(const uint8_t *b, int count, const float *x
     odd = _mm512_fmadd_ps(half16(b + 22), q5_0_products16(b + 22, x + 32), odd);
   }
   if (count) even = _mm512_fmadd_ps(half16(b), q5_0_products16(b, x), even);
+  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+
+/* A Q4_0 block's 32 integers (q - 8) as floats, values 0-15 and 16-31. */
+WIDE_INLINE void q4_0_integers(const uint8_t *b, __m512 *q) {
+  const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
+  q[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, low), eight));
+  q[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
+}
+
+/* A Q4_0 block's 32 integers times x, summed into 16 lanes. */
+WIDE_INLINE __m512 q4_0_products16(const uint8_t *b, const float *x) {
+  __m512 q[2];
+  q4_0_integers(b, q);
+  return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
+}
+
+WIDE_TARGET static float q4_0_row512(const uint8_t *b, int count, const float *x) {
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two latency chains */
+  for (; count >= 2; count -= 2, b += 36, x += 64) {
+    even = _mm512_fmadd_ps(half16(b), q4_0_products16(b, x), even);
+    odd = _mm512_fmadd_ps(half16(b + 18), q4_0_products16(b + 18, x + 32), odd);
+  }
+  if (count) even = _mm512_fmadd_ps(half16(b), q4_0_products16(b, x), even);
+  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+}
+
+/* A Q4_1 block's 32 weights (one fused multiply-add each: q d is exact, so the
+ * reference's one rounding) times x, added into sum[0..1]. */
+WIDE_INLINE void q4_1_products(const uint8_t *b, const float *x, __m512 *sum) {
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  __m512 d = half16(b), m = half16(b + 2);
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
+  __m512 first = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d, m);
+  __m512 second = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+  sum[0] = _mm512_fmadd_ps(first, _mm512_loadu_ps(x), sum[0]);
+  sum[1] = _mm512_fmadd_ps(second, _mm512_loadu_ps(x + 16), sum[1]);
+}
+
+WIDE_TARGET static float q4_1_row512(const uint8_t *b, int count, const float *x) {
+  __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()}; /* even blocks in 0-1, odd ones in 2-3 */
+  for (; count >= 2; count -= 2, b += 40, x += 64) {
+    q4_1_products(b, x, sum);
+    q4_1_products(b + 20, x + 32, sum + 2);
+  }
+  if (count) q4_1_products(b, x, sum);
+  return _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+}
+
+/* A Q8_0 block's 32 integers times x, summed into 16 lanes. */
+WIDE_INLINE __m512 q8_0_products16(const uint8_t *b, const float *x) {
+  const __m128i *q = (const __m128i *)(b + 2);
+  __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+  __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+  __m512 sum = _mm512_mul_ps(first, _mm512_loadu_ps(x));
+  return _mm512_fmadd_ps(second, _mm512_loadu_ps(x + 16), sum);
+}
+
+WIDE_TARGET static float q8_0_row512(const uint8_t *b, int count, const float *x) {
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two latency chains */
+  for (; count >= 2; count -= 2, b += 68, x += 64) {
+    even = _mm512_fmadd_ps(half16(b), q8_0_products16(b, x), even);
+    odd = _mm512_fmadd_ps(half16(b + 34), q8_0_products16(b + 34, x + 32), odd);
+  }
+  if (count) even = _mm512_fmadd_ps(half16(b), q8_0_products16(b, x), even);
   return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
@@ -604,6 +746,65 @@ WIDE_TARGET static float q4_k_row512(const uint8_t *b, int count, const float *x
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
 }
+
+/*
+ * Several rows of x (a batched decode step's) times one weight row of a 32-value type:
+ * each block's 32 weights made once, in two vectors of sixteen (the reference's values:
+ * every product here exact, Q4_1's q d + m one fused rounding), then multiplied into
+ * one accumulator per row of x, up to MANY_ROWS rows a call.
+ */
+enum { MANY_ROWS = 8 };
+typedef void (*block_many_fn)(const uint8_t *blocks, int count, const float *x, size_t ldx,
+                              int m, float *out);
+
+WIDE_INLINE void q4_0_weights32(const uint8_t *b, __m512 *w) {
+  __m512 d = half16(b);
+  q4_0_integers(b, w);
+  w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
+}
+
+WIDE_INLINE void q4_1_weights32(const uint8_t *b, __m512 *w) {
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  __m512 d = half16(b), m = half16(b + 2);
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d, m);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+}
+
+WIDE_INLINE void q5_0_weights32(const uint8_t *b, __m512 *w) {
+  __m512 d = half16(b);
+  q5_0_integers(b, w);
+  w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
+}
+
+WIDE_INLINE void q8_0_weights32(const uint8_t *b, __m512 *w) {
+  const __m128i *q = (const __m128i *)(b + 2);
+  __m512 d = half16(b);
+  w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+  w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+}
+
+#define WIDE_MANY(NAME, BYTES)                                                           \
+  WIDE_TARGET static void NAME##_many512(const uint8_t *b, int count, const float *x,    \
+                                         size_t ldx, int m, float *out) {                \
+    __m512 sum[MANY_ROWS];                                                               \
+    BLOCKS_UNROLLED for (int i = 0; i < MANY_ROWS; i++) sum[i] = _mm512_setzero_ps();    \
+    for (; count--; b += BYTES, x += 32) {                                               \
+      __m512 w[2];                                                                       \
+      NAME##_weights32(b, w);                                                            \
+      BLOCKS_UNROLLED for (int i = 0; i < MANY_ROWS; i++) {                              \
+        if (i >= m) break;                                                               \
+        const float *row = x + i * ldx;                                                  \
+        sum[i] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(row), sum[i]);                    \
+        sum[i] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(row + 16), sum[i]);               \
+      }                                                                                  \
+    }                                                                                    \
+    for (int i = 0; i < m; i++) out[i] = _mm512_reduce_add_ps(sum[i]);                   \
+  }
+WIDE_MANY(q4_0, 18)
+WIDE_MANY(q4_1, 20)
+WIDE_MANY(q5_0, 22)
+WIDE_MANY(q8_0, 34)
 #endif
 
 /* A block type: its id, values and bytes a block, and its two dequantizers. */
@@ -612,26 +813,32 @@ typedef struct {
   block_fn reference, vectors; /* vectors: NULL without AVX2 */
   void *dot;                   /* block_dot_fn, the vectors' kernel; NULL without AVX2 */
   void *row512;                /* block_row_fn, one row at 512 bits; NULL where none */
+  void *many512;               /* block_many_fn, rows of x at 512 bits; NULL where none */
 } block_format;
 
 #ifdef HAVE_X86_VECTORS
 #define WITH_VECTORS(name) name##_avx2, (void *)name##_dot
-#define WIDE(name) (void *)name##_row512
+#define WIDE(name) (void *)name##_row512, NULL
+#define WIDE_AND_MANY(name) (void *)name##_row512, (void *)name##_many512
 #else
 #define WITH_VECTORS(name) NULL, NULL
-#define WIDE(name) NULL
+#define WIDE(name) NULL, NULL
+#define WIDE_AND_MANY(name) NULL, NULL
 #endif
 
 static const block_format BLOCK_FORMATS[] = {
-    {GGML_Q5_0, 32, 22, q5_0_reference, WITH_VECTORS(q5_0), WIDE(q5_0)},
-    {GGML_Q5_1, 32, 24, q5_1_reference, WITH_VECTORS(q5_1), NULL},
-    {GGML_Q2_K, 256, 84, q2_k_reference, WITH_VECTORS(q2_k), NULL},
-    {GGML_Q3_K, 256, 110, q3_k_reference, WITH_VECTORS(q3_k), NULL},
+    {GGML_Q4_0, 32, 18, q4_0_reference, WITH_VECTORS(q4_0), WIDE_AND_MANY(q4_0)},
+    {GGML_Q4_1, 32, 20, q4_1_reference, WITH_VECTORS(q4_1), WIDE_AND_MANY(q4_1)},
+    {GGML_Q5_0, 32, 22, q5_0_reference, WITH_VECTORS(q5_0), WIDE_AND_MANY(q5_0)},
+    {GGML_Q5_1, 32, 24, q5_1_reference, WITH_VECTORS(q5_1), NULL, NULL},
+    {GGML_Q8_0, 32, 34, q8_0_reference, WITH_VECTORS(q8_0), WIDE_AND_MANY(q8_0)},
+    {GGML_Q2_K, 256, 84, q2_k_reference, WITH_VECTORS(q2_k), NULL, NULL},
+    {GGML_Q3_K, 256, 110, q3_k_reference, WITH_VECTORS(q3_k), NULL, NULL},
     {GGML_Q4_K, 256, 144, q4_k_reference, WITH_VECTORS(q4_k), WIDE(q4_k)},
-    {GGML_Q5_K, 256, 176, q5_k_reference, WITH_VECTORS(q5_k), NULL},
+    {GGML_Q5_K, 256, 176, q5_k_reference, WITH_VECTORS(q5_k), NULL, NULL},
     {GGML_Q6_K, 256, 210, q6_k_reference, WITH_VECTORS(q6_k), WIDE(q6_k)},
-    {GGML_IQ4_NL, 32, 18, iq4_nl_reference, WITH_VECTORS(iq4_nl), NULL},
-    {GGML_IQ4_XS, 256, 136, iq4_xs_reference, WITH_VECTORS(iq4_xs), NULL},
+    {GGML_IQ4_NL, 32, 18, iq4_nl_reference, WITH_VECTORS(iq4_nl), NULL, NULL},
+    {GGML_IQ4_XS, 256, 136, iq4_xs_reference, WITH_VECTORS(iq4_xs), NULL, NULL},
 };
 
 static const block_format *block_format_of(int type) {

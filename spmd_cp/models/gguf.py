@@ -21,9 +21,8 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import families, gguf_types
-from .gguf_config import gguf_config, model_module, model_type_of
+from .gguf_config import gguf_config, model_module
 from .gguf_tokenizer import build_tokenizer
-from .gguf_tokenizer import meta_value as _value
 
 GROUP_SIZE = 32  # every GGUF block format that mx.load turns into a quantized triple
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,28 +112,9 @@ def convert_weights(tensors: dict, keep_quantized: bool,
 def packed_weights(path: str) -> dict:
     """{mlx-lm parameter name: packed form} of the file's block-quantized matrices: what
     decode reads in place of their float32 copies (models/quantized_shadows.py; not a
-    mixture's stacked experts, which it does not read). Q4_0 / Q4_1 / Q8_0 as MLX's
-    affine triple (``Packed``), the other types of ``quantized_shadows.BLOCK_TYPES`` as
-    the file's own blocks, memory-mapped (``Blocks``)."""
-    from .gguf_header import read_gguf_tensors
-    from .quantized_shadows import Packed
-
-    if not gguf_types.mx_load_reads(info.ggml_type for info in read_gguf_tensors(path)[1]):
-        return _packed_by_tensor(path)
-    tensors, meta = mx.load(path, return_metadata=True)
-    model_type = model_type_of(_value(meta, "general.architecture"), tensors)
-    packed = {}
-    for name, t in tensors.items():
-        base = name[: -len(".weight")]
-        if name.endswith(".weight") and base + ".scales" in tensors and t.ndim == 2:
-            scales, biases = tensors[base + ".scales"], tensors[base + ".biases"]
-            bits = t.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
-            packed[_mlx_name(name, model_type)] = Packed.of(t, scales, biases, bits, GROUP_SIZE)
-    return packed
-
-
-def _packed_by_tensor(path: str) -> dict:
-    from .quantized_shadows import BLOCK_TYPES, Blocks, Packed
+    mixture's stacked experts, which it does not read): the file's own blocks,
+    memory-mapped (``Blocks``), of the types of ``quantized_shadows.BLOCK_TYPES``."""
+    from .quantized_shadows import BLOCK_TYPES, Blocks
     from .tensor_files import GGUFFile
 
     files, packed = GGUFFile(path), {}
@@ -146,11 +126,6 @@ def _packed_by_tensor(path: str) -> dict:
             row_bytes = gguf_types.byte_shape(info.shape, info.kind)[-1]
             data = mapped[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
             packed[name] = Blocks(data, info.kind, cols)
-        elif gguf_types.is_affine(info.kind) and len(info.shape) == 2:
-            part, base = files.read(name), name[: -len(".weight")]
-            packed[name] = Packed.of(part[name], part[f"{base}.scales"],
-                                     part[f"{base}.biases"],
-                                     gguf_types.affine_bits(info.kind), GROUP_SIZE)
     return packed
 
 

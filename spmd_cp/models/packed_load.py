@@ -2,19 +2,18 @@
 only copy of those weights.
 
 Each 2-D quantized matrix becomes two things: its packed form (the file's own blocks,
-memory-mapped, for the types of ``quantized_shadows.BLOCK_TYPES``; MLX's affine triple
-for Q4_0 / Q4_1 / Q8_0) and a float32 array of its shape whose memory is released as
-soon as it is registered (quantized_shadows.Shadows.release). The float32 array is the
-matrix's name in the model: mlx-lm's modules multiply by it as ever, and the preloaded
-BLAS forward (kernels/gemv_forward.c) reads the packed form instead, a decode row in
-registers, a prefill tile at a time into float32 for the BLAS. An embedding's lookup
-reads its rows from the packed form too (quantized_shadows.embedding_rows).
+memory-mapped: ``quantized_shadows.BLOCK_TYPES``) and a float32 array of its shape whose
+memory is released as soon as it is registered (quantized_shadows.Shadows.release). The
+float32 array is the matrix's name in the model: mlx-lm's modules multiply by it as
+ever, and the preloaded BLAS forward (kernels/gemv_forward.c) reads the packed form
+instead, a decode row in registers, a prefill tile at a time into float32 for the BLAS.
+An embedding's lookup reads its rows from the packed form too
+(quantized_shadows.embedding_rows).
 
 Registration checks the kernel's dequantization against the reference on the first
-``CHECKED_ROWS`` rows of every matrix (the gguf package's dequantizer for the file's
-blocks, float32 arithmetic for the affine triples; the test suite checks every row of
-every type). Everything else (norms, F16 / BF16 / F32 matrices, a mixture's stacked
-experts) is float32 as before, as is a matrix the kernels refuse.
+``CHECKED_ROWS`` rows of every matrix (the gguf package's dequantizer; the test suite
+checks every row of every type). Everything else (norms, F16 / BF16 / F32 matrices, a
+mixture's stacked experts) is float32 as before, as is a matrix the kernels refuse.
 
 The embedding's float32 name is made first, before the packed forms and the tokenizer
 are read: making it writes its pages once (MLX has no way to allocate without), and
@@ -28,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import gguf_types
-from .gguf import GROUP_SIZE, _ready, _skeleton, dequantize_float32, header_config
+from .gguf import _ready, _skeleton, dequantize_float32, header_config
 from .quantized_shadows import BLOCK_TYPES, SHADOWS, Blocks, Packed, release_pages
 
 CHECKED_ROWS = 8  # rows of each matrix checked bit for bit against the reference at load
@@ -56,10 +55,8 @@ def _tensor(files, mapped: np.memmap, name: str) -> dict:
     """{mlx-lm name: array} of one tensor: a packed matrix's released float32 name, or
     the tensor in the form the float32 load gives."""
     info = files.infos[files.names[name]]
-    kind = gguf_types.name_of(info.kind)
-    packable = len(info.shape) == 2 and (kind in BLOCK_TYPES or gguf_types.is_affine(info.kind))
-    key = _released_name(info.shape) if packable else None  # before the packed bytes
-    if packable and kind in BLOCK_TYPES:
+    if len(info.shape) == 2 and gguf_types.name_of(info.kind) in BLOCK_TYPES:
+        key = _released_name(info.shape)  # before the packed bytes
         rows, cols = info.shape
         row_bytes = gguf_types.byte_shape(info.shape, info.kind)[-1]
         data = mapped[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
@@ -72,15 +69,11 @@ def _tensor(files, mapped: np.memmap, name: str) -> dict:
     if f"{base}.scales" not in part:
         mx.eval(part[name])
         return part
-    bits = gguf_types.affine_bits(info.kind)
-    triple = part[name], part[f"{base}.scales"], part[f"{base}.biases"]
-    dequantized = lambda: dequantize_float32(*triple, bits)  # noqa: E731
-    if key is None:  # a mixture's stacked experts: float32, as decode reads them
-        weight = dequantized()
-        mx.eval(weight)
-        return {name: weight}
-    packed = Packed.of(*triple, bits, GROUP_SIZE)
-    return {name: _registered(key, packed, _first_rows(packed), dequantized)}
+    # a mixture's stacked Q4_0 / Q4_1 / Q8_0 experts: float32, as decode reads them
+    weight = dequantize_float32(part[name], part[f"{base}.scales"], part[f"{base}.biases"],
+                                gguf_types.affine_bits(info.kind))
+    mx.eval(weight)
+    return {name: weight}
 
 
 def released_columns(source: mx.array, start: int, stop: int) -> mx.array | None:

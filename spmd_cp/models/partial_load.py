@@ -350,12 +350,13 @@ def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
     if not (form.float32_arithmetic and form.dequantize and form.float32) or \
             not quantized_shadows.available():
         return 0
-    total = files.block_shadow_bytes()
+    blocks = files.block_shadows()
+    total = sum(blocks.values())
     if not quantized_shadows.reads_affine():
         return total
     for name, (shape, dtype) in specs.items():
         base = name[: -len(".weight")] if name.endswith(".weight") else None
-        if base is None or f"{base}.scales" not in specs:
+        if base is None or f"{base}.scales" not in specs or name in blocks:
             continue
         scales_shape, scales_dtype = specs[f"{base}.scales"]
         if len(shape) != 2:  # a mixture's stacked experts: dequantized, not read packed
@@ -378,9 +379,8 @@ def _released_bytes(specs: dict, form: ComputeForm, files) -> int:
     if isinstance(files, GGUFFile):
         return sum(4 * math.prod(info.shape)
                    for info in (files.infos[g] for g in files.names.values())
-                   if len(info.shape) == 2 and (
-                       gguf_types.name_of(info.kind) in quantized_shadows.BLOCK_TYPES or
-                       (gguf_types.is_affine(info.kind) and quantized_shadows.reads_affine())))
+                   if len(info.shape) == 2 and
+                   gguf_types.name_of(info.kind) in quantized_shadows.BLOCK_TYPES)
     total = 0
     for name, (shape, _) in specs.items():
         base = name[: -len(".weight")] if name.endswith(".weight") else None

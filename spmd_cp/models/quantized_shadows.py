@@ -10,11 +10,10 @@ packed form dequantizes to the matrix's float32 values bit for bit and refuses i
 otherwise. A product then has exactly the float32 matrix's weights and differs from
 sgemv's only in the order of its sums (float32 rounding, as between two BLAS builds).
 
-Two forms: MLX's affine triple (``Packed``: GGUF Q4_0/Q4_1/Q8_0 as MLX reads them, MLX's
-own 4- and 8-bit), read with AVX2, FMA and F16C only; and the file's own blocks of GGUF's
-other types (``Blocks``: Q5_0, Q5_1, Q2_K to Q6_K, IQ4_NL, IQ4_XS; kernels/gguf_blocks.h),
-memory-mapped from the file, read with AVX2 and F16C where the CPU has them and by plain
-C elsewhere.
+Two forms: MLX's affine triple (``Packed``: an MLX directory's 4- and 8-bit matrices),
+read with AVX2, FMA and F16C only; a GGUF file's own blocks (``Blocks``: Q4_0 to Q8_0,
+Q2_K to Q6_K, IQ4_NL, IQ4_XS; kernels/gguf_blocks.h; one stream, where MLX's form of
+Q4_0/Q4_1/Q8_0 is three), memory-mapped, read with AVX2 and F16C or in plain C.
 
 Shadows follow the decode step's slices: a view of whole rows of a registered matrix is
 found by its address; a copy (the split step's column slices of o and down, its joined
@@ -50,7 +49,8 @@ log = logging.getLogger("spmd_cp")
 MADV_DONTNEED = 4  # Linux's madvise advice
 KERNEL_BITS = (4, 8)  # the bit widths gemv_forward.c's kernel reads
 # GGUF types whose blocks gemv_forward.c reads as they are (gguf_blocks.h)
-BLOCK_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS")
 # spmd_cp_shadow_register's answers (gemv_forward.c)
 FUSED, UNFUSED, DIFFERS, UNSUPPORTED, FULL, OVERLAPS = 1, 0, -1, -2, -3, -4
 REFUSALS = {DIFFERS: "its packed form does not reproduce the float32 weights",
@@ -98,7 +98,7 @@ def available() -> bool:
 
 
 def reads_affine() -> bool:
-    """Whether MLX's affine triples (GGUF Q4_0/Q4_1/Q8_0, MLX's 4- and 8-bit) register
+    """Whether MLX's affine triples (an MLX directory's 4- and 8-bit) register
     here: ``available`` on an x86 CPU with AVX2, FMA and F16C."""
     return available() and _library()[3]
 
@@ -110,9 +110,9 @@ def availability() -> str:
     if _library() is None:
         return "not available (needs the sgemv forward, built and preloaded on Linux)"
     if not _library()[3]:
-        return ("on (GGUF's K-quant, Q5 and IQ4 blocks, in plain C; not 4- and 8-bit "
-                "affine weights: they need AVX2, FMA and F16C)")
-    return "on (4- and 8-bit weights and GGUF's K-quant, Q5 and IQ4 blocks read packed)"
+        return ("on (GGUF's blocks, in plain C; not MLX's 4- and 8-bit affine weights: "
+                "they need AVX2, FMA and F16C)")
+    return "on (GGUF's blocks and MLX's 4- and 8-bit affine weights read packed)"
 
 
 def _rows(a: mx.array) -> np.ndarray | None:
@@ -153,7 +153,7 @@ class Shadows:
         return bool(self._entries)
 
     def describe(self) -> str:
-        """e.g. "quantized decode: 271 matrices read packed (98 MB)"."""
+        """e.g. "quantized decode: 211 matrices read packed (96 MB)"."""
         refused = sum(self.refused.values())
         return (f"quantized decode: {len(self._entries)} matrices read packed "
                 f"({self.nbytes / 1e6:.0f} MB)" + (f", {refused} refused" if refused else ""))

@@ -24,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import gguf_types
-from .gguf import _CONFIG_TENSORS, GROUP_SIZE, _mlx_name, model_type_of, norm_shift
+from .gguf import _CONFIG_TENSORS, GROUP_SIZE, _mlx_name, norm_shift
+from .gguf_config import model_type_of
 from .gguf_header import read_gguf_layout
 
 # safetensors dtype -> (numpy dtype read from the file, MLX dtype it stands for)
@@ -67,7 +68,8 @@ class SafetensorsFiles:
                 if name == "__metadata__":
                     continue
                 if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise ValueError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+                    raise ValueError(f"{path}: tensor {name} has unsupported dtype "
+                                     f"{entry['dtype']}")
                 np_dtype, mx_dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
                 self.entries[name] = (path, np_dtype, mx_dtype, tuple(entry["shape"]),
                                       8 + length + entry["data_offsets"][0])
@@ -76,9 +78,9 @@ class SafetensorsFiles:
         """{name: (shape, MLX dtype)} of every tensor, from the headers alone."""
         return {name: (e[3], e[2]) for name, e in self.entries.items()}
 
-    def block_shadow_bytes(self) -> int:
+    def block_shadows(self) -> dict:
         """No GGUF blocks here (MLX's quantized triples count through ``specs``)."""
-        return 0
+        return {}
 
     def read(self, name: str, rows=None) -> dict:
         """{name: array}: the tensor, or rows [a, b) of its first axis."""
@@ -132,14 +134,15 @@ class GGUFFile:
                 specs[name] = (info.shape, mx.float32)
         return specs
 
-    def block_shadow_bytes(self) -> int:
-        """Bytes of the matrices decode reads as the file's own blocks (the 2-D tensors of
-        a type in quantized_shadows.BLOCK_TYPES: gguf.packed_weights)."""
+    def block_shadows(self) -> dict:
+        """{mlx-lm name: bytes} of the matrices decode reads as the file's own blocks (the
+        2-D tensors of a type in quantized_shadows.BLOCK_TYPES: gguf.packed_weights; a
+        Q8_0 one among them though ``specs`` gives its MLX triple)."""
         from .quantized_shadows import BLOCK_TYPES
 
-        return sum(math.prod(gguf_types.byte_shape(info.shape, info.kind))
-                   for info in (self.infos[g] for g in self.names.values())
-                   if gguf_types.name_of(info.kind) in BLOCK_TYPES and len(info.shape) == 2)
+        return {name: math.prod(gguf_types.byte_shape(info.shape, info.kind))
+                for name, info in ((n, self.infos[g]) for n, g in self.names.items())
+                if gguf_types.name_of(info.kind) in BLOCK_TYPES and len(info.shape) == 2}
 
     def read(self, name: str, rows=None) -> dict:
         """{name: array} (a triple for a Q4_0 / Q4_1 / Q8_0 weight): the tensor or rows
