@@ -1381,8 +1381,6 @@ static void batch_rows(const batch_job *job, int j0, int j1, float *buffer) {
       j += rows - 1, row += rows - 1;
       continue;
     }
-#endif
-#ifdef HAVE_X86_VECTORS
     block_many_fn many = s->format != NULL && wide_blocks_here()
                              ? (block_many_fn)s->format->many512 : NULL;
     if (many != NULL) { /* a 32-value block type: its weights made once in registers */

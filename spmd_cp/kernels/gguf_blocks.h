@@ -650,16 +650,22 @@ WIDE_TARGET static float q4_0_row512(const uint8_t *b, int count, const float *x
   return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
-/* A Q4_1 block's 32 weights (one fused multiply-add each: q d is exact, so the
- * reference's one rounding) times x, added into sum[0..1]. */
-WIDE_INLINE void q4_1_products(const uint8_t *b, const float *x, __m512 *sum) {
+/* A Q4_1 block's 32 weights, values 0-15 and 16-31: one fused multiply-add each (q d is
+ * exact, so the reference's one rounding). */
+WIDE_INLINE void q4_1_weights32(const uint8_t *b, __m512 *w) {
   const __m512i low = _mm512_set1_epi32(0x0f);
   __m512 d = half16(b), m = half16(b + 2);
   __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
-  __m512 first = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d, m);
-  __m512 second = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
-  sum[0] = _mm512_fmadd_ps(first, _mm512_loadu_ps(x), sum[0]);
-  sum[1] = _mm512_fmadd_ps(second, _mm512_loadu_ps(x + 16), sum[1]);
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d, m);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+}
+
+/* A Q4_1 block's 32 weights times x, added into sum[0..1]. */
+WIDE_INLINE void q4_1_products(const uint8_t *b, const float *x, __m512 *sum) {
+  __m512 w[2];
+  q4_1_weights32(b, w);
+  sum[0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), sum[0]);
+  sum[1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), sum[1]);
 }
 
 WIDE_TARGET static float q4_1_row512(const uint8_t *b, int count, const float *x) {
@@ -674,13 +680,18 @@ WIDE_TARGET static float q4_1_row512(const uint8_t *b, int count, const float *x
       _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
 }
 
+/* A Q8_0 block's 32 integers as floats, values 0-15 and 16-31 (widened from memory). */
+WIDE_INLINE void q8_0_integers(const uint8_t *b, __m512 *q) {
+  const __m128i *bytes = (const __m128i *)(b + 2);
+  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
+}
+
 /* A Q8_0 block's 32 integers times x, summed into 16 lanes. */
 WIDE_INLINE __m512 q8_0_products16(const uint8_t *b, const float *x) {
-  const __m128i *q = (const __m128i *)(b + 2);
-  __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-  __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-  __m512 sum = _mm512_mul_ps(first, _mm512_loadu_ps(x));
-  return _mm512_fmadd_ps(second, _mm512_loadu_ps(x + 16), sum);
+  __m512 q[2];
+  q8_0_integers(b, q);
+  return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
 }
 
 WIDE_TARGET static float q8_0_row512(const uint8_t *b, int count, const float *x) {
@@ -763,14 +774,6 @@ WIDE_INLINE void q4_0_weights32(const uint8_t *b, __m512 *w) {
   w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
 }
 
-WIDE_INLINE void q4_1_weights32(const uint8_t *b, __m512 *w) {
-  const __m512i low = _mm512_set1_epi32(0x0f);
-  __m512 d = half16(b), m = half16(b + 2);
-  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 4)));
-  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d, m);
-  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
-}
-
 WIDE_INLINE void q5_0_weights32(const uint8_t *b, __m512 *w) {
   __m512 d = half16(b);
   q5_0_integers(b, w);
@@ -778,10 +781,9 @@ WIDE_INLINE void q5_0_weights32(const uint8_t *b, __m512 *w) {
 }
 
 WIDE_INLINE void q8_0_weights32(const uint8_t *b, __m512 *w) {
-  const __m128i *q = (const __m128i *)(b + 2);
   __m512 d = half16(b);
-  w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-  w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+  q8_0_integers(b, w);
+  w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
 }
 
 #define WIDE_MANY(NAME, BYTES)                                                           \

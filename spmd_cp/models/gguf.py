@@ -117,8 +117,11 @@ def packed_weights(path: str) -> dict:
     from .quantized_shadows import BLOCK_TYPES, Blocks
     from .tensor_files import GGUFFile
 
+    from ..runtime.resident import note_mapped_weights
+
     files, packed = GGUFFile(path), {}
     mapped = np.memmap(path, dtype=np.uint8, mode="r")  # pages shared by a host's ranks
+    note_mapped_weights(path)  # counted as weights, not again as the process's own
     for name, gguf_name in files.names.items():
         info = files.infos[gguf_name]
         if gguf_types.name_of(info.kind) in BLOCK_TYPES and len(info.shape) == 2:

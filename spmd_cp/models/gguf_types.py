@@ -5,8 +5,8 @@ Types by llama.cpp's names (the ``gguf`` package's ``GGMLQuantizationType``), in
 - ``AFFINE`` (Q4_0, Q4_1, Q8_0): blocks of 32 values ``q * d + m``, which is MLX's affine
   quantization with group size 32. Read as MLX's (weight, scales, biases) triple, bit
   for bit as ``mx.load`` makes it (``unpack_blocks``): dequantized in float32 arithmetic
-  (gguf.dequantize_float32), or kept packed (``--keep-quantized``, decode's quantized
-  shadows).
+  (gguf.dequantize_float32), or kept as MLX quantized layers (``--keep-quantized``).
+  Decode's quantized shadows read their blocks as the file stores them, as below.
 - ``FLOAT`` (F32, F16, BF16): widened to float32.
 - ``DEQUANTIZED`` (Q5_0, Q5_1, the K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS): turned into
   float32 at load by the gguf package's dequantizer (``gguf.quants.dequantize``,

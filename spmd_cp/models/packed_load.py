@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..runtime.resident import note_mapped_weights
 from . import gguf_types
 from .gguf import _ready, _skeleton, dequantize_float32, header_config
 from .quantized_shadows import BLOCK_TYPES, SHADOWS, Blocks, Packed, release_pages
@@ -40,6 +41,7 @@ def load_gguf_packed(path: str) -> tuple[nn.Module, object, dict]:
 
     files = GGUFFile(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")  # pages shared by a host's ranks
+    note_mapped_weights(path)  # counted as weights, not again as the process's own
     SHADOWS.releasing = True
     order = sorted(files.names, key=lambda name: name != EMBEDDING)  # the largest first
     weights = {}

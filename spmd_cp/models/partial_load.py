@@ -343,8 +343,8 @@ def weight_layout(path: str, keep_quantized: bool = False,
 
 def _shadow_bytes(specs: dict, form: ComputeForm, files) -> int:
     """Bytes of the packed forms a replicated load registers as quantized shadows
-    (models/quantized_shadows.py: the packed words, the scales and biases as stored; a
-    GGUF's other block types as the file's blocks)."""
+    (models/quantized_shadows.py: a GGUF's matrices as the file's blocks; an MLX
+    directory's affine ones as the packed words, the scales and biases as stored)."""
     from . import quantized_shadows
 
     if not (form.float32_arithmetic and form.dequantize and form.float32) or \

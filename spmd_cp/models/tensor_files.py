@@ -136,8 +136,8 @@ class GGUFFile:
 
     def block_shadows(self) -> dict:
         """{mlx-lm name: bytes} of the matrices decode reads as the file's own blocks (the
-        2-D tensors of a type in quantized_shadows.BLOCK_TYPES: gguf.packed_weights; a
-        Q8_0 one among them though ``specs`` gives its MLX triple)."""
+        2-D tensors of a type in quantized_shadows.BLOCK_TYPES: gguf.packed_weights;
+        Q4_0 / Q4_1 / Q8_0 ones among them, though ``specs`` gives their MLX triples)."""
         from .quantized_shadows import BLOCK_TYPES
 
         return {name: math.prod(gguf_types.byte_shape(info.shape, info.kind))

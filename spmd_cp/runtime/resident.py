@@ -14,6 +14,11 @@ float32 buffer whose pages are handed back to the kernel: MLX counts those buffe
 active, the operating system does not. MLX's figures here (``mlx_active_bytes``,
 ``mlx_peak_bytes``) leave them out (``note_released``).
 
+A GGUF's quantized matrices are the file's own blocks, memory-mapped (models/packed_load.py):
+the forecast counts them as weights, and their pages, once read, are resident outside
+MLX's buffers too; ``outside_mlx_bytes`` leaves the resident pages of such files out
+(``note_mapped_weights``), so that they are not counted twice.
+
 A server measures each request's own peak: Linux lets a process reset its high-water mark
 (``/proc/self/clear_refs``), and ``/proc/self/status``'s VmHWM then counts from there.
 getrusage's ru_maxrss cannot be reset that way: it also keeps the mark of every thread
@@ -30,6 +35,7 @@ import mlx.core as mx
 
 
 _released_bytes = 0  # of MLX's active buffers, those whose pages were handed back
+_weight_files: set[str] = set()  # files mapped for weights the forecast counts as such
 
 
 def note_released(nbytes: int):
@@ -76,6 +82,30 @@ def resident_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def note_mapped_weights(path: str):
+    """``path`` is memory-mapped for weights that the forecast counts as weights."""
+    _weight_files.add(os.path.realpath(path))
+
+
+def mapped_weight_bytes() -> int:
+    """Resident bytes of the files ``note_mapped_weights`` named (their mappings' Rss in
+    /proc/self/smaps; 0 where it cannot be read)."""
+    if not _weight_files:
+        return 0
+    total, counting = 0, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                fields = line.split(None, 5)
+                if not fields[0].endswith(":"):  # a mapping's header: range, ..., its file
+                    counting = len(fields) == 6 and fields[5].strip() in _weight_files
+                elif counting and fields[0] == "Rss:":
+                    total += int(fields[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def outside_mlx_bytes() -> int:
     """Resident bytes this process holds besides MLX's buffers (in use or cached): what
     the memory forecast adds to its model of MLX's arrays. 0 where resident memory
@@ -83,7 +113,7 @@ def outside_mlx_bytes() -> int:
     now = resident_bytes()
     if now is None:
         return 0
-    return max(0, now - mlx_active_bytes() - mx.get_cache_memory())
+    return max(0, now - mlx_active_bytes() - mx.get_cache_memory() - mapped_weight_bytes())
 
 
 def reset_resident_peak() -> bool:
