@@ -27,9 +27,9 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.gemma3_text import clip_residual
 
 from ..attention.exp import swiglu
-from .activation import gelu_gate
 from ..models.quantized_shadows import embedding_rows
 from ..models.shape import ModelShape
+from .activation import gelu_gate
 from .cache.cache import ShardedKVCache
 from .layer_form import embedding_scale, layer_forms
 from .layer_parts import LayerParts, head_counts, in_row_tiles, key_projection_name

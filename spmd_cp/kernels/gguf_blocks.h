@@ -608,46 +608,12 @@ WIDE_INLINE void q5_0_integers(const uint8_t *b, __m512 *q) {
   q[0] = _mm512_cvtepi32_ps(first), q[1] = _mm512_cvtepi32_ps(second);
 }
 
-/* A Q5_0 block's 32 integers times x, summed into 16 lanes. */
-WIDE_INLINE __m512 q5_0_products16(const uint8_t *b, const float *x) {
-  __m512 q[2];
-  q5_0_integers(b, q);
-  return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
-}
-
-WIDE_TARGET static float q5_0_row512(const uint8_t *b, int count, const float *x) {
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two latency chains */
-  for (; count >= 2; count -= 2, b += 44, x += 64) {
-    even = _mm512_fmadd_ps(half16(b), q5_0_products16(b, x), even);
-    odd = _mm512_fmadd_ps(half16(b + 22), q5_0_products16(b + 22, x + 32), odd);
-  }
-  if (count) even = _mm512_fmadd_ps(half16(b), q5_0_products16(b, x), even);
-  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-}
-
 /* A Q4_0 block's 32 integers (q - 8) as floats, values 0-15 and 16-31. */
 WIDE_INLINE void q4_0_integers(const uint8_t *b, __m512 *q) {
   const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
   __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
   q[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, low), eight));
   q[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
-}
-
-/* A Q4_0 block's 32 integers times x, summed into 16 lanes. */
-WIDE_INLINE __m512 q4_0_products16(const uint8_t *b, const float *x) {
-  __m512 q[2];
-  q4_0_integers(b, q);
-  return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
-}
-
-WIDE_TARGET static float q4_0_row512(const uint8_t *b, int count, const float *x) {
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two latency chains */
-  for (; count >= 2; count -= 2, b += 36, x += 64) {
-    even = _mm512_fmadd_ps(half16(b), q4_0_products16(b, x), even);
-    odd = _mm512_fmadd_ps(half16(b + 18), q4_0_products16(b + 18, x + 32), odd);
-  }
-  if (count) even = _mm512_fmadd_ps(half16(b), q4_0_products16(b, x), even);
-  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
 }
 
 /* A Q4_1 block's 32 weights, values 0-15 and 16-31: one fused multiply-add each (q d is
@@ -687,22 +653,35 @@ WIDE_INLINE void q8_0_integers(const uint8_t *b, __m512 *q) {
   q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
 }
 
-/* A Q8_0 block's 32 integers times x, summed into 16 lanes. */
-WIDE_INLINE __m512 q8_0_products16(const uint8_t *b, const float *x) {
-  __m512 q[2];
-  q8_0_integers(b, q);
-  return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));
-}
-
-WIDE_TARGET static float q8_0_row512(const uint8_t *b, int count, const float *x) {
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* two latency chains */
-  for (; count >= 2; count -= 2, b += 68, x += 64) {
-    even = _mm512_fmadd_ps(half16(b), q8_0_products16(b, x), even);
-    odd = _mm512_fmadd_ps(half16(b + 34), q8_0_products16(b + 34, x + 32), odd);
+/* The types whose weight is d times an integer (Q4_0, Q5_0, Q8_0), from NAME_integers:
+ * one row's product with d multiplying each block's sum of products, in two latency
+ * chains (even and odd blocks; `NAME_row512`), and a block's 32 weights (d q, exact:
+ * `NAME_weights32`, for the batched kernel below). */
+#define SCALED_BLOCKS(NAME, BYTES)                                                       \
+  WIDE_INLINE __m512 NAME##_products16(const uint8_t *b, const float *x) {               \
+    __m512 q[2];                                                                         \
+    NAME##_integers(b, q);                                                               \
+    return _mm512_fmadd_ps(q[1], _mm512_loadu_ps(x + 16),                                \
+                           _mm512_mul_ps(q[0], _mm512_loadu_ps(x)));                     \
+  }                                                                                      \
+  WIDE_TARGET static float NAME##_row512(const uint8_t *b, int count, const float *x) {  \
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();                        \
+    for (; count >= 2; count -= 2, b += 2 * (BYTES), x += 64) {                          \
+      even = _mm512_fmadd_ps(half16(b), NAME##_products16(b, x), even);                  \
+      odd = _mm512_fmadd_ps(half16(b + (BYTES)), NAME##_products16(b + (BYTES), x + 32), \
+                            odd);                                                        \
+    }                                                                                    \
+    if (count) even = _mm512_fmadd_ps(half16(b), NAME##_products16(b, x), even);         \
+    return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));                               \
+  }                                                                                      \
+  WIDE_INLINE void NAME##_weights32(const uint8_t *b, __m512 *w) {                       \
+    __m512 d = half16(b);                                                                \
+    NAME##_integers(b, w);                                                               \
+    w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);                        \
   }
-  if (count) even = _mm512_fmadd_ps(half16(b), q8_0_products16(b, x), even);
-  return _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-}
+SCALED_BLOCKS(q4_0, 18)
+SCALED_BLOCKS(q5_0, 22)
+SCALED_BLOCKS(q8_0, 34)
 
 /* 32 bytes' integers (signed) times `first` (values 0-15) and `second` (16-31), their
  * products with x added into sum[0..1]. */
@@ -767,24 +746,6 @@ WIDE_TARGET static float q4_k_row512(const uint8_t *b, int count, const float *x
 enum { MANY_ROWS = 8 };
 typedef void (*block_many_fn)(const uint8_t *blocks, int count, const float *x, size_t ldx,
                               int m, float *out);
-
-WIDE_INLINE void q4_0_weights32(const uint8_t *b, __m512 *w) {
-  __m512 d = half16(b);
-  q4_0_integers(b, w);
-  w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
-}
-
-WIDE_INLINE void q5_0_weights32(const uint8_t *b, __m512 *w) {
-  __m512 d = half16(b);
-  q5_0_integers(b, w);
-  w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
-}
-
-WIDE_INLINE void q8_0_weights32(const uint8_t *b, __m512 *w) {
-  __m512 d = half16(b);
-  q8_0_integers(b, w);
-  w[0] = _mm512_mul_ps(w[0], d), w[1] = _mm512_mul_ps(w[1], d);
-}
 
 #define WIDE_MANY(NAME, BYTES)                                                           \
   WIDE_TARGET static void NAME##_many512(const uint8_t *b, int count, const float *x,    \
